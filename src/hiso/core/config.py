@@ -1,0 +1,47 @@
+"""The numbers that define a scalar-only ZO algorithm (HiSo or DeComFL)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .preconditioner import PreconditionerConfig
+
+
+@dataclass(frozen=True)
+class ZOConfig:
+    """lr eta, smoothing mu, P perturbations, tau local steps; ``precond=None`` is DeComFL."""
+
+    lr: float
+    mu: float = 1e-3
+    perturbations: int = 5
+    local_steps: int = 1
+    difference: Literal["forward", "central"] = "forward"
+    precond: PreconditionerConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.mu > 0:
+            raise ValueError(f"mu must be > 0, got {self.mu}")
+        if self.perturbations < 1:
+            raise ValueError(f"perturbations must be >= 1, got {self.perturbations}")
+        if self.local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
+        if self.difference not in ("forward", "central"):
+            raise ValueError(f"difference must be 'forward' or 'central', got {self.difference!r}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(tau, P): the shape of a round's seeds and scalars."""
+        return (self.local_steps, self.perturbations)
+
+
+def hiso(lr: float, **kw) -> ZOConfig:
+    precond = kw.pop("precond", None) or PreconditionerConfig()
+    return ZOConfig(lr=lr, precond=precond, **kw)
+
+
+def decomfl(lr: float, **kw) -> ZOConfig:
+    kw.pop("precond", None)
+    return ZOConfig(lr=lr, precond=None, **kw)

@@ -1,0 +1,62 @@
+"""Random directions from seeds: the protocol's definition of a direction.
+
+A direction for a 64-bit seed ``s`` is a standard Gaussian vector over all trainable
+parameters, defined tensor by tensor:
+
+* the trainable tensors are numbered 0..T-1 in the model's ``named_parameters()`` order
+  (duplicates removed, ``requires_grad`` only);
+* tensor ``i`` gets its own stream: a CPU ``torch.Generator`` seeded with
+  ``tensor_seed(s, i)`` (a SplitMix64 mix of ``s`` and ``i``), from which
+  ``torch.Tensor.normal_`` fills a float32 tensor of the parameter's shape.
+
+Because each tensor has its own stream, which numbers a tensor gets does not depend on the
+order tensors are visited: a client may perturb or update one layer at a time and never holds
+a d-sized temporary. Directions are always generated on the CPU (then moved), so CPU and GPU
+peers agree; peers must run the same torch version (its CPU generator defines the stream).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def tensor_seed(seed: int, index: int) -> int:
+    """Seed of tensor ``index``'s stream for direction ``seed`` (both non-negative)."""
+    return _splitmix64((seed ^ _splitmix64(index)) & _MASK)
+
+
+class DirectionGenerator:
+    """Fills per-tensor Gaussian directions into reusable CPU buffers.
+
+    One buffer per distinct shape is kept, so generating a direction costs no allocation
+    after the first call and never more memory than the largest tensor.
+    """
+
+    def __init__(self) -> None:
+        self._gen = torch.Generator(device="cpu")
+        self._buffers: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def fill(self, seed: int, index: int, shape: torch.Size) -> torch.Tensor:
+        """Return u_i for direction ``seed`` (a float32 CPU buffer, valid until the next fill)."""
+        key = tuple(shape)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(key, dtype=torch.float32)
+        self._gen.manual_seed(tensor_seed(seed, index))
+        return buf.normal_(generator=self._gen)
+
+
+def direction(seed: int, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """The whole direction for ``seed`` as fresh tensors (for tests and small models)."""
+    gen = DirectionGenerator()
+    return [gen.fill(seed, i, s).clone() for i, s in enumerate(shapes)]

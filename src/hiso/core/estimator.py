@@ -1,0 +1,70 @@
+"""A client's local update: tau ZO steps with P perturbations each; returns the scalars.
+
+Step k on minibatch B_k, with z_p = H_r^{-1/2} u(s_{r,k,p}):
+
+    forward:  g_p = (f(x_k + mu z_p; B_k) - f(x_k; B_k)) / mu      (one f(x_k) shared by all p)
+    central:  g_p = (f(x_k + mu z_p; B_k) - f(x_k - mu z_p; B_k)) / (2 mu)
+    x_{k+1} = x_k - eta (1/P) sum_p g_p z_p
+
+The model's parameters are never written: x_k = x_r + delta_k is evaluated through
+:class:`~hiso.core.perturb.Perturber`, and delta (one float32 d-vector) exists only when
+tau > 1. After the call the model is bit-identical to x_r, so no reset copy is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from .perturb import Perturber, Shift
+from .state import ModelState, step_direction
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@torch.no_grad()
+def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
+                 batches: list[Any], seeds: np.ndarray) -> tuple[np.ndarray, float]:
+    """Run the local steps on ``batches`` (one per step) with this round's ``seeds`` (tau, P).
+
+    Returns the (tau, P) float32 scalars and the mean loss at the local iterates.
+    """
+    cfg = state.cfg
+    tau, P = cfg.shape
+    if seeds.shape != (tau, P) or len(batches) != tau:
+        raise ValueError(f"need {tau} batches and ({tau}, {P}) seeds, got {len(batches)} and {seeds.shape}")
+    gen, h, model = state.gen, state.h, state.model
+    delta = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in state.params] if tau > 1 else None
+    scalars = np.empty((tau, P), dtype=np.float32)
+    losses = []
+
+    def f(batch, seed=None, scale=0.0) -> float:
+        if seed is None and delta is None:
+            return float(loss_fn(model, batch))
+        with perturber.at(Shift(gen, seed, scale, h, delta)):
+            return float(loss_fn(model, batch))
+
+    for k in range(tau):
+        batch = batches[k]
+        f0 = f(batch) if cfg.difference == "forward" else None
+        for p in range(P):
+            s = int(seeds[k, p])
+            fp = f(batch, s, cfg.mu)
+            if f0 is not None:
+                scalars[k, p] = (fp - f0) / cfg.mu
+                if p == 0:
+                    losses.append(f0)
+            else:
+                fm = f(batch, s, -cfg.mu)
+                scalars[k, p] = (fp - fm) / (2 * cfg.mu)
+                losses.append(0.5 * (fp + fm))
+        if not np.all(np.isfinite(scalars[k])):
+            raise FloatingPointError(f"non-finite ZO scalar at local step {k} (loss diverged: lower lr or mu)")
+        if delta is not None and k < tau - 1:
+            for i, prm in enumerate(state.params):
+                ghat = step_direction(gen, i, prm, seeds[k], scalars[k], state.h_of(i))
+                delta[i].add_(ghat, alpha=-cfg.lr)
+    return scalars, float(np.mean(losses))

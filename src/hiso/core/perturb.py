@@ -1,0 +1,107 @@
+"""Evaluate a model at a shifted point x + delta + scale * H^{-1/2} u without changing x.
+
+Adding a perturbation in place and subtracting it again does not give x back bit for bit in
+floating point, and keeping a copy of x doubles memory. Instead the shifted value of a tensor
+is built only while it is needed and x itself is never written:
+
+* ``mode="hooks"`` (default, lean): forward hooks swap each module's own parameters for their
+  shifted values just before the module runs and put the originals back right after, so the
+  extra memory is one layer's worth. It requires parameters to be used through their own
+  module's ``forward`` (true of torch and transformers layers; a parameter read as
+  ``other_module.weight`` inside a different module would be missed: use ``"swap"``).
+* ``mode="swap"``: every parameter is swapped for the whole forward (one extra model copy),
+  for models that read parameters outside their module's forward.
+
+Both build the same shifted tensors with :func:`shifted`, so they give identical losses.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Literal
+
+import torch
+from torch import nn
+
+from . import preconditioner as pc
+from .directions import DirectionGenerator
+
+Mode = Literal["hooks", "swap"]
+
+
+class Shift:
+    """What to add to parameter i: ``delta[i] + scale * H_i^{-1/2} u_i(seed)`` (parts optional)."""
+
+    def __init__(self, gen: DirectionGenerator, seed: int | None = None, scale: float = 0.0,
+                 h: list[torch.Tensor] | None = None, delta: list[torch.Tensor] | None = None):
+        self.gen, self.seed, self.scale, self.h, self.delta = gen, seed, scale, h, delta
+
+    def shifted(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """A new tensor holding parameter i's shifted value (x is left untouched)."""
+        out = x.clone() if self.delta is None else x + self.delta[i].to(x.dtype)
+        if self.seed is not None:
+            z = self.gen.fill(self.seed, i, x.shape).to(x.device)
+            pc.precondition_(z, None if self.h is None else self.h[i])
+            out.add_(z.to(x.dtype), alpha=self.scale)
+        return out
+
+
+class Perturber:
+    """Runs forwards of ``model`` at shifted points; see the module docstring."""
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], mode: Mode = "hooks"):
+        if mode not in ("hooks", "swap"):
+            raise ValueError(f"perturbation mode must be 'hooks' or 'swap', got {mode!r}")
+        self.model, self.params, self.mode = model, params, mode
+        index = {id(p): i for i, p in enumerate(params)}
+        # each module's own trainable parameters, with their protocol index
+        self._owned = []
+        for mod in model.modules():
+            own = [(index[id(p)], p) for p in mod.parameters(recurse=False) if id(p) in index]
+            if own:
+                self._owned.append((mod, own))
+
+    @contextmanager
+    def at(self, shift: Shift) -> Iterator[None]:
+        """Inside the block, forwards of the model see the shifted parameters."""
+        if self.mode == "swap":
+            saved = [p.data for p in self.params]
+            try:
+                for i, p in enumerate(self.params):
+                    p.data = shift.shifted(i, p.data)
+                yield
+            finally:
+                for p, x in zip(self.params, saved):
+                    p.data = x
+            return
+        depth: dict[int, int] = {}
+        saved: dict[int, torch.Tensor] = {}
+
+        def enter(own):
+            def pre(_mod, _args):
+                for i, p in own:
+                    if depth.get(i, 0) == 0:
+                        saved[i] = p.data
+                        p.data = shift.shifted(i, p.data)
+                    depth[i] = depth.get(i, 0) + 1
+            return pre
+
+        def leave(own):
+            def post(_mod, _args, _out):
+                for i, p in own:
+                    depth[i] -= 1
+                    if depth[i] == 0:
+                        p.data = saved.pop(i)
+            return post
+
+        handles = []
+        try:
+            for mod, own in self._owned:
+                handles.append(mod.register_forward_pre_hook(enter(own)))
+                handles.append(mod.register_forward_hook(leave(own), always_call=True))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            for i, x in saved.items():  # only after an exception escaped a forward
+                self.params[i].data = x

@@ -1,0 +1,108 @@
+"""The server's side of the protocol: sampling, seeds, aggregation and the history log.
+
+The server needs no model: it decides who trains and with which seeds, averages the scalars
+it receives and remembers, per client, which round's state that client holds, so the
+downlink can carry exactly the history the client missed. (A runner may keep a
+:class:`~hiso.core.state.ModelState` beside it for evaluation.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .history import RoundRecord
+from .messages import Downlink, MessageError, Uplink
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    round: int
+    participants: tuple[int, ...]
+    seeds: np.ndarray  # (tau, P) uint64
+
+
+class Server:
+    """Seeded state machine: ``plan()`` -> ``downlink(c)`` for each participant -> ``aggregate()``."""
+
+    def __init__(self, num_clients: int, clients_per_round: int, local_steps: int,
+                 perturbations: int, seed: int = 0, weights: list[float] | None = None):
+        if num_clients < 1:
+            raise ValueError(f"need at least one client, got {num_clients}")
+        if not 1 <= clients_per_round <= num_clients:
+            raise ValueError(f"clients per round must be in [1, {num_clients}], got {clients_per_round}")
+        if weights is not None and (len(weights) != num_clients or min(weights) <= 0):
+            raise ValueError("weights must be one positive number per client")
+        self.M, self.m = num_clients, clients_per_round
+        self.shape = (local_steps, perturbations)
+        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
+        self._rng = np.random.default_rng(seed)
+        self._used: set[int] = set()
+        self.history: list[RoundRecord] = []
+        self.synced = np.zeros(num_clients, dtype=np.int64)  # round whose start state each client holds
+        self.plan_: RoundPlan | None = None
+
+    @property
+    def round(self) -> int:
+        return len(self.history)
+
+    def _fresh_seeds(self) -> np.ndarray:
+        n = self.shape[0] * self.shape[1]
+        out = []
+        while len(out) < n:
+            s = int(self._rng.integers(0, 2**64, dtype=np.uint64))
+            if s not in self._used:
+                self._used.add(s)
+                out.append(s)
+        return np.array(out, dtype=np.uint64).reshape(self.shape)
+
+    def plan(self) -> RoundPlan:
+        """Sample this round's clients (uniformly, without replacement) and draw its seeds."""
+        if self.plan_ is not None:
+            raise RuntimeError(f"round {self.round} is already planned; aggregate it first")
+        who = np.sort(self._rng.choice(self.M, size=self.m, replace=False))
+        self.plan_ = RoundPlan(self.round, tuple(int(c) for c in who), self._fresh_seeds())
+        return self.plan_
+
+    def downlink(self, client: int) -> Downlink:
+        """The message for a sampled client: the round's seeds and every record it missed."""
+        plan = self._current()
+        if client not in plan.participants:
+            raise ValueError(f"client {client} is not sampled in round {plan.round}")
+        since = int(self.synced[client])
+        return Downlink(plan.round, plan.seeds, since, tuple(self.history[since:]))
+
+    def aggregate(self, uplinks: list[Uplink]) -> RoundRecord:
+        """Average the participants' scalars (optionally weighted), log and close the round.
+
+        Every participant must answer exactly once; otherwise nothing changes.
+        """
+        plan = self._current()
+        by_client = {}
+        for up in uplinks:
+            if up.round != plan.round:
+                raise MessageError(f"uplink from client {up.client} is for round {up.round}, not {plan.round}")
+            if up.client not in plan.participants:
+                raise MessageError(f"client {up.client} was not sampled in round {plan.round}")
+            if up.client in by_client:
+                raise MessageError(f"client {up.client} answered twice in round {plan.round}")
+            if up.scalars.shape != self.shape:
+                raise MessageError(f"client {up.client} sent scalars of shape {up.scalars.shape}, expected {self.shape}")
+            by_client[up.client] = up
+        missing = set(plan.participants) - set(by_client)
+        if missing:
+            raise MessageError(f"round {plan.round}: no answer from clients {sorted(missing)}")
+        g = np.stack([by_client[c].scalars.astype(np.float64) for c in plan.participants])
+        w = np.ones(len(g)) if self.weights is None else self.weights[list(plan.participants)]
+        mean = np.tensordot(w / w.sum(), g, axes=1).astype(np.float32)
+        rec = RoundRecord(plan.round, plan.seeds, mean, plan.participants)
+        self.history.append(rec)
+        self.synced[list(plan.participants)] = plan.round
+        self.plan_ = None
+        return rec
+
+    def _current(self) -> RoundPlan:
+        if self.plan_ is None:
+            raise RuntimeError("no round is planned; call plan() first")
+        return self.plan_

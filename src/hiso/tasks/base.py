@@ -1,0 +1,49 @@
+"""What a task gives the runner: a model, each client's minibatches, a loss and an evaluation.
+
+The runner and the algorithms know nothing else about a task. Every random choice a task makes
+(initial model, data split, which examples a client uses at a given step) is a function of the
+run's seed and of (client, round, step), so the faithful and the fast simulator, a Flower
+deployment and `hiso rebuild` all see the same numbers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Task(ABC):
+    """A federated objective: ``F(x) = sum_i w_i f_i(x)`` over ``num_clients`` clients."""
+
+    name: str = "task"
+
+    def __init__(self, num_clients: int, seed: int = 0):
+        self.num_clients = num_clients
+        self.seed = seed
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """The initial model x_0; the same for every call (it is a function of the seed)."""
+
+    @abstractmethod
+    def batch(self, client: int, round: int, step: int, batch_size: int) -> Any:
+        """Client ``client``'s minibatch for local step ``step`` of round ``round``."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Scalar training loss of ``model`` on ``batch``."""
+
+    @abstractmethod
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Evaluation metrics on held-out data (keys like ``eval_loss``, ``eval_acc``)."""
+
+    def client_sizes(self) -> list[int]:
+        """Number of training examples per client (weights for weighted aggregation)."""
+        return [1] * self.num_clients
+
+    def describe(self) -> dict[str, Any]:
+        """Facts about the task worth recording in ``config.json`` / ``summary.json``."""
+        return {}
