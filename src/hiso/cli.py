@@ -1,0 +1,111 @@
+"""The ``hiso`` command: run an experiment into a directory, or rebuild a model from its log."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import ConfigError, RunConfig, load_config
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        self.exit(2, f"hiso: error: {message}\n")
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per RunConfig field; every default is None so the config file can show through."""
+    for name, field in RunConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        ann = field.annotation
+        if ann is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            continue
+        typ = {int: int, float: float}.get(ann, None)
+        if typ is None and ann in (float | None, int | None):
+            typ = float if ann == (float | None) else int
+        p.add_argument(flag, dest=name, type=typ or str, default=None,
+                       help=f"default: {field.default}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hiso", description="Federated zeroth-order fine-tuning with scalar-only communication.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = sub.add_parser("run", help="run one algorithm on one task into --out DIR")
+    run.add_argument("--out", required=True, help="run directory to create")
+    run.add_argument("--config", help="TOML file of options (flags override it)")
+    run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_run_flags(run)
+    rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
+    rb.add_argument("run_dir")
+    rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
+    return parser
+
+
+def _fail(msg: str) -> int:
+    print(f"hiso: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .runners.rundir import run_to_dir
+
+    overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
+    cfg = load_config(args.config, **overrides)
+    out = Path(args.out)
+    if (out / "config.json").exists() and not args.force:
+        return _fail(f"{out} already holds a run (use --force to overwrite)")
+    bar = tqdm(total=cfg.rounds, desc=f"{cfg.algorithm} on {cfg.task}", unit="round",
+               disable=args.quiet, dynamic_ncols=True)
+
+    def progress(row: dict) -> None:
+        if row["round"] == 0:
+            return
+        post = {"loss": f"{row['train_loss']:.4g}"}
+        for k in ("eval_acc", "gap"):
+            if k in row:
+                post[k] = f"{row[k]:.4g}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+
+    try:
+        summary = run_to_dir(cfg, out, progress)
+    finally:
+        bar.close()
+    comm = summary["communication_per_client"]
+    final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items())
+    print(f"{cfg.algorithm} on {cfg.task}: {cfg.rounds} rounds, {final}; "
+          f"per client {comm['bytes_up_mean']:.0f} B up, {comm['bytes_down_mean']:.0f} B down (mean); "
+          f"{summary['s_per_round'] * 1e3:.1f} ms/round; results in {out}/")
+    return 0
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    import torch
+
+    from .runners.rundir import rebuild
+
+    state = rebuild(args.run_dir)
+    torch.save(state.state_dict(), args.out)
+    print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        return cmd_rebuild(args)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return _fail("interrupted; the run directory holds every round logged so far")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

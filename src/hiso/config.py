@@ -1,0 +1,100 @@
+"""A run's configuration: one flat, validated record (TOML file < command-line flags).
+
+Flat on purpose (like nanoGPT's config): every knob is one name, the same in the TOML file,
+on the command line (``--local-steps`` for ``local_steps``) and in ``config.json``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .core.config import ZOConfig
+from .core.preconditioner import PreconditionerConfig
+
+ALGORITHMS = ("hiso", "decomfl")
+TASKS = ("quadratic",)
+
+
+class ConfigError(ValueError):
+    """A bad configuration, reported to the user as one line."""
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = "quadratic"
+    algorithm: str = "hiso"
+    rounds: int = Field(300, gt=0)
+    clients: int = Field(20, gt=0)
+    sampled: int = Field(4, gt=0)
+    local_steps: int = Field(1, gt=0)
+    perturbations: int = Field(5, gt=0)
+    lr: float = Field(0.05, gt=0)
+    mu: float = Field(1e-3, gt=0)
+    difference: Literal["forward", "central"] = "forward"
+    batch_size: int = Field(16, gt=0)
+    seed: int = Field(0, ge=0)
+    eval_every: int = Field(10, gt=0)
+    weighted: bool = False
+    mode: Literal["fast", "faithful"] = "fast"
+    perturb_mode: Literal["hooks", "swap"] = "hooks"
+    # HiSo's preconditioner (ignored by decomfl); nu weights the NEW value
+    nu: float = Field(0.05, ge=0, le=1)
+    eps: float = Field(1e-8, ge=0)
+    h_min: float | None = Field(None, gt=0)
+    h_max: float | None = Field(None, gt=0)
+    h_source: Literal["last", "every"] = "last"
+    # quadratic task
+    dim: int = Field(1000, gt=0)
+    sigma: float = Field(1.0, ge=0)
+    heterogeneity: float = Field(1.0, ge=0)
+    noise: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r} (choose from {', '.join(ALGORITHMS)})")
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r} (choose from {', '.join(TASKS)})")
+        if self.sampled > self.clients:
+            raise ValueError(f"sampled ({self.sampled}) cannot exceed clients ({self.clients})")
+        if self.h_min is not None and self.h_max is not None and self.h_max < self.h_min:
+            raise ValueError(f"h_max ({self.h_max}) must be >= h_min ({self.h_min})")
+        return self
+
+    def zo(self) -> ZOConfig:
+        precond = None
+        if self.algorithm == "hiso":
+            precond = PreconditionerConfig(nu=self.nu, eps=self.eps, h_min=self.h_min,
+                                           h_max=self.h_max, source=self.h_source)
+        return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
+                        local_steps=self.local_steps, difference=self.difference, precond=precond)
+
+
+def _one_line(err: ValidationError) -> str:
+    e = err.errors()[0]
+    where = ".".join(str(x) for x in e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
+    """Defaults, then the TOML file (if any), then non-None overrides; validated."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            values.update(tomllib.loads(p.read_text()))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return RunConfig(**values)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None

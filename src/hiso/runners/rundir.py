@@ -1,0 +1,87 @@
+"""A run on disk: run a configuration into a directory, and rebuild its model from the log.
+
+DIR/config.json     the resolved configuration
+DIR/metrics.jsonl   one row per round (row 0: the initial evaluation), flushed as it goes
+DIR/history.bin     the server's log (seeds, aggregated scalars, participants per round)
+DIR/summary.json    final and best metrics, communication per client, time and memory
+DIR/model.pt        the final server model (state dict) and, for HiSo, H
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..config import RunConfig
+from ..core.history import HistoryWriter, read_history
+from ..core.state import ModelState
+from ..tasks.registry import build_task
+from .simulate import Simulation
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (MB)."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None) -> dict:
+    """Run ``cfg`` and write DIR. ``progress(row)`` is called after every round."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    task = build_task(cfg)
+    (out / "config.json").write_text(json.dumps({**cfg.model_dump(), "task_info": task.describe()}, indent=2))
+    zo = cfg.zo()
+    best: dict[str, float] = {}
+    last_eval: dict = {}
+    t0 = time.perf_counter()
+    with HistoryWriter(out / "history.bin", *zo.shape) as hist, open(out / "metrics.jsonl", "w") as mf:
+        sim = Simulation(task, zo, clients_per_round=cfg.sampled, seed=cfg.seed, batch_size=cfg.batch_size,
+                         mode=cfg.mode, perturb_mode=cfg.perturb_mode, weighted=cfg.weighted,
+                         eval_every=cfg.eval_every, on_record=hist.write)
+        row = {}
+        for row in sim.run(cfg.rounds):
+            mf.write(json.dumps(row) + "\n")
+            mf.flush()
+            if "eval_loss" in row:
+                last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "gap"))}
+                for k, v in last_eval.items():
+                    better = max if k.endswith("acc") else min
+                    best[k] = v if k not in best else better(best[k], v)
+            if progress is not None:
+                progress(row)
+    torch.save(sim.state.state_dict(), out / "model.pt")
+    summary = {
+        "algorithm": cfg.algorithm, "task": cfg.task, "rounds": cfg.rounds,
+        "final": last_eval, "best": best, "final_train_loss": row.get("train_loss"),
+        "communication_per_client": sim.comm.summary(),
+        "wall_s_train": row.get("wall_s"), "wall_s_total": time.perf_counter() - t0,
+        "s_per_round": (row.get("wall_s") or 0.0) / cfg.rounds, "peak_rss_mb": peak_rss_mb(),
+        "parameters": sum(p.numel() for p in sim.state.params),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def rebuild(run_dir: str | Path) -> ModelState:
+    """x_0 from the run's configuration, then every logged round replayed: the final model."""
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: is {run_dir} a hiso run directory?")
+    raw = json.loads(cfg_path.read_text())
+    raw.pop("task_info", None)
+    cfg = RunConfig(**raw)
+    tau, P, records = read_history(run_dir / "history.bin")
+    zo = cfg.zo()
+    if (tau, P) != zo.shape:
+        raise ValueError(f"history has (tau, P) = {(tau, P)} but config.json says {zo.shape}")
+    state = ModelState(build_task(cfg).build_model(), zo)
+    state.replay(records)
+    return state

@@ -1,0 +1,14 @@
+"""Task names -> tasks built from a run configuration."""
+
+from __future__ import annotations
+
+from ..config import RunConfig
+from .base import Task
+
+
+def build_task(cfg: RunConfig) -> Task:
+    if cfg.task == "quadratic":
+        from .quadratic import QuadraticTask
+        return QuadraticTask(cfg.clients, seed=cfg.seed, dim=cfg.dim, sigma=cfg.sigma,
+                             heterogeneity=cfg.heterogeneity, noise=cfg.noise)
+    raise ValueError(f"unknown task {cfg.task!r}")
