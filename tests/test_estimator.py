@@ -33,7 +33,7 @@ def _estimates(state: ModelState) -> tuple[np.ndarray, np.ndarray]:
     seeds = np.arange(1, N + 1, dtype=np.uint64).reshape(1, N) * np.uint64(7919)
     scalars, _ = local_update(state, Perturber(model, state.params), lambda m, b: m(b), [None], seeds)
     rows = np.stack([
-        step_direction(state.gen, 0, state.params[0], seeds[0, j:j + 1], scalars[0, j:j + 1], state.h_of(0)).numpy()
+        step_direction(state.gen, 0, state.params[0], seeds[0, j:j + 1], scalars[0, j:j + 1], state.h_of(0)).clone().numpy()
         for j in range(N)])
     x = model.x.detach()
     grad = (model.A @ x + model.c).numpy()

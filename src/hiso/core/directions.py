@@ -38,22 +38,28 @@ def tensor_seed(seed: int, index: int) -> int:
 class DirectionGenerator:
     """Fills per-tensor Gaussian directions into reusable CPU buffers.
 
-    One buffer per distinct shape is kept, so generating a direction costs no allocation
-    after the first call and never more memory than the largest tensor.
+    It also owns the scratch tensors of direction arithmetic (:meth:`scratch`): one buffer per
+    (purpose, shape), so a round allocates nothing after its first tensor of each shape and
+    never holds more than a few tensors' worth of temporaries. (Fresh allocations are not only
+    wasteful: on some machines every new page costs a fault, which dominated round time.)
     """
 
     def __init__(self) -> None:
         self._gen = torch.Generator(device="cpu")
-        self._buffers: dict[tuple[int, ...], torch.Tensor] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def scratch(self, tag: str, shape: torch.Size, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A float32 buffer for ``tag`` (uninitialised; valid until the next call with this key)."""
+        key = (tag, tuple(shape), str(device))
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(tuple(shape), dtype=torch.float32, device=device)
+        return buf
 
     def fill(self, seed: int, index: int, shape: torch.Size) -> torch.Tensor:
         """Return u_i for direction ``seed`` (a float32 CPU buffer, valid until the next fill)."""
-        key = tuple(shape)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = torch.empty(key, dtype=torch.float32)
         self._gen.manual_seed(tensor_seed(seed, index))
-        return buf.normal_(generator=self._gen)
+        return self.scratch("u", shape).normal_(generator=self._gen)
 
 
 def direction(seed: int, shapes: list[torch.Size]) -> list[torch.Tensor]:

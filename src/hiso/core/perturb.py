@@ -36,12 +36,15 @@ class Shift:
                  h: list[torch.Tensor] | None = None, delta: list[torch.Tensor] | None = None):
         self.gen, self.seed, self.scale, self.h, self.delta = gen, seed, scale, h, delta
 
-    def shifted(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """A new tensor holding parameter i's shifted value (x is left untouched)."""
-        out = x.clone() if self.delta is None else x + self.delta[i].to(x.dtype)
+    def shifted(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write parameter i's shifted value into ``out`` (x is left untouched)."""
+        out.copy_(x)
+        if self.delta is not None:
+            out.add_(self.delta[i].to(x.dtype))
         if self.seed is not None:
             z = self.gen.fill(self.seed, i, x.shape).to(x.device)
-            pc.precondition_(z, None if self.h is None else self.h[i])
+            h = None if self.h is None else self.h[i]
+            pc.precondition_(z, h, None if h is None else self.gen.scratch("rsqrt", x.shape, h.device))
             out.add_(z.to(x.dtype), alpha=self.scale)
         return out
 
@@ -53,6 +56,7 @@ class Perturber:
         if mode not in ("hooks", "swap"):
             raise ValueError(f"perturbation mode must be 'hooks' or 'swap', got {mode!r}")
         self.model, self.params, self.mode = model, params, mode
+        self._free: dict[tuple, list[torch.Tensor]] = {}  # reusable buffers for shifted values
         index = {id(p): i for i, p in enumerate(params)}
         # each module's own trainable parameters, with their protocol index
         self._owned = []
@@ -61,18 +65,31 @@ class Perturber:
             if own:
                 self._owned.append((mod, own))
 
+    def _swap_in(self, shift: Shift, i: int, p: torch.Tensor) -> torch.Tensor:
+        """Point p at a buffer holding its shifted value; return the original data."""
+        x = p.data
+        key = (x.shape, x.dtype, x.device)
+        free = self._free.setdefault(key, [])
+        buf = free.pop() if free else torch.empty_like(x)
+        p.data = shift.shifted(i, x, buf)
+        return x
+
+    def _swap_out(self, p: torch.Tensor, x: torch.Tensor) -> None:
+        buf, p.data = p.data, x
+        self._free[(x.shape, x.dtype, x.device)].append(buf)
+
     @contextmanager
     def at(self, shift: Shift) -> Iterator[None]:
         """Inside the block, forwards of the model see the shifted parameters."""
         if self.mode == "swap":
-            saved = [p.data for p in self.params]
+            saved = {}
             try:
                 for i, p in enumerate(self.params):
-                    p.data = shift.shifted(i, p.data)
+                    saved[i] = self._swap_in(shift, i, p)
                 yield
             finally:
-                for p, x in zip(self.params, saved):
-                    p.data = x
+                for i, x in saved.items():
+                    self._swap_out(self.params[i], x)
             return
         depth: dict[int, int] = {}
         saved: dict[int, torch.Tensor] = {}
@@ -81,8 +98,7 @@ class Perturber:
             def pre(_mod, _args):
                 for i, p in own:
                     if depth.get(i, 0) == 0:
-                        saved[i] = p.data
-                        p.data = shift.shifted(i, p.data)
+                        saved[i] = self._swap_in(shift, i, p)
                     depth[i] = depth.get(i, 0) + 1
             return pre
 
@@ -91,7 +107,7 @@ class Perturber:
                 for i, p in own:
                     depth[i] -= 1
                     if depth[i] == 0:
-                        p.data = saved.pop(i)
+                        self._swap_out(p, saved.pop(i))
             return post
 
         handles = []
@@ -104,4 +120,4 @@ class Perturber:
             for h in handles:
                 h.remove()
             for i, x in saved.items():  # only after an exception escaped a forward
-                self.params[i].data = x
+                self._swap_out(self.params[i], x)

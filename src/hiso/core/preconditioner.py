@@ -56,18 +56,17 @@ def init(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.ones(p.shape, dtype=torch.float32, device=p.device) for p in params]
 
 
-def precondition_(u: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
-    """u <- H^{-1/2} u in place (identity when there is no preconditioner)."""
+def precondition_(u: torch.Tensor, h: torch.Tensor | None, tmp: torch.Tensor | None = None) -> torch.Tensor:
+    """u <- H^{-1/2} u in place (identity when there is no preconditioner); ``tmp`` is scratch."""
     if h is not None:
-        u.mul_(torch.rsqrt(h))
+        u.mul_(torch.rsqrt(h, out=tmp) if tmp is not None else torch.rsqrt(h))
     return u
 
 
 def update_(h: torch.Tensor, ghat: torch.Tensor, cfg: PreconditionerConfig) -> None:
     """One EMA step of one tensor's H, in place."""
-    new = ghat.square()
+    h.mul_(1.0 - cfg.nu).addcmul_(ghat, ghat, value=cfg.nu)
     if cfg.eps:
-        new.add_(cfg.eps)
-    h.mul_(1.0 - cfg.nu).add_(new, alpha=cfg.nu)
+        h.add_(cfg.nu * cfg.eps)
     if cfg.h_min is not None or cfg.h_max is not None:
         h.clamp_(min=cfg.h_min, max=cfg.h_max)

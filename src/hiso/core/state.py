@@ -33,13 +33,15 @@ def step_direction(
     """ghat_i = H_i^{-1/2} (1/P) sum_p g_p u_p for one tensor and one local step (float32).
 
     ``seeds`` and ``scalars`` are one local step's P values. The sum runs over p in order.
+    The result lives in ``gen``'s scratch space: use it before the next call.
     """
     P = len(seeds)
-    acc = torch.zeros(param.shape, dtype=torch.float32)
+    acc = gen.scratch("acc", param.shape).zero_()
     for s, g in zip(seeds.tolist(), scalars.tolist()):
         acc.add_(gen.fill(s, index, param.shape), alpha=g / P)
     acc = acc.to(param.device)
-    return pc.precondition_(acc, h)
+    tmp = None if h is None else gen.scratch("rsqrt", param.shape, h.device)
+    return pc.precondition_(acc, h, tmp)
 
 
 class ModelState:
@@ -79,7 +81,8 @@ class ModelState:
                 if precond is not None and precond.updates_at(k, tau):
                     if h_next is None:
                         # only 'every' with tau > 1 needs H_r intact while later steps are built
-                        h_next = h.clone() if (tau > 1 and precond.source == "every") else h
+                        h_next = (self.gen.scratch("h_next", h.shape, h.device).copy_(h)
+                                  if tau > 1 and precond.source == "every" else h)
                     pc.update_(h_next, ghat, precond)
             if h_next is not None and h_next is not h:
                 h.copy_(h_next)
