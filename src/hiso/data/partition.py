@@ -48,7 +48,9 @@ def _check(labels: Sequence[int] | np.ndarray, num_clients: int) -> np.ndarray:
     if num_clients < 1:
         raise ValueError(f"num_clients must be >= 1, got {num_clients}")
     if num_clients > len(labels):
-        raise ValueError(f"cannot split {len(labels)} examples into {num_clients} non-empty clients")
+        raise ValueError(
+            f"cannot split {len(labels)} examples into {num_clients} non-empty clients"
+        )
     return labels
 
 
@@ -86,7 +88,9 @@ def dirichlet(
     if alpha <= 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
     if min_size * num_clients > len(labels):
-        raise ValueError(f"min_size={min_size} x {num_clients} clients exceeds {len(labels)} examples")
+        raise ValueError(
+            f"min_size={min_size} x {num_clients} clients exceeds {len(labels)} examples"
+        )
     rng = _rng(seed)
     by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     conc = np.full(num_clients, float(alpha))
@@ -138,7 +142,9 @@ def dirichlet_prior(
     by_class = [np.flatnonzero(labels == c) for c in classes]
     prior = np.array([len(i) for i in by_class], dtype=np.float64) / n
     for _ in range(max_tries):
-        q = rng.dirichlet(alpha * prior, size=num_clients)  # (M, C): one label distribution per client
+        q = rng.dirichlet(
+            alpha * prior, size=num_clients
+        )  # (M, C): one label distribution per client
         col = q.sum(axis=0)
         if not np.all(np.isfinite(q)) or np.any(col <= 0):
             continue  # underflow at tiny alpha: nobody got mass for some class; redraw

