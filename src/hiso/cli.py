@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", help="TOML file of options (flags override it)")
     run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--show-partition", action="store_true", help="print each client's label histogram")
     _add_run_flags(run)
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
     rb.add_argument("run_dir")
@@ -53,12 +54,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .runners.rundir import run_to_dir
+    from .tasks.registry import build_task
 
     overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
     cfg = load_config(args.config, **overrides)
     out = Path(args.out)
     if (out / "config.json").exists() and not args.force:
         return _fail(f"{out} already holds a run (use --force to overwrite)")
+    task = build_task(cfg)
+    if args.show_partition:
+        hist = getattr(task, "label_hist", None)
+        if hist is None:
+            return _fail(f"task {cfg.task} has no labels to show")
+        from .data.partition import format_histograms
+        print(format_histograms(hist, max_rows=None))
     bar = tqdm(total=cfg.rounds, desc=f"{cfg.algorithm} on {cfg.task}", unit="round",
                disable=args.quiet, dynamic_ncols=True)
 
@@ -73,7 +82,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        summary = run_to_dir(cfg, out, progress)
+        summary = run_to_dir(cfg, out, progress, task=task)
     finally:
         bar.close()
     comm = summary["communication_per_client"]
@@ -101,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return cmd_run(args)
         return cmd_rebuild(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))
     except KeyboardInterrupt:
         return _fail("interrupted; the run directory holds every round logged so far")

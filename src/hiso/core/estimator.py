@@ -27,17 +27,19 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 @torch.no_grad()
 def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
-                 batches: list[Any], seeds: np.ndarray) -> tuple[np.ndarray, float]:
+                 batches: list[Any], seeds: np.ndarray, return_delta: bool = False):
     """Run the local steps on ``batches`` (one per step) with this round's ``seeds`` (tau, P).
 
-    Returns the (tau, P) float32 scalars and the mean loss at the local iterates.
+    Returns the (tau, P) float32 scalars and the mean loss at the local iterates; with
+    ``return_delta`` also x_{r,tau} - x_r (float32 tensors), which FedZO uploads.
     """
     cfg = state.cfg
     tau, P = cfg.shape
     if seeds.shape != (tau, P) or len(batches) != tau:
         raise ValueError(f"need {tau} batches and ({tau}, {P}) seeds, got {len(batches)} and {seeds.shape}")
     gen, h, model = state.gen, state.h, state.model
-    delta = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in state.params] if tau > 1 else None
+    need_delta = tau > 1 or return_delta
+    delta = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in state.params] if need_delta else None
     scalars = np.empty((tau, P), dtype=np.float32)
     losses = []
 
@@ -63,8 +65,10 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
                 losses.append(0.5 * (fp + fm))
         if not np.all(np.isfinite(scalars[k])):
             raise FloatingPointError(f"non-finite ZO scalar at local step {k} (loss diverged: lower lr or mu)")
-        if delta is not None and k < tau - 1:
+        if delta is not None and (k < tau - 1 or return_delta):
             for i, prm in enumerate(state.params):
                 ghat = step_direction(gen, i, prm, seeds[k], scalars[k], state.h_of(i))
                 delta[i].add_(ghat, alpha=-cfg.lr)
+    if return_delta:
+        return scalars, float(np.mean(losses)), delta
     return scalars, float(np.mean(losses))

@@ -16,6 +16,16 @@ from .history import RoundRecord
 from .messages import Downlink, MessageError, Uplink
 
 
+def client_sampler(seed: int) -> np.random.Generator:
+    """The generator that picks each round's clients for a run seed."""
+    return np.random.default_rng([seed, 0])
+
+
+def sample_clients(rng: np.random.Generator, num_clients: int, k: int) -> tuple[int, ...]:
+    """k of num_clients uniformly without replacement, sorted."""
+    return tuple(int(c) for c in np.sort(rng.choice(num_clients, size=k, replace=False)))
+
+
 @dataclass(frozen=True)
 class RoundPlan:
     round: int
@@ -37,7 +47,10 @@ class Server:
         self.M, self.m = num_clients, clients_per_round
         self.shape = (local_steps, perturbations)
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
-        self._rng = np.random.default_rng(seed)
+        # separate streams: who is sampled does not depend on how many seeds a round draws,
+        # so every algorithm (scalar-only or full-model) sees the same participants for a seed
+        self._sample_rng = client_sampler(seed)
+        self._rng = np.random.default_rng([seed, 1])
         self._used: set[int] = set()
         self.history: list[RoundRecord] = []
         self.synced = np.zeros(num_clients, dtype=np.int64)  # round whose start state each client holds
@@ -61,8 +74,7 @@ class Server:
         """Sample this round's clients (uniformly, without replacement) and draw its seeds."""
         if self.plan_ is not None:
             raise RuntimeError(f"round {self.round} is already planned; aggregate it first")
-        who = np.sort(self._rng.choice(self.M, size=self.m, replace=False))
-        self.plan_ = RoundPlan(self.round, tuple(int(c) for c in who), self._fresh_seeds())
+        self.plan_ = RoundPlan(self.round, sample_clients(self._sample_rng, self.M, self.m), self._fresh_seeds())
         return self.plan_
 
     def downlink(self, client: int) -> Downlink:

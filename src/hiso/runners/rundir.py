@@ -13,6 +13,7 @@ import json
 import resource
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,7 @@ import torch
 from ..config import RunConfig
 from ..core.history import HistoryWriter, read_history
 from ..core.state import ModelState
+from ..tasks.base import Task
 from ..tasks.registry import build_task
 from .simulate import Simulation
 
@@ -31,20 +33,38 @@ def peak_rss_mb() -> float:
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
-def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None) -> dict:
+def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = None):
+    """The in-process runner for ``cfg.algorithm``.
+
+    Every runner offers ``run(rounds)`` (metrics rows), ``comm`` (bytes per client) and
+    ``state_dict()`` (the final model).
+    """
+    if cfg.scalar_only:
+        return Simulation(task, cfg.zo(), clients_per_round=cfg.sampled, seed=cfg.seed,
+                          batch_size=cfg.batch_size, mode=cfg.mode, perturb_mode=cfg.perturb_mode,
+                          weighted=cfg.weighted, eval_every=cfg.eval_every, on_record=on_record)
+    from .fullmodel import FullModelSimulation
+    return FullModelSimulation(task, cfg)
+
+
+def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None,
+               task: Task | None = None) -> dict:
     """Run ``cfg`` and write DIR. ``progress(row)`` is called after every round."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    task = build_task(cfg)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    task = task or build_task(cfg)
     (out / "config.json").write_text(json.dumps({**cfg.model_dump(), "task_info": task.describe()}, indent=2))
-    zo = cfg.zo()
     best: dict[str, float] = {}
     last_eval: dict = {}
     t0 = time.perf_counter()
-    with HistoryWriter(out / "history.bin", *zo.shape) as hist, open(out / "metrics.jsonl", "w") as mf:
-        sim = Simulation(task, zo, clients_per_round=cfg.sampled, seed=cfg.seed, batch_size=cfg.batch_size,
-                         mode=cfg.mode, perturb_mode=cfg.perturb_mode, weighted=cfg.weighted,
-                         eval_every=cfg.eval_every, on_record=hist.write)
+    with ExitStack() as stack:
+        mf = stack.enter_context(open(out / "metrics.jsonl", "w"))
+        hist = None
+        if cfg.scalar_only:  # full-model baselines have no seed/scalar log to rebuild from
+            hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape))
+        sim = build_simulation(cfg, task, hist.write if hist else None)
         row = {}
         for row in sim.run(cfg.rounds):
             mf.write(json.dumps(row) + "\n")
@@ -56,14 +76,14 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                     best[k] = v if k not in best else better(best[k], v)
             if progress is not None:
                 progress(row)
-    torch.save(sim.state.state_dict(), out / "model.pt")
+    torch.save(sim.state_dict(), out / "model.pt")
     summary = {
         "algorithm": cfg.algorithm, "task": cfg.task, "rounds": cfg.rounds,
         "final": last_eval, "best": best, "final_train_loss": row.get("train_loss"),
         "communication_per_client": sim.comm.summary(),
         "wall_s_train": row.get("wall_s"), "wall_s_total": time.perf_counter() - t0,
         "s_per_round": (row.get("wall_s") or 0.0) / cfg.rounds, "peak_rss_mb": peak_rss_mb(),
-        "parameters": sum(p.numel() for p in sim.state.params),
+        "parameters": sum(p.numel() for p in task.build_model().parameters() if p.requires_grad),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -78,6 +98,8 @@ def rebuild(run_dir: str | Path) -> ModelState:
     raw = json.loads(cfg_path.read_text())
     raw.pop("task_info", None)
     cfg = RunConfig(**raw)
+    if not cfg.scalar_only:
+        raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
     tau, P, records = read_history(run_dir / "history.bin")
     zo = cfg.zo()
     if (tau, P) != zo.shape:

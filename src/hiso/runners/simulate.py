@@ -123,6 +123,10 @@ class Simulation:
                 row.update(self.task.evaluate(self.state.model))
             yield row
 
+    def state_dict(self) -> dict:
+        """The server's final state (model, H, round), as saved in ``model.pt``."""
+        return self.state.state_dict()
+
     def sync_all(self) -> None:
         """Bring every faithful client up to the server's round (test and audit helper)."""
         for c in self.clients.values():

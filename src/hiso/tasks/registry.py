@@ -11,4 +11,9 @@ def build_task(cfg: RunConfig) -> Task:
         from .quadratic import QuadraticTask
         return QuadraticTask(cfg.clients, seed=cfg.seed, dim=cfg.dim, sigma=cfg.sigma,
                              heterogeneity=cfg.heterogeneity, noise=cfg.noise)
+    if cfg.task in ("mnist", "fashion-mnist"):
+        from .vision import VisionTask
+        return VisionTask(cfg.task, cfg.clients, seed=cfg.seed, data_dir=cfg.data_dir,
+                          partition=cfg.partition, alpha=cfg.alpha, min_size=cfg.min_size,
+                          eval_max=cfg.eval_max)
     raise ValueError(f"unknown task {cfg.task!r}")
