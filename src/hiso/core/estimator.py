@@ -38,6 +38,8 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
     if seeds.shape != (tau, P) or len(batches) != tau:
         raise ValueError(f"need {tau} batches and ({tau}, {P}) seeds, got {len(batches)} and {seeds.shape}")
     gen, h, model = state.gen, state.h, state.model
+    was_training = model.training
+    model.eval()  # f must be a function of x alone: no dropout, no batch-norm statistics updates
     need_delta = tau > 1 or return_delta
     delta = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in state.params] if need_delta else None
     scalars = np.empty((tau, P), dtype=np.float32)
@@ -69,6 +71,7 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
             for i, prm in enumerate(state.params):
                 ghat = step_direction(gen, i, prm, seeds[k], scalars[k], state.h_of(i))
                 delta[i].add_(ghat, alpha=-cfg.lr)
+    model.train(was_training)
     if return_delta:
         return scalars, float(np.mean(losses)), delta
     return scalars, float(np.mean(losses))
