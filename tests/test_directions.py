@@ -78,3 +78,23 @@ def test_hooks_perturb_shared_modules_and_tied_weights():
         assert len(st.params) == 1
         res[mode], _ = local_update(st, Perturber(st.model, st.params, mode), lambda m, b: m(b), [x], seeds)
     assert np.array_equal(res["hooks"], res["swap"])
+
+
+def test_zo_forwards_do_not_touch_buffers_or_draw_dropout_masks():
+    """Batch-norm statistics and dropout would make f depend on more than x (and break replay)."""
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 1))
+
+    x = torch.randn(16, 4)
+    seeds = np.array([[3, 4, 5]], dtype=np.uint64)
+    runs = []
+    for _ in range(2):
+        st = ModelState(make(), decomfl(lr=0.1, perturbations=3))
+        before = {k: v.clone() for k, v in st.model.state_dict().items()}
+        scal, _ = local_update(st, Perturber(st.model, st.params), lambda m, b: m(b).pow(2).mean(), [x], seeds)
+        after = st.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert st.model.training  # the caller's mode is restored
+        runs.append(scal)
+    assert np.array_equal(runs[0], runs[1])
