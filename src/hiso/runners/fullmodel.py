@@ -17,7 +17,6 @@ Only trainable parameters travel; buffers stay as :meth:`Task.build_model` made 
 
 from __future__ import annotations
 
-import time
 from typing import Iterator
 
 import numpy as np
@@ -34,7 +33,7 @@ from ..core.perturb import Perturber
 from ..core.server import client_sampler, sample_clients
 from ..core.state import ModelState, trainable_params
 from ..tasks.base import Task
-from .simulate import Comm
+from .simulate import Comm, metric_rows
 
 
 class FullModelSimulation:
@@ -118,18 +117,7 @@ class FullModelSimulation:
 
     def run(self, rounds: int) -> Iterator[dict]:
         """Yield one metrics row per round (plus row 0: the initial evaluation), as Simulation does."""
-        wall = 0.0  # training time only: evaluation is not part of an algorithm's cost
-        yield {"round": 0, "train_loss": None, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0,
-               **self.task.evaluate(self.model)}
-        for r in range(1, rounds + 1):
-            t0 = time.perf_counter()
-            loss = self.step()
-            wall += time.perf_counter() - t0
-            row = {"round": r, "train_loss": loss, "bytes_up": int(self.comm.up.sum()),
-                   "bytes_down": int(self.comm.down.sum()), "wall_s": wall}
-            if r % self.cfg.eval_every == 0 or r == rounds:
-                row.update(self.task.evaluate(self.model))
-            yield row
+        return metric_rows(self.task, self.model, self.comm, self.step, rounds, self.cfg.eval_every)
 
     def state_dict(self) -> dict:
         """The server's final model and round, as saved in ``model.pt``."""

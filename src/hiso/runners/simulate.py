@@ -110,18 +110,7 @@ class Simulation:
 
     def run(self, rounds: int) -> Iterator[dict]:
         """Yield one metrics row per round (plus row 0: the initial evaluation)."""
-        wall = 0.0  # training time only: evaluation is not part of an algorithm's cost
-        yield {"round": 0, "train_loss": None, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0,
-               **self.task.evaluate(self.state.model)}
-        for r in range(1, rounds + 1):
-            t0 = time.perf_counter()
-            _, loss = self.step()
-            wall += time.perf_counter() - t0
-            row = {"round": r, "train_loss": loss, "bytes_up": int(self.comm.up.sum()),
-                   "bytes_down": int(self.comm.down.sum()), "wall_s": wall}
-            if r % self.eval_every == 0 or r == rounds:
-                row.update(self.task.evaluate(self.state.model))
-            yield row
+        return metric_rows(self.task, self.state.model, self.comm, lambda: self.step()[1], rounds, self.eval_every)
 
     def state_dict(self) -> dict:
         """The server's final state (model, H, round), as saved in ``model.pt``."""
@@ -131,3 +120,23 @@ class Simulation:
         """Bring every faithful client up to the server's round (test and audit helper)."""
         for c in self.clients.values():
             c.state.replay(self.server.history[c.state.round:])
+
+
+def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds: int,
+                eval_every: int) -> Iterator[dict]:
+    """The rows of ``metrics.jsonl`` for any runner whose ``step()`` returns the mean train loss.
+
+    Row 0 is the initial evaluation; ``wall_s`` counts training time only (evaluation is not
+    part of an algorithm's cost); evaluation every ``eval_every`` rounds and at the last.
+    """
+    wall = 0.0
+    yield {"round": 0, "train_loss": None, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, **task.evaluate(model)}
+    for r in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        loss = step()
+        wall += time.perf_counter() - t0
+        row = {"round": r, "train_loss": loss, "bytes_up": int(comm.up.sum()),
+               "bytes_down": int(comm.down.sum()), "wall_s": wall}
+        if r % eval_every == 0 or r == rounds:
+            row.update(task.evaluate(model))
+        yield row
