@@ -14,9 +14,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"hiso: error: {message}\n")
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
+def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     """One flag per RunConfig field; every default is None so the config file can show through."""
     for name, field in RunConfig.model_fields.items():
+        if name in exclude:
+            continue
         flag = "--" + name.replace("_", "-")
         ann = field.annotation
         if ann is bool:
@@ -39,6 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--show-partition", action="store_true", help="print each client's label histogram")
     _add_run_flags(run)
+    cmp = sub.add_parser("compare", allow_abbrev=False,
+                         help="run algorithms x lr grid x seeds into --out DIR; table and plots")
+    cmp.add_argument("--out", required=True, help="comparison directory (reused: finished runs are skipped)")
+    cmp.add_argument("--config", help="TOML file: shared options at the top level, plus a [compare] table")
+    cmp.add_argument("--algorithms", help="comma-separated algorithms or variants, e.g. hiso,decomfl")
+    cmp.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2")
+    cmp.add_argument("--lr-grid", action="append", metavar="NAME=LR,LR,...",
+                     help="lrs to try for an algorithm or variant (repeatable)")
+    cmp.add_argument("--reference", help="the algorithm the others are measured against (default: decomfl)")
+    cmp.add_argument("--metric", help="eval metric to select and compare on (default: eval_acc, or gap)")
+    cmp.add_argument("--force", action="store_true", help="rerun finished runs too")
+    cmp.add_argument("--quiet", action="store_true", help="no progress output, only the table")
+    _add_run_flags(cmp, exclude=("algorithm", "seed"))
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
@@ -93,6 +108,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .runners.compare import build_plan, compare, parse_cli
+
+    shared = {k: getattr(args, k) for k in RunConfig.model_fields if hasattr(args, k)}
+    flags = parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric)
+    plan = build_plan(args.config, shared, flags)
+    try:
+        text = compare(plan, args.out, force=args.force, quiet=args.quiet)
+    except KeyboardInterrupt:
+        return _fail(f"interrupted; finished runs are kept in {args.out}/runs (rerun the same command to resume)")
+    print(text, end="")
+    if not args.quiet:
+        print(f"results in {args.out}/ (table.md, table.csv, selection.json, *.png)")
+    return 0
+
+
 def cmd_rebuild(args: argparse.Namespace) -> int:
     import torch
 
@@ -109,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)
+        if args.command == "compare":
+            return cmd_compare(args)
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))

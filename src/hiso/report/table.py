@@ -1,0 +1,394 @@
+"""The comparison table (``DIR/table.md``, ``DIR/table.csv``) and the pure functions behind it.
+
+One row per arm (algorithm or variant), at the lr chosen for it (see
+:mod:`hiso.runners.compare`), over its seeds. ``metric`` is the evaluation metric of the
+comparison (``eval_acc`` for classifiers: higher is better; ``eval_loss`` or the quadratic's
+``gap``: lower is better). Definitions:
+
+* **best**: a run's best ``metric`` over its evaluated rounds (row 0, every ``eval_every``
+  rounds, and the last); reported as mean +- sample standard deviation (ddof = 1) over seeds,
+  in % for accuracies. A single seed shows no +-.
+* **rounds to reach the reference's best**: let ``T`` be the reference arm's mean over seeds of
+  its best. For each seed, the first evaluated round whose ``metric`` reaches ``T`` (``>= T``
+  for accuracies, ``<= T`` otherwise; a relative tolerance of 1e-9 absorbs the rounding of the
+  mean); the table shows the mean over seeds if every seed reaches ``T``, else ``—`` with how
+  many seeds did. The resolution is ``eval_every`` rounds. For the reference itself the column
+  holds its **rounds to its own best**: per seed the first evaluated round at which that seed's
+  run attains its own best, mean over seeds (marked "own best").
+* **speed-up**: the reference's rounds to its own best divided by this arm's rounds to reach
+  ``T`` (1.00x for the reference; ``—`` when not reached or when reached at round 0).
+* **communication per client**: the bytes one client sent (uplink) and received (downlink)
+  over the whole run, averaged over all clients (a round a client is not sampled in costs it
+  nothing), then over seeds; total = up + down. Decimal units: 1 KB = 1000 B, 1 MB = 10^6 B.
+* **s / round**: training wall time (evaluation excluded) divided by rounds, mean over seeds.
+* **peak memory**: the peak resident memory of the process during the run (``peak_rss_mb_run``
+  when compare measured it per run, else the run's ``peak_rss_mb``), the max over seeds, in MiB.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean, stdev
+
+DISPLAY = {"hiso": "HiSo", "decomfl": "DeComFL", "fedzo": "FedZO", "fedavg": "FedAvg",
+           "fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad"}
+METRIC_LABEL = {"eval_acc": "eval accuracy", "eval_loss": "eval loss", "gap": "optimality gap"}
+REL_TOL = 1e-9
+
+
+def display_name(name: str) -> str:
+    return DISPLAY.get(name, name)
+
+
+def metric_label(metric: str) -> str:
+    return METRIC_LABEL.get(metric, metric)
+
+
+def higher_is_better(metric: str) -> bool:
+    """Accuracies (names ending in ``acc``) are maximised; losses and gaps minimised."""
+    return metric.endswith("acc")
+
+
+def is_percent(metric: str) -> bool:
+    return metric.endswith("acc")
+
+
+# --------------------------------------------------------------------------- run results
+
+@dataclass
+class RunResult:
+    """One finished run on disk: its configuration, metric rows and summary."""
+
+    dir: Path
+    seed: int
+    config: dict
+    rows: list[dict]
+    summary: dict
+
+    @property
+    def clients(self) -> int:
+        return int(self.config["clients"])
+
+    def eval_keys(self) -> list[str]:
+        keys: list[str] = []
+        for r in self.rows:
+            for k in r:
+                if (k.startswith("eval_") or k == "gap") and k not in keys:
+                    keys.append(k)
+        return keys
+
+    @property
+    def peak_rss_mb(self) -> float | None:
+        return self.summary.get("peak_rss_mb_run", self.summary.get("peak_rss_mb"))
+
+
+@dataclass
+class ArmResult:
+    """An arm's runs at its chosen lr (one per seed), and the best values over its whole grid."""
+
+    name: str
+    algorithm: str
+    lr: float
+    runs: list[RunResult]
+    grid: dict[float, list[float]] = field(default_factory=dict)  # lr -> per-seed best
+
+
+def load_run_result(run_dir: str | Path, seed: int | None = None) -> RunResult:
+    d = Path(run_dir)
+    if not (d / "summary.json").is_file():
+        raise FileNotFoundError(f"{d}/summary.json not found: the run did not finish")
+    config = json.loads((d / "config.json").read_text())
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = json.loads((d / "summary.json").read_text())
+    return RunResult(d, config.get("seed", seed) if seed is None else seed, config, rows, summary)
+
+
+# --------------------------------------------------------------------------- pure metrics
+
+def _finite(v) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def best_of(rows: list[dict], metric: str, higher: bool) -> float:
+    """The best ``metric`` over the rows that have it (NaN ignored); NaN if there is none."""
+    vals = [r[metric] for r in rows if _finite(r.get(metric))]
+    if not vals:
+        return math.nan
+    return max(vals) if higher else min(vals)
+
+
+def reaches(value: float, threshold: float, higher: bool) -> bool:
+    """Whether ``value`` is at least as good as ``threshold`` (up to a relative 1e-9)."""
+    if not _finite(value) or not _finite(threshold):
+        return False
+    tol = REL_TOL * max(1.0, abs(threshold)) if math.isfinite(threshold) else 0.0
+    return value >= threshold - tol if higher else value <= threshold + tol
+
+
+def first_reach(rows: list[dict], metric: str, threshold: float, higher: bool) -> int | None:
+    """The first round (rows in round order) whose ``metric`` reaches ``threshold``; None if never."""
+    for r in rows:
+        if metric in r and reaches(r[metric], threshold, higher):
+            return int(r["round"])
+    return None
+
+
+@dataclass(frozen=True)
+class Reach:
+    per_seed: tuple[int | None, ...]
+
+    @property
+    def reached(self) -> int:
+        return sum(r is not None for r in self.per_seed)
+
+    @property
+    def n(self) -> int:
+        return len(self.per_seed)
+
+    @property
+    def mean(self) -> float | None:
+        """Mean over seeds, defined only when every seed reached."""
+        if not self.per_seed or self.reached < self.n:
+            return None
+        return mean(self.per_seed)
+
+
+def rounds_to_reach(runs_rows: list[list[dict]], metric: str, threshold: float, higher: bool) -> Reach:
+    """Per seed, the first evaluated round reaching ``threshold``."""
+    return Reach(tuple(first_reach(rows, metric, threshold, higher) for rows in runs_rows))
+
+
+def rounds_to_own_best(runs_rows: list[list[dict]], metric: str, higher: bool) -> Reach:
+    """Per seed, the first evaluated round at which the run attains its own best."""
+    return Reach(tuple(first_reach(rows, metric, best_of(rows, metric, higher), higher) for rows in runs_rows))
+
+
+def speedup(reference_rounds: float | None, rounds: float | None) -> float | None:
+    """reference's rounds / this arm's rounds; None if either is undefined or this is 0."""
+    if reference_rounds is None or rounds is None or rounds <= 0:
+        return None
+    return reference_rounds / rounds
+
+
+def mean_std(vals: list[float]) -> tuple[float, float | None]:
+    """Mean and sample std (None for a single value); NaN if any value is NaN."""
+    if any(not _finite(v) for v in vals):
+        return math.nan, None
+    return mean(vals), (stdev(vals) if len(vals) > 1 else None)
+
+
+# --------------------------------------------------------------------------- formatting
+
+def human_bytes(n: float | None) -> str:
+    """Decimal units, 3 significant digits: 512 B, 1.23 KB, 45.6 MB, 7.89 GB."""
+    if n is None or not math.isfinite(n):
+        return "—"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 999.5 or unit == "TB":
+            if unit == "B":
+                return f"{n:.0f} B"
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def human_seconds(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "—"
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _fmt_rounds(r: float) -> str:
+    return f"{r:,.0f}" if float(r).is_integer() else f"{r:,.1f}"
+
+
+# --------------------------------------------------------------------------- the table
+
+@dataclass
+class TableRow:
+    name: str
+    algorithm: str
+    lr: float
+    best_mean: float
+    best_std: float | None
+    seeds: int
+    reach: Reach
+    rounds: float | None  # rounds to reach T (for the reference: to its own best)
+    speedup: float | None
+    is_reference: bool
+    bytes_up: float
+    bytes_down: float
+    s_per_round: float | None
+    peak_rss_mb: float | None
+
+    @property
+    def bytes_total(self) -> float:
+        return self.bytes_up + self.bytes_down
+
+
+@dataclass
+class Table:
+    rows: list[TableRow]
+    metric: str
+    reference: str
+    threshold: float  # T: the reference's mean best
+    context: dict  # facts for the footer: seeds, rounds, eval_every, n_eval, clients, task
+
+    @property
+    def higher(self) -> bool:
+        return higher_is_better(self.metric)
+
+
+def _mean_of(vals: list) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return mean(vals) if vals else None
+
+
+def build_table(arms: list[ArmResult], reference: str, metric: str) -> Table:
+    higher = higher_is_better(metric)
+    ref = next((a for a in arms if a.name == reference), None)
+    if ref is None:
+        raise ValueError(f"reference {reference!r} is not among the arms")
+    ref_bests = [best_of(r.rows, metric, higher) for r in ref.runs]
+    threshold = mean_std(ref_bests)[0]
+    ref_own = rounds_to_own_best([r.rows for r in ref.runs], metric, higher)
+    rows = []
+    for arm in arms:
+        bests = [best_of(r.rows, metric, higher) for r in arm.runs]
+        m, s = mean_std(bests)
+        if arm.name == reference:
+            reach, rounds = ref_own, ref_own.mean
+        else:
+            reach = rounds_to_reach([r.rows for r in arm.runs], metric, threshold, higher)
+            rounds = reach.mean
+        comm = [r.summary["communication_per_client"] for r in arm.runs]
+        peaks = [r.peak_rss_mb for r in arm.runs if r.peak_rss_mb is not None]
+        rows.append(TableRow(
+            name=arm.name, algorithm=arm.algorithm, lr=arm.lr, best_mean=m, best_std=s,
+            seeds=len(arm.runs), reach=reach, rounds=rounds,
+            speedup=speedup(ref_own.mean, rounds), is_reference=arm.name == reference,
+            bytes_up=mean(c["bytes_up_mean"] for c in comm),
+            bytes_down=mean(c["bytes_down_mean"] for c in comm),
+            s_per_round=_mean_of([r.summary.get("s_per_round") for r in arm.runs]),
+            peak_rss_mb=max(peaks) if peaks else None))
+    cfg0 = ref.runs[0].config
+    info = cfg0.get("task_info", {}) or {}
+    context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "eval_every": cfg0.get("eval_every"),
+               "clients": cfg0.get("clients"), "sampled": cfg0.get("sampled"),
+               "seeds": [r.seed for r in ref.runs], "n_eval": info.get("n_eval")}
+    return Table(rows, metric, reference, threshold, context)
+
+
+def _best_header(metric: str) -> str:
+    return f"best {metric_label(metric)}" + (" (%)" if is_percent(metric) else "")
+
+
+def _fmt_best(row: TableRow, metric: str) -> str:
+    if not math.isfinite(row.best_mean):
+        return "nan"
+    scale = 100.0 if is_percent(metric) else 1.0
+    if is_percent(metric):
+        m = f"{row.best_mean * scale:.2f}"
+        return m if row.best_std is None else f"{m} ± {row.best_std * scale:.2f}"
+    m = f"{row.best_mean:.4g}"
+    if row.best_std is None:
+        return m
+    if "e" in m:
+        return f"{m} ± {row.best_std:.2g}"
+    decimals = len(m.split(".")[1]) if "." in m else 0
+    return f"{m} ± {row.best_std:.{decimals}f}"  # std to the mean's precision
+
+
+def _fmt_threshold(t: float, metric: str) -> str:
+    return f"{t * 100:.2f}%" if is_percent(metric) else f"{t:.4g}"
+
+
+def _fmt_reach(row: TableRow) -> str:
+    if row.rounds is not None:
+        return _fmt_rounds(row.rounds) + (" (own best)" if row.is_reference else "")
+    if row.reach.reached == 0:
+        return "not reached"
+    return f"— ({row.reach.reached}/{row.reach.n} seeds)"
+
+
+def markdown_columns(table: Table) -> list[str]:
+    ref = display_name(table.reference)
+    return ["algorithm", "lr", _best_header(table.metric),
+            f"rounds to {ref}'s best ({_fmt_threshold(table.threshold, table.metric)})", "speed-up",
+            "uplink / client", "downlink / client", "total / client", "s / round", "peak memory"]
+
+
+def to_markdown(table: Table) -> str:
+    cols = markdown_columns(table)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1)) + "|"]
+    for r in table.rows:
+        cells = [display_name(r.name), f"{r.lr:g}", _fmt_best(r, table.metric), _fmt_reach(r),
+                 "—" if r.speedup is None else f"{r.speedup:.2f}×",
+                 human_bytes(r.bytes_up), human_bytes(r.bytes_down), human_bytes(r.bytes_total),
+                 human_seconds(r.s_per_round),
+                 "—" if r.peak_rss_mb is None else f"{r.peak_rss_mb:,.0f} MiB"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def footer(table: Table) -> str:
+    c, m = table.context, table.metric
+    ref = display_name(table.reference)
+    lab = metric_label(m)
+    seeds = c.get("seeds") or []
+    n_eval = f" on {c['n_eval']:,} held-out examples" if c.get("n_eval") else ""
+    better = "highest" if table.higher else "lowest"
+    cmp_word = "≥" if table.higher else "≤"
+    return "\n".join([
+        f"Task {c.get('task')}: {c.get('clients')} clients, {c.get('sampled')} sampled per round, "
+        f"{c.get('rounds')} rounds, evaluated every {c.get('eval_every')} rounds{n_eval}; "
+        f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))}).",
+        f"- lr: chosen per algorithm from its grid by the best mean over seeds of the runs' best {lab} "
+        "(selection.json lists the grid).",
+        f"- best {lab}: the {better} {lab} over a run's evaluated rounds; mean ± sample std over seeds.",
+        f"- rounds to {ref}'s best: per seed the first evaluated round with {lab} {cmp_word} "
+        f"{_fmt_threshold(table.threshold, m)} ({ref}'s mean best), mean over seeds; "
+        f"'—' if some seed never reaches it. {ref}'s own row: rounds to its own best (per seed, mean).",
+        f"- speed-up: {ref}'s rounds to its own best / this row's rounds to reach it "
+        f"(resolution: {c.get('eval_every')} rounds).",
+        "- communication: bytes per client over the whole run (mean over all clients, then seeds); "
+        "decimal units (1 KB = 1000 B).",
+        "- s / round: training wall time per round (evaluation excluded), mean over seeds; "
+        "peak memory: the process's peak resident memory during the run, max over seeds.",
+    ])
+
+
+def csv_columns(metric: str) -> list[str]:
+    b = f"best_{metric}_pct" if is_percent(metric) else f"best_{metric}"
+    return ["algorithm", "base_algorithm", "lr", f"{b}_mean", f"{b}_std", "seeds", "reference",
+            "rounds_to_reach", "seeds_reached", "speedup", "bytes_up_per_client",
+            "bytes_down_per_client", "bytes_total_per_client", "s_per_round", "peak_rss_mib"]
+
+
+def to_csv(table: Table) -> str:
+    scale = 100.0 if is_percent(table.metric) else 1.0
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(csv_columns(table.metric))
+    for r in table.rows:
+        w.writerow([r.name, r.algorithm, repr(r.lr), r.best_mean * scale,
+                    "" if r.best_std is None else r.best_std * scale, r.seeds, int(r.is_reference),
+                    "" if r.rounds is None else r.rounds, r.reach.reached,
+                    "" if r.speedup is None else r.speedup, r.bytes_up, r.bytes_down, r.bytes_total,
+                    "" if r.s_per_round is None else r.s_per_round,
+                    "" if r.peak_rss_mb is None else r.peak_rss_mb])
+    return buf.getvalue()
+
+
+def write_table(out: str | Path, table: Table) -> str:
+    """Write ``table.md`` (table and footer) and ``table.csv``; returns the markdown."""
+    out = Path(out)
+    text = to_markdown(table) + "\n\n" + footer(table) + "\n"
+    (out / "table.md").write_text(text)
+    (out / "table.csv").write_text(to_csv(table))
+    return text

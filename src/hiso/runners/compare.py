@@ -1,0 +1,519 @@
+"""``hiso compare``: several algorithms x an lr grid x seeds on one task, each algorithm's lr
+chosen on the grid, then a table and plots.
+
+Configuration
+-------------
+One TOML file (``--config``) and command-line flags. The file's top-level keys are
+:class:`~hiso.config.RunConfig` keys shared by every run; a ``[compare]`` table says what to
+compare::
+
+    task = "mnist"            # shared by every run (any RunConfig key except algorithm, seed)
+    rounds = 300
+    lr = 1e-3                 # the lr of arms that have no grid below (a one-point grid)
+
+    [compare]
+    algorithms = ["hiso", "decomfl", "hiso-nu0.01"]   # the arms, in table order
+    seeds = [0, 1, 2]         # every (arm, lr) runs once per seed (default [0])
+    reference = "decomfl"     # default: decomfl if it is an arm, else the first arm
+    metric = "eval_acc"       # default: eval_acc for vision tasks, gap for the quadratic
+
+    [compare.lr_grid]         # arm or algorithm name -> lrs to try
+    hiso = [3e-4, 1e-3]
+    decomfl = [1e-3, 3e-3]
+
+    [compare.overrides.hiso]  # RunConfig keys for every arm running this algorithm
+    h_max = 1e4
+
+    [compare.variants]        # named arms: an algorithm plus RunConfig keys
+    "hiso-nu0.01" = { algorithm = "hiso", nu = 0.01 }
+
+An **arm** is a row of the table: either a plain algorithm name (one of
+:data:`~hiso.config.ALGORITHMS`) or a variant name. A variant is an algorithm with some
+settings changed, so an ablation (e.g. HiSo's smoothing weight ``nu``) is a few lines of
+``[compare.variants]``. Variant names may use letters, digits and ``.-_+``, and may not be an
+algorithm's name (use ``[compare.overrides.NAME]`` to change a plain algorithm).
+
+An arm's configuration, from weakest to strongest: RunConfig defaults < the file's top level
+< shared command-line flags (``--rounds 300``) < ``[compare.overrides.<its algorithm>]`` < the
+variant's own keys; then its lr and seed. Its lr grid is ``lr_grid[arm name]``, else
+``lr_grid[its algorithm]`` (variants inherit their algorithm's grid), else the shared ``lr``.
+``lr``, ``seed`` and ``task`` cannot be set per arm (use ``lr_grid``, ``seeds``, and one
+compare per task). Flags: ``--algorithms a,b``, ``--seeds 0,1,2``, ``--lr-grid NAME=LR,LR``
+(repeatable; replaces that name's grid), ``--reference``, ``--metric`` replace the file's
+values. Every run's configuration is validated before the first run starts.
+
+Runs and resuming
+-----------------
+Each (arm, lr, seed) runs with :func:`~hiso.runners.rundir.run_to_dir` into
+``DIR/runs/<arm>/lr<lr>/seed<seed>/`` (``lr`` written as Python's shortest repr, e.g.
+``lr0.001``, ``lr3e-05``), seeds outermost. A run whose ``summary.json`` exists is finished and
+skipped, so an interrupted compare resumes where it stopped (a partly written run is redone);
+a finished run whose ``config.json`` differs from what is asked now is an error unless
+``--force``, which reruns everything. The task (data, partition) is built once per distinct
+task configuration and shared by the runs that use it.
+
+``peak_rss_mb`` of a run inside compare: on Linux the process's resident high-water mark is
+reset before each run and read after it (``/proc/self/clear_refs``, ``VmHWM``), and stored as
+``peak_rss_mb_run`` in the run's ``summary.json``; it is the whole process's peak during that
+run (interpreter, torch, the loaded data and the run itself). Elsewhere the lifetime peak of
+the process is all there is.
+
+Selection and outputs
+---------------------
+* A run's **best** value is the best ``metric`` over its evaluated rounds (row 0, every
+  ``eval_every`` rounds and the last): the highest for accuracies (names ending in ``acc``), the
+  lowest otherwise (losses, the quadratic's gap). NaN evaluations are ignored; a run with no
+  finite evaluation has best NaN, which loses against any number.
+* Each arm's **lr** is the grid point with the best mean over seeds of the runs' best values
+  (ties: the one listed first). ``DIR/selection.json`` records, per arm, every lr's per-seed
+  best values and mean (null when not finite), and the choice.
+* ``DIR/table.md``, ``DIR/table.csv`` (also printed): see :mod:`hiso.report.table` for the
+  precise definitions (rounds to reach the reference's best, speed-up, communication).
+* ``DIR/*.png``: see :mod:`hiso.report.plots`.
+* ``DIR/compare.json``: the resolved plan (shared configuration, arms, grids, seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..config import ALGORITHMS, ConfigError, RunConfig, load_config
+from ..report.table import (ArmResult, RunResult, best_of, higher_is_better, load_run_result)
+
+PER_ARM_FORBIDDEN = {"lr": "use [compare.lr_grid]", "seed": "use [compare] seeds",
+                     "task": "compare one task at a time", "algorithm": None}
+SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
+                    "seed": "set [compare] seeds (or --seeds)"}
+# metrics each built-in task reports on evaluated rounds; the first is the default
+TASK_METRICS = {"quadratic": ("gap", "eval_loss"), "mnist": ("eval_acc", "eval_loss"),
+                "fashion-mnist": ("eval_acc", "eval_loss")}
+# RunConfig fields that do not change the task a run is built on (the task cache's key is
+# every other field, so a new field is assumed to matter until listed here)
+NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
+                   "difference", "batch_size", "eval_every", "weighted", "mode", "perturb_mode",
+                   "nu", "eps", "h_min", "h_max", "h_source", "server_lr", "beta1", "beta2",
+                   "server_tau", "wire_dtype", "threads"}
+# RunConfig fields that may differ between a finished run and the one asked for now
+RESUME_IGNORED = {"threads"}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+class CompareSpec(BaseModel):
+    """The ``[compare]`` table (after command-line flags replaced its keys)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    algorithms: list[str] = ["hiso", "decomfl"]
+    seeds: list[int] = [0]
+    reference: str | None = None
+    metric: str | None = None
+    lr_grid: dict[str, list[float]] = {}
+    overrides: dict[str, dict[str, Any]] = {}
+    variants: dict[str, dict[str, Any]] = {}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One row of the table: an algorithm with its settings and its lr grid."""
+
+    name: str
+    algorithm: str
+    overrides: dict[str, Any]  # RunConfig keys on top of the shared ones (not lr, seed)
+    lrs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    arm: Arm
+    lr: float
+    seed: int
+    cfg: RunConfig
+    dir: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm.name} lr={self.lr:g} seed={self.seed}"
+
+
+@dataclass
+class Plan:
+    shared: dict[str, Any]
+    arms: list[Arm]
+    seeds: list[int]
+    reference: str
+    metric: str
+
+    @property
+    def higher_is_better(self) -> bool:
+        return higher_is_better(self.metric)
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+    def config(self, arm: Arm, lr: float, seed: int) -> RunConfig:
+        try:
+            return load_config(None, **{**self.shared, **arm.overrides, "algorithm": arm.algorithm,
+                                        "lr": lr, "seed": seed})
+        except ConfigError as e:
+            raise ConfigError(f"{arm.name}: {e}") from None
+
+    def runs(self, out: Path) -> list[RunSpec]:
+        """Every run, seeds outermost (so an interrupted compare has every arm at seed 0 first)."""
+        return [RunSpec(arm, lr, seed, self.config(arm, lr, seed), run_dir(out, arm.name, lr, seed))
+                for seed in self.seeds for arm in self.arms for lr in arm.lrs]
+
+    def to_json(self) -> dict:
+        return {"shared": self.shared, "seeds": self.seeds, "reference": self.reference,
+                "metric": self.metric, "higher_is_better": self.higher_is_better,
+                "arms": [{"name": a.name, "algorithm": a.algorithm, "overrides": a.overrides,
+                          "lr_grid": list(a.lrs)} for a in self.arms]}
+
+
+def lr_dirname(lr: float) -> str:
+    return f"lr{float(lr)!r}"
+
+
+def run_dir(out: Path, arm: str, lr: float, seed: int) -> Path:
+    return Path(out) / "runs" / arm / lr_dirname(lr) / f"seed{seed}"
+
+
+# --------------------------------------------------------------------------- configuration
+
+def _split(flag: str, text: str, conv: Callable[[str], Any]) -> list:
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or any(not t for t in items):
+        raise ConfigError(f"{flag}: expected a comma-separated list, got {text!r}")
+    try:
+        return [conv(t) for t in items]
+    except ValueError:
+        raise ConfigError(f"{flag}: cannot read {text!r} as a list of {conv.__name__}s") from None
+
+
+def parse_cli(algorithms: str | None = None, seeds: str | None = None,
+              lr_grid: list[str] | None = None, reference: str | None = None,
+              metric: str | None = None) -> dict[str, Any]:
+    """The ``[compare]`` keys given on the command line (only those given)."""
+    out: dict[str, Any] = {}
+    if algorithms is not None:
+        out["algorithms"] = _split("--algorithms", algorithms, str)
+    if seeds is not None:
+        out["seeds"] = _split("--seeds", seeds, int)
+    if lr_grid:
+        grid = {}
+        for item in lr_grid:
+            name, sep, lrs = item.partition("=")
+            if not sep or not name.strip():
+                raise ConfigError(f"--lr-grid: expected NAME=LR,LR,..., got {item!r}")
+            grid[name.strip()] = _split(f"--lr-grid {name.strip()}", lrs, float)
+        out["lr_grid"] = grid
+    if reference is not None:
+        out["reference"] = reference
+    if metric is not None:
+        out["metric"] = metric
+    return out
+
+
+def _one_line(err: ValidationError, prefix: str) -> str:
+    e = err.errors()[0]
+    where = ".".join(str(x) for x in (prefix, *e["loc"]))
+    return f"{where}: {e['msg'].removeprefix('Value error, ')}"
+
+
+def _check_keys(where: str, keys: dict[str, Any]) -> None:
+    for k in keys:
+        if k in PER_ARM_FORBIDDEN and k != "algorithm":
+            raise ConfigError(f"{where}: {k} cannot be set per arm ({PER_ARM_FORBIDDEN[k]})")
+        if k not in RunConfig.model_fields:
+            raise ConfigError(f"{where}: unknown option {k!r}")
+
+
+def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | None = None,
+               compare_flags: dict[str, Any] | None = None) -> Plan:
+    """The validated plan from a TOML file, shared RunConfig flags and ``[compare]`` flags.
+
+    Raises :class:`ConfigError` (one line) for anything wrong, before anything runs.
+    """
+    file_vals: dict[str, Any] = {}
+    if config is not None:
+        p = Path(config)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            file_vals = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    raw_cmp = file_vals.pop("compare", {})
+    if not isinstance(raw_cmp, dict):
+        raise ConfigError("compare: must be a table ([compare])")
+    shared = {**file_vals, **{k: v for k, v in (shared_flags or {}).items() if v is not None}}
+    for k, why in SHARED_FORBIDDEN.items():
+        if k in shared:
+            raise ConfigError(f"{k}: not a shared option in a comparison; {why}")
+    if "lr_grid" in raw_cmp and "lr_grid" in (compare_flags or {}):
+        compare_flags = {**compare_flags, "lr_grid": {**raw_cmp["lr_grid"], **compare_flags["lr_grid"]}}
+    try:
+        spec = CompareSpec(**{**raw_cmp, **(compare_flags or {})})
+    except ValidationError as e:
+        raise ConfigError(_one_line(e, "compare")) from None
+    load_config(None, **shared)  # the shared part alone must be valid (names, types, ranges)
+
+    # variants and per-algorithm overrides
+    for name, keys in spec.variants.items():
+        where = f"compare.variants.{name}"
+        if name in ALGORITHMS:
+            raise ConfigError(f"{where}: a variant cannot be named after an algorithm "
+                              f"(use [compare.overrides.{name}] to change {name} itself)")
+        if not _NAME.match(name):
+            raise ConfigError(f"{where}: variant names may only use letters, digits and . - _ +")
+        if "algorithm" not in keys:
+            raise ConfigError(f"{where}: needs an algorithm (one of {', '.join(ALGORITHMS)})")
+        if keys["algorithm"] not in ALGORITHMS:
+            raise ConfigError(f"{where}: unknown algorithm {keys['algorithm']!r} (choose from {', '.join(ALGORITHMS)})")
+        _check_keys(where, keys)
+    for alg, keys in spec.overrides.items():
+        where = f"compare.overrides.{alg}"
+        if alg not in ALGORITHMS:
+            raise ConfigError(f"{where}: unknown algorithm {alg!r} (choose from {', '.join(ALGORITHMS)})")
+        if "algorithm" in keys:
+            raise ConfigError(f"{where}: algorithm cannot be overridden")
+        _check_keys(where, keys)
+
+    known = set(ALGORITHMS) | set(spec.variants)
+    if not spec.algorithms:
+        raise ConfigError("compare.algorithms: empty")
+    for name in spec.algorithms:
+        if name not in known:
+            extra = f" or a variant ({', '.join(spec.variants)})" if spec.variants else ""
+            raise ConfigError(f"compare.algorithms: unknown algorithm {name!r} (choose from {', '.join(ALGORITHMS)}{extra})")
+    dup = {n for n in spec.algorithms if spec.algorithms.count(n) > 1}
+    if dup:
+        raise ConfigError(f"compare.algorithms: {sorted(dup)[0]!r} listed twice")
+    for name, lrs in spec.lr_grid.items():
+        if name not in known:
+            raise ConfigError(f"compare.lr_grid: {name!r} is neither an algorithm nor a variant")
+        if not lrs:
+            raise ConfigError(f"compare.lr_grid.{name}: empty")
+        if any(not (lr > 0 and math.isfinite(lr)) for lr in lrs):
+            raise ConfigError(f"compare.lr_grid.{name}: learning rates must be positive, got {lrs}")
+        if len(set(map(float, lrs))) != len(lrs):
+            raise ConfigError(f"compare.lr_grid.{name}: an lr is listed twice ({lrs})")
+    if not spec.seeds:
+        raise ConfigError("compare.seeds: empty")
+    if any(s < 0 for s in spec.seeds) or len(set(spec.seeds)) != len(spec.seeds):
+        raise ConfigError(f"compare.seeds: need distinct non-negative integers, got {spec.seeds}")
+
+    arms = []
+    default_lr = load_config(None, **shared).lr
+    for name in spec.algorithms:
+        var = spec.variants.get(name, {"algorithm": name})
+        alg = var["algorithm"]
+        overrides = {**spec.overrides.get(alg, {}), **{k: v for k, v in var.items() if k != "algorithm"}}
+        lrs = spec.lr_grid.get(name, spec.lr_grid.get(alg, [default_lr]))
+        arms.append(Arm(name, alg, overrides, tuple(float(x) for x in lrs)))
+
+    reference = spec.reference
+    if reference is None:
+        reference = "decomfl" if "decomfl" in spec.algorithms else spec.algorithms[0]
+    elif reference not in spec.algorithms:
+        raise ConfigError(f"compare.reference: {reference!r} is not one of the compared algorithms ({', '.join(spec.algorithms)})")
+
+    task = shared.get("task", RunConfig.model_fields["task"].default)
+    metrics = TASK_METRICS.get(task)
+    metric = spec.metric or (metrics[0] if metrics else "eval_loss")
+    if metrics is not None and metric not in metrics:
+        raise ConfigError(f"compare.metric: task {task} reports {', '.join(metrics)}, not {metric!r}")
+
+    plan = Plan(shared, arms, list(spec.seeds), reference, metric)
+    for arm in arms:  # validate every run's configuration now, not after hours of runs
+        for lr in arm.lrs:
+            plan.config(arm, lr, spec.seeds[0])
+    return plan
+
+
+# --------------------------------------------------------------------------- running
+
+def _task_key(cfg: RunConfig) -> tuple[int, str]:
+    return cfg.seed, json.dumps({k: v for k, v in cfg.model_dump().items() if k not in NOT_TASK_FIELDS},
+                                sort_keys=True)
+
+
+def _finished(spec: RunSpec) -> bool:
+    """Whether ``spec.dir`` holds a finished run of ``spec.cfg`` (raises if of another config)."""
+    if not (spec.dir / "summary.json").is_file():
+        return False
+    try:
+        old = json.loads((spec.dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    new = json.loads(json.dumps(spec.cfg.model_dump()))
+    for k in sorted(set(old) | set(new)):
+        if k in RESUME_IGNORED or k == "task_info":
+            continue
+        if old.get(k) != new.get(k):
+            raise ConfigError(f"{spec.dir} holds a finished run with {k} = {old.get(k)!r}, not {new.get(k)!r} "
+                              "as asked now (use --force to rerun, or another --out)")
+    return True
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_mb() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False) -> dict[str, int]:
+    """Run every unfinished run of ``plan`` into ``out``; returns counts run / skipped."""
+    from tqdm import tqdm
+
+    from ..tasks.registry import build_task
+    from .rundir import run_to_dir
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(plan.to_json(), indent=2))
+    specs = plan.runs(out)
+    todo = specs if force else [s for s in specs if not _finished(s)]
+    skipped = len(specs) - len(todo)
+    bar = tqdm(total=len(specs), initial=skipped, desc="compare", unit="run", disable=quiet,
+               dynamic_ncols=True, file=sys.stderr)
+    if skipped and not quiet:
+        bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
+    tasks: dict[str, Any] = {}
+    done = 0
+    try:
+        for spec in todo:
+            key = _task_key(spec.cfg)
+            if key not in tasks:
+                if any(k[0] != spec.seed for k in tasks):
+                    tasks.clear()  # seeds are outermost: an earlier seed's tasks are not needed again
+                tasks[key] = build_task(spec.cfg)
+            last_refresh = [0.0]
+
+            def progress(row: dict, spec: RunSpec = spec) -> None:
+                now = time.monotonic()
+                if not quiet and now - last_refresh[0] > 0.5:
+                    last_refresh[0] = now
+                    bar.set_postfix_str(f"{spec.label}: round {row['round']}/{spec.cfg.rounds}")
+
+            reset = _reset_peak_rss()
+            t0 = time.perf_counter()
+            try:
+                summary = run_to_dir(spec.cfg, spec.dir, progress, task=tasks[key])
+            except BaseException:
+                bar.write(f"{spec.label}: failed after {time.perf_counter() - t0:.0f} s; {done + skipped} "
+                          f"of {len(specs)} runs are finished and kept (rerun the same command to resume)")
+                raise
+            hwm = _vm_hwm_mb() if reset else None
+            if hwm is not None:
+                summary["peak_rss_mb_run"] = hwm
+                (spec.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            done += 1
+            bar.update(1)
+            if not quiet:
+                best = summary.get("best", {}).get(plan.metric, float("nan"))
+                bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.metric} {best:.4g}, "
+                          f"{time.perf_counter() - t0:.1f} s")
+    finally:
+        bar.close()
+    return {"run": done, "skipped": skipped, "total": len(specs)}
+
+
+# --------------------------------------------------------------------------- selection
+
+def select_lr(grid: dict[float, list[float]], higher: bool) -> float:
+    """The lr whose per-seed best values have the best mean (NaN means worst; ties: first listed)."""
+    if not grid:
+        raise ValueError("empty lr grid")
+    worst = -math.inf if higher else math.inf
+
+    def score(lr: float) -> float:
+        vals = grid[lr]
+        m = sum(vals) / len(vals) if vals else math.nan
+        return worst if math.isnan(m) else m
+
+    best_lr = None
+    for lr in grid:  # strict comparison keeps the first of equals
+        if best_lr is None or (score(lr) > score(best_lr) if higher else score(lr) < score(best_lr)):
+            best_lr = lr
+    return best_lr
+
+
+def collect(plan: Plan, out: str | Path) -> tuple[list[ArmResult], dict]:
+    """Load every run, choose each arm's lr; returns the arms (at their lr) and selection.json's content."""
+    out = Path(out)
+    higher = plan.higher_is_better
+    arms, selection = [], {"metric": plan.metric, "higher_is_better": higher, "seeds": plan.seeds,
+                           "reference": plan.reference,
+                           "rule": "per arm, the lr with the best mean over seeds of each run's best "
+                                   f"{plan.metric} over its evaluated rounds (ties: first listed)",
+                           "arms": {}}
+    for arm in plan.arms:
+        by_lr: dict[float, list[RunResult]] = {}
+        for lr in arm.lrs:
+            by_lr[lr] = [load_run_result(run_dir(out, arm.name, lr, s), seed=s) for s in plan.seeds]
+        for runs in by_lr.values():
+            for r in runs:
+                if not any(plan.metric in row for row in r.rows):
+                    raise ConfigError(f"metric {plan.metric!r} not in {r.dir}/metrics.jsonl "
+                                      f"(it has: {', '.join(r.eval_keys()) or 'no evaluations'})")
+        grid = {lr: [best_of(r.rows, plan.metric, higher) for r in runs] for lr, runs in by_lr.items()}
+        chosen = select_lr(grid, higher)
+        selection["arms"][arm.name] = {
+            "algorithm": arm.algorithm, "overrides": arm.overrides, "chosen_lr": chosen,
+            "grid": [{"lr": lr, "best_per_seed": dict(zip(map(str, plan.seeds), vals)),
+                      "mean_best": sum(vals) / len(vals)} for lr, vals in grid.items()],
+        }
+        arms.append(ArmResult(arm.name, arm.algorithm, chosen, by_lr[chosen], grid=grid))
+    return arms, selection
+
+
+def _json_safe(x):
+    """NaN and infinities (diverged runs) as null: selection.json stays strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
+            plots: bool = True) -> str:
+    """Run, select, write selection.json, the table and the plots; returns the printed table."""
+    from ..report.table import build_table, write_table
+
+    out = Path(out)
+    execute(plan, out, force=force, quiet=quiet)
+    arms, selection = collect(plan, out)
+    (out / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
+    table = build_table(arms, plan.reference, plan.metric)
+    text = write_table(out, table)
+    if plots:
+        from ..report.plots import plot_all
+        plot_all(arms, out, plan.metric, plan.reference, table=table)
+    return text
