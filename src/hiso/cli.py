@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--reference", help="the algorithm the others are measured against (default: decomfl)")
     cmp.add_argument("--metric", help="eval metric to select and compare on (default: eval_acc, or gap)")
     cmp.add_argument("--force", action="store_true", help="rerun finished runs too")
+    cmp.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
     cmp.add_argument("--quiet", action="store_true", help="no progress output, only the table")
     _add_run_flags(cmp, exclude=("algorithm", "seed"))
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
@@ -114,8 +115,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     shared = {k: getattr(args, k) for k in RunConfig.model_fields if hasattr(args, k)}
     flags = parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric)
     plan = build_plan(args.config, shared, flags)
+    if args.jobs < 1:
+        return _fail(f"--jobs must be >= 1, got {args.jobs}")
     try:
-        text = compare(plan, args.out, force=args.force, quiet=args.quiet)
+        text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs)
     except KeyboardInterrupt:
         return _fail(f"interrupted; finished runs are kept in {args.out}/runs (rerun the same command to resume)")
     print(text, end="")

@@ -385,8 +385,56 @@ def _vm_hwm_mb() -> float | None:
     return None
 
 
-def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False) -> dict[str, int]:
-    """Run every unfinished run of ``plan`` into ``out``; returns counts run / skipped."""
+def _run_in_worker(spec: RunSpec) -> dict:
+    """One run in a worker process (``--jobs`` > 1): its own task, its own peak memory."""
+    from ..tasks.registry import build_task
+    from .rundir import run_to_dir
+
+    reset = _reset_peak_rss()
+    summary = run_to_dir(spec.cfg, spec.dir, None, task=build_task(spec.cfg))
+    hwm = _vm_hwm_mb() if reset else None
+    if hwm is not None:
+        summary["peak_rss_mb_run"] = hwm
+        (spec.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], jobs: int, bar) -> int:
+    """Runs spread over ``jobs`` worker processes (spawned: forking after torch starts its
+    thread pools can hang). Each finished run is reported as it lands; returns how many ran."""
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    done, skipped = 0, len(specs) - len(todo)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+        pending = {pool.submit(_run_in_worker, spec): (spec, time.perf_counter()) for spec in todo}
+        bar.set_postfix_str(f"{min(jobs, len(todo))} runs at a time")
+        try:
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    spec, t0 = pending.pop(fut)
+                    summary = fut.result()  # a failed run raises here; finished runs stay on disk
+                    done += 1
+                    bar.update(1)
+                    best = summary.get("best", {}).get(plan.metric, float("nan"))
+                    bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.metric} {best:.4g}, "
+                              f"{time.perf_counter() - t0:.1f} s")
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            bar.write(f"stopped: {done + skipped} of {len(specs)} runs are finished and kept "
+                      "(rerun the same command to resume)")
+            raise
+    return done
+
+
+def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
+            jobs: int = 1) -> dict[str, int]:
+    """Run every unfinished run of ``plan`` into ``out``; returns counts run / skipped.
+
+    ``jobs`` > 1 runs that many runs at once in worker processes (set ``threads = 1`` then).
+    """
     from tqdm import tqdm
 
     from ..tasks.registry import build_task
@@ -402,6 +450,12 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
                dynamic_ncols=True, file=sys.stderr)
     if skipped and not quiet:
         bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
+    if jobs > 1 and len(todo) > 1:
+        try:
+            done = _execute_parallel(plan, specs, todo, jobs, bar)
+        finally:
+            bar.close()
+        return {"run": done, "skipped": skipped, "total": len(specs)}
     tasks: dict[str, Any] = {}
     done = 0
     try:
@@ -503,12 +557,12 @@ def _json_safe(x):
 
 
 def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
-            plots: bool = True) -> str:
+            plots: bool = True, jobs: int = 1) -> str:
     """Run, select, write selection.json, the table and the plots; returns the printed table."""
     from ..report.table import build_table, write_table
 
     out = Path(out)
-    execute(plan, out, force=force, quiet=quiet)
+    execute(plan, out, force=force, quiet=quiet, jobs=jobs)
     arms, selection = collect(plan, out)
     (out / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
     table = build_table(arms, plan.reference, plan.metric)
