@@ -297,3 +297,17 @@ def test_bad_compare_options_give_one_line_and_exit_2(tmp_path, capsys, args, to
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hiso: error:") and needle in lines[0], err
     assert not (tmp_path / "x").exists()  # nothing ran
+
+
+def test_parallel_jobs_give_the_same_runs_as_sequential(tmp_path, capsys):
+    """--jobs 2 only changes where runs execute, not what they compute."""
+    args = [*TINY_FLAGS, "--seeds", "0", "--lr-grid", "hiso=0.02,0.05", "--lr-grid", "decomfl=0.05", "--quiet"]
+    assert _main(["compare", "--out", str(tmp_path / "seq"), *args], capsys)[0] == 0
+    assert _main(["compare", "--out", str(tmp_path / "par"), "--jobs", "2", *args], capsys)[0] == 0
+    for run in ("hiso/lr0.02/seed0", "hiso/lr0.05/seed0", "decomfl/lr0.05/seed0"):
+        a = (tmp_path / "seq/runs" / run / "history.bin").read_bytes()
+        b = (tmp_path / "par/runs" / run / "history.bin").read_bytes()
+        assert a == b and len(a) > 100
+    assert (tmp_path / "par/table.csv").read_text().splitlines()[0] == (tmp_path / "seq/table.csv").read_text().splitlines()[0]
+    code, _, err = _main(["compare", "--out", str(tmp_path / "bad"), "--jobs", "0", *args], capsys)
+    assert code == 2 and "--jobs" in err
