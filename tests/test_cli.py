@@ -94,3 +94,16 @@ def test_bad_toml_and_existing_run_dir(tmp_path, capsys):
     assert code == 2 and "--force" in err
     code, _, err = _run(["rebuild", str(tmp_path / "missing"), "--out", str(tmp_path / "m.pt")], capsys)
     assert code == 2 and "config.json" in err
+
+
+@pytest.mark.parametrize("algorithm", ["decomfl", "fedavg"])
+def test_a_diverging_run_keeps_its_rows_and_says_so(tmp_path, capsys, algorithm):
+    out = tmp_path / "run"
+    code, _, err = _run(["run", "--out", str(out), "--algorithm", algorithm, "--lr", "1e30", *TINY], capsys)
+    assert code == 1 and "diverged" in err and "Traceback" not in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diverged"]["round"] == summary["rounds_done"] + 1 <= 30
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == summary["rounds_done"] + 1
+    state = torch.load(out / "model.pt")
+    assert all(torch.isfinite(v).all() for v in state["model"].values())

@@ -102,6 +102,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     comm = summary["communication_per_client"]
+    if summary["diverged"]:
+        print(f"hiso: {cfg.algorithm} diverged in round {summary['diverged']['round']} "
+              f"({summary['diverged']['error']}); rounds so far are kept in {out}/", file=sys.stderr)
+        return 1
     final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items())
     print(f"{cfg.algorithm} on {cfg.task}: {cfg.rounds} rounds, {final}; "
           f"per client {comm['bytes_up_mean']:.0f} B up, {comm['bytes_down_mean']:.0f} B down (mean); "

@@ -17,6 +17,7 @@ Only trainable parameters travel; buffers stay as :meth:`Task.build_model` made 
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import numpy as np
@@ -80,9 +81,13 @@ class FullModelSimulation:
                 p.copy_(v)
         cfg = self.cfg
         if self.is_zo:
-            return zo_local(self._zo_state, self._perturber, self.task, cid, rnd, cfg.seed, cfg.batch_size)
-        return sgd_local(self.worker, self._worker_params, self.task, cid, rnd, cfg.lr, cfg.local_steps,
-                         cfg.batch_size)
+            delta, loss = zo_local(self._zo_state, self._perturber, self.task, cid, rnd, cfg.seed, cfg.batch_size)
+        else:
+            delta, loss = sgd_local(self.worker, self._worker_params, self.task, cid, rnd, cfg.lr,
+                                    cfg.local_steps, cfg.batch_size)
+        if not (math.isfinite(loss) and all(bool(torch.isfinite(t).all()) for t in delta)):
+            raise FloatingPointError(f"client {cid} diverged in round {rnd} (non-finite update: lower lr)")
+        return delta, loss
 
     def step(self) -> float:
         """One round; returns the participants' mean local training loss."""

@@ -66,23 +66,30 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape))
         sim = build_simulation(cfg, task, hist.write if hist else None)
         row = {}
-        for row in sim.run(cfg.rounds):
-            mf.write(json.dumps(row) + "\n")
-            mf.flush()
-            if "eval_loss" in row:
-                last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "gap"))}
-                for k, v in last_eval.items():
-                    better = max if k.endswith("acc") else min
-                    best[k] = v if k not in best else better(best[k], v)
-            if progress is not None:
-                progress(row)
+        diverged = None
+        try:
+            for row in sim.run(cfg.rounds):
+                mf.write(json.dumps(row) + "\n")
+                mf.flush()
+                if "eval_loss" in row:
+                    last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "gap"))}
+                    for k, v in last_eval.items():
+                        better = max if k.endswith("acc") else min
+                        best[k] = v if k not in best else better(best[k], v)
+                if progress is not None:
+                    progress(row)
+        except FloatingPointError as e:
+            # a diverged run is a result (too large an lr), not a crash: keep what it logged; the
+            # failing round was never aggregated, so the saved model is the last finite one
+            diverged = {"round": row.get("round", 0) + 1, "error": str(e)}
     torch.save(sim.state_dict(), out / "model.pt")
     summary = {
         "algorithm": cfg.algorithm, "task": cfg.task, "rounds": cfg.rounds,
+        "rounds_done": row.get("round", 0), "diverged": diverged,
         "final": last_eval, "best": best, "final_train_loss": row.get("train_loss"),
         "communication_per_client": sim.comm.summary(),
         "wall_s_train": row.get("wall_s"), "wall_s_total": time.perf_counter() - t0,
-        "s_per_round": (row.get("wall_s") or 0.0) / cfg.rounds, "peak_rss_mb": peak_rss_mb(),
+        "s_per_round": (row.get("wall_s") or 0.0) / max(row.get("round", 0), 1), "peak_rss_mb": peak_rss_mb(),
         "parameters": sum(p.numel() for p in task.build_model().parameters() if p.requires_grad),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
