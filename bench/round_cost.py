@@ -5,7 +5,8 @@
 Each algorithm runs in its own subprocess (so peak RSS is its own). Reported per algorithm:
 seconds per round, the share of it spent generating Gaussian directions, the ratio of a round
 to the forward passes it contains, and peak RSS above the RSS after building the task and
-running one forward (what inference alone costs). All ratios come from the same run.
+running forwards (what inference alone costs; Linux only: the peak is reset between the two
+phases through /proc/self/clear_refs). All ratios come from the same invocation.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def worker(args) -> dict:
 
     from hiso.config import RunConfig
     from hiso.core import directions
-    from hiso.runners.rundir import peak_rss_mb
+    from hiso.runners.compare import _reset_peak_rss, _vm_hwm_mb
     from hiso.runners.simulate import Simulation
     from hiso.tasks.registry import build_task
 
@@ -32,6 +33,8 @@ def worker(args) -> dict:
                     lr=1e-4, rounds=args.rounds)
     task = build_task(cfg)
     model = task.build_model()
+    if not _reset_peak_rss():
+        raise SystemExit("needs Linux's /proc/self/clear_refs to measure peak memory per phase")
     with torch.no_grad():
         for _ in range(3):  # warm-up: first touches of fresh memory are not the forward's cost
             task.loss(model, task.batch(0, 0, 0, 1))
@@ -39,7 +42,8 @@ def worker(args) -> dict:
         for _ in range(10):
             task.loss(model, task.batch(0, 0, 0, 1))
         t_fwd = (time.perf_counter() - t0) / 10
-    base_rss = peak_rss_mb()
+    base_rss = _vm_hwm_mb()  # peak while only inference ran (task data + model + forwards)
+    del model  # the simulation builds its own copy
 
     gen_time = [0.0]
     orig = directions.DirectionGenerator.fill
@@ -52,6 +56,7 @@ def worker(args) -> dict:
 
     directions.DirectionGenerator.fill = timed
     sim = Simulation(task, cfg.zo(), clients_per_round=cfg.sampled, seed=0, eval_every=10**9)
+    _reset_peak_rss()
     sim.step()  # warm-up (buffer allocation)
     gen_time[0] = 0.0
     t0 = time.perf_counter()
@@ -64,8 +69,8 @@ def worker(args) -> dict:
         "generation_share": gen_time[0] / args.rounds / per_round,
         "forward_s": t_fwd, "forwards_per_round": fwd_per_round,
         "round_over_forwards": per_round / (fwd_per_round * t_fwd),
-        "rss_after_model_mb": base_rss, "peak_rss_mb": peak_rss_mb(),
-        "extra_over_inference_mb": peak_rss_mb() - base_rss,
+        "rss_inference_mb": base_rss, "peak_rss_mb": _vm_hwm_mb(),
+        "extra_over_inference_mb": _vm_hwm_mb() - base_rss,
         "param_mb": args.dim * 4 / 2**20,
     }
 
@@ -92,7 +97,7 @@ def main() -> None:
         print(f"{r['algorithm']:8s} d={r['dim']:,}: {r['s_per_round'] * 1e3:7.1f} ms/round, "
               f"generation {100 * r['generation_share']:4.1f}% of it, round = {r['round_over_forwards']:.2f}x "
               f"its {r['forwards_per_round']} forwards, peak RSS {r['peak_rss_mb']:.0f} MB "
-              f"(+{r['extra_over_inference_mb']:.0f} MB over inference; the parameters are {r['param_mb']:.1f} MB)")
+              f"({r['extra_over_inference_mb']:+.0f} MB over inference's peak; the parameters are {r['param_mb']:.1f} MB)")
     d, h = rows
     print(f"hiso/decomfl: time per round {h['s_per_round'] / d['s_per_round']:.2f}x, "
           f"extra memory {h['extra_over_inference_mb'] - d['extra_over_inference_mb']:+.0f} MB")

@@ -44,7 +44,7 @@ class Shift:
         if self.seed is not None:
             z = self.gen.fill(self.seed, i, x.shape).to(x.device)
             h = None if self.h is None else self.h[i]
-            pc.precondition_(z, h, None if h is None else self.gen.scratch("rsqrt", x.shape, h.device))
+            pc.precondition_(z, h, None if h is None else self.gen.scratch("rsqrt", pc.scratch_shape(h), h.device))
             out.add_(z.to(x.dtype), alpha=self.scale)
         return out
 

@@ -56,10 +56,32 @@ def init(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.ones(p.shape, dtype=torch.float32, device=p.device) for p in params]
 
 
+CHUNK = 1 << 20  # elements of H^{-1/2} materialised at a time
+
+
+def scratch_shape(h: torch.Tensor) -> tuple[int]:
+    """Shape of the scratch :func:`precondition_` needs for this H tensor."""
+    return (min(CHUNK, h.numel()),)
+
+
 def precondition_(u: torch.Tensor, h: torch.Tensor | None, tmp: torch.Tensor | None = None) -> torch.Tensor:
-    """u <- H^{-1/2} u in place (identity when there is no preconditioner); ``tmp`` is scratch."""
-    if h is not None:
-        u.mul_(torch.rsqrt(h, out=tmp) if tmp is not None else torch.rsqrt(h))
+    """u <- H^{-1/2} u in place (identity when there is no preconditioner).
+
+    H^{-1/2} is formed CHUNK elements at a time in ``tmp`` (a float32 scratch of at least
+    min(CHUNK, numel) elements), so HiSo's memory over DeComFL's is H itself, not H plus a
+    tensor-sized temporary. Chunking does not change any value (the operations are elementwise).
+    """
+    if h is None:
+        return u
+    uf, hf = u.view(-1), h.view(-1)
+    n = hf.numel()
+    if tmp is None:
+        tmp = torch.empty(min(CHUNK, n), dtype=torch.float32, device=h.device)
+    for i in range(0, n, CHUNK):
+        j = min(i + CHUNK, n)
+        t = tmp.view(-1)[: j - i]
+        torch.rsqrt(hf[i:j], out=t)
+        uf[i:j].mul_(t)
     return u
 
 

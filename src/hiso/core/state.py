@@ -40,7 +40,7 @@ def step_direction(
     for s, g in zip(seeds.tolist(), scalars.tolist()):
         acc.add_(gen.fill(s, index, param.shape), alpha=g / P)
     acc = acc.to(param.device)
-    tmp = None if h is None else gen.scratch("rsqrt", param.shape, h.device)
+    tmp = None if h is None else gen.scratch("rsqrt", pc.scratch_shape(h), h.device)
     return pc.precondition_(acc, h, tmp)
 
 
