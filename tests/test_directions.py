@@ -2,7 +2,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hiso.core import DirectionGenerator, ModelState, Perturber, Server, decomfl, direction, hiso, local_update
+from hiso.core import (DirectionGenerator, ModelState, Perturber, Server, Uplink, decomfl, direction, hiso,
+                       local_update)
 from hiso.core.directions import tensor_seed
 
 from conftest import TinyTask
@@ -38,9 +39,10 @@ def test_server_seeds_never_repeat_and_are_reproducible():
         assert not (s & seen) and len(s) == 10
         seen |= s
         for srv, plan in ((a, pa), (b, pb)):
-            from hiso.core import Uplink
             srv.aggregate([Uplink(c, plan.round, np.zeros((2, 5), np.float32)) for c in plan.participants])
-    assert Server(10, 3, 2, 5, seed=8).plan().participants != a.plan().participants or True
+    # another run seed gives other seeds (the stream really depends on the run seed)
+    other = Server(10, 3, 2, 5, seed=8).plan()
+    assert not set(int(x) for x in other.seeds.ravel()) & seen
 
 
 def test_local_update_leaves_model_bit_identical_and_modes_agree():
