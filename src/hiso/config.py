@@ -107,17 +107,22 @@ def _one_line(err: ValidationError) -> str:
     return f"{where}: {msg}" if where else msg
 
 
+def read_toml(path: str | Path | None) -> dict[str, Any]:
+    """A TOML file's content ({} for no file); a missing or malformed file is a ConfigError."""
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML ({e})") from None
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     """Defaults, then the TOML file (if any), then non-None overrides; validated."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            values.update(tomllib.loads(p.read_text()))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    values = read_toml(path)
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return RunConfig(**values)

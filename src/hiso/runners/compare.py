@@ -80,14 +80,13 @@ import math
 import re
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..config import ALGORITHMS, ConfigError, RunConfig, load_config
+from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, read_toml
 from ..report.table import (ArmResult, RunResult, best_of, higher_is_better, load_run_result)
 
 PER_ARM_FORBIDDEN = {"lr": "use [compare.lr_grid]", "seed": "use [compare] seeds",
@@ -243,15 +242,7 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
 
     Raises :class:`ConfigError` (one line) for anything wrong, before anything runs.
     """
-    file_vals: dict[str, Any] = {}
-    if config is not None:
-        p = Path(config)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            file_vals = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: not valid TOML ({e})") from None
+    file_vals = read_toml(config)
     raw_cmp = file_vals.pop("compare", {})
     if not isinstance(raw_cmp, dict):
         raise ConfigError("compare: must be a table ([compare])")
