@@ -25,10 +25,19 @@ class Client:
         self.report_loss = report_loss
 
     def catch_up(self, msg: Downlink) -> None:
-        """Replay the records the client missed (checked against its state first)."""
-        if msg.since != self.state.round:
-            raise MessageError(f"client {self.cid} holds round {self.state.round}, history starts at {msg.since}")
-        self.state.replay(msg.missed)
+        """Replay the records the client missed (checked against its state first).
+
+        The history may start before the client's round (the server did not get its last
+        answer, so it does not know the client caught up): the records it already holds are
+        skipped. A history that starts after the client's round, or a round behind the
+        client's, cannot be followed and is refused before anything changes.
+        """
+        have = self.state.round
+        if msg.since > have:
+            raise MessageError(f"client {self.cid} holds round {have}, history starts at {msg.since}")
+        if have > msg.round:
+            raise MessageError(f"client {self.cid} holds round {have}, ahead of the server's round {msg.round}")
+        self.state.replay(msg.missed[have - msg.since:])
 
     def train(self, msg: Downlink) -> Uplink:
         self.catch_up(msg)
@@ -39,5 +48,5 @@ class Client:
 
     def handle(self, data: bytes) -> bytes:
         """Bytes in, bytes out: what a transport (Flower, a socket) calls."""
-        msg = decode_downlink(data, expect_shape=self.state.cfg.shape, expect_since=self.state.round)
+        msg = decode_downlink(data, expect_shape=self.state.cfg.shape)
         return encode_uplink(self.train(msg))

@@ -34,7 +34,18 @@ class RoundPlan:
 
 
 class Server:
-    """Seeded state machine: ``plan()`` -> ``downlink(c)`` for each participant -> ``aggregate()``."""
+    """Seeded state machine: ``plan()`` -> ``downlink(c)`` for each participant -> ``aggregate()``.
+
+    Over a real network a round closes with whoever answered: ``aggregate(uplinks,
+    partial=True)`` averages the valid answers it got, records exactly those clients as the
+    round's participants and drops the rest (foreign, duplicate, wrong round or shape; see
+    ``rejected``). A client that did not answer keeps its old ``synced`` round, so its next
+    downlink starts there; the client skips the records it already holds (it may have caught
+    up before its reply was lost). A round with no valid answer at all is *re-planned*:
+    nothing is logged, the round number stays, and the next ``plan()`` draws a fresh sample
+    and fresh (never reused) seeds. So the log only ever holds rounds somebody computed, and
+    an empty round never moves x or H.
+    """
 
     def __init__(self, num_clients: int, clients_per_round: int, local_steps: int,
                  perturbations: int, seed: int = 0, weights: list[float] | None = None):
@@ -55,6 +66,8 @@ class Server:
         self.history: list[RoundRecord] = []
         self.synced = np.zeros(num_clients, dtype=np.int64)  # round whose start state each client holds
         self.plan_: RoundPlan | None = None
+        self.rejected: list[str] = []  # why the last partial aggregate dropped answers
+        self.replanned = 0  # rounds closed with no valid answer (and planned again)
 
     @property
     def round(self) -> int:
@@ -85,34 +98,59 @@ class Server:
         since = int(self.synced[client])
         return Downlink(plan.round, plan.seeds, since, tuple(self.history[since:]))
 
-    def aggregate(self, uplinks: list[Uplink]) -> RoundRecord:
-        """Average the participants' scalars (optionally weighted), log and close the round.
+    def aggregate(self, uplinks: list[Uplink], *, partial: bool = False) -> RoundRecord | None:
+        """Average the answers' scalars (optionally weighted), log and close the round.
 
-        Every participant must answer exactly once; otherwise nothing changes.
+        Strict (default): every participant must answer exactly once; otherwise nothing
+        changes. ``partial=True``: the valid answers are averaged and the others dropped (the
+        reasons go to ``rejected``); with no valid answer the round is re-planned and None
+        is returned (nothing logged, nobody's ``synced`` round moves).
         """
         plan = self._current()
-        by_client = {}
+        by_client: dict[int, Uplink] = {}
+        rejected: list[str] = []
         for up in uplinks:
+            why = None
             if up.round != plan.round:
-                raise MessageError(f"uplink from client {up.client} is for round {up.round}, not {plan.round}")
-            if up.client not in plan.participants:
-                raise MessageError(f"client {up.client} was not sampled in round {plan.round}")
-            if up.client in by_client:
-                raise MessageError(f"client {up.client} answered twice in round {plan.round}")
-            if up.scalars.shape != self.shape:
-                raise MessageError(f"client {up.client} sent scalars of shape {up.scalars.shape}, expected {self.shape}")
-            by_client[up.client] = up
+                why = f"uplink from client {up.client} is for round {up.round}, not {plan.round}"
+            elif up.client not in plan.participants:
+                why = f"client {up.client} was not sampled in round {plan.round}"
+            elif up.client in by_client:
+                why = f"client {up.client} answered twice in round {plan.round}"
+            elif up.scalars.shape != self.shape:
+                why = f"client {up.client} sent scalars of shape {up.scalars.shape}, expected {self.shape}"
+            elif not np.all(np.isfinite(up.scalars)):
+                why = f"client {up.client} sent a non-finite scalar in round {plan.round}"
+            if why is None:
+                by_client[up.client] = up
+            elif partial:
+                rejected.append(why)
+            else:
+                raise MessageError(why)
         missing = set(plan.participants) - set(by_client)
-        if missing:
+        if missing and not partial:
             raise MessageError(f"round {plan.round}: no answer from clients {sorted(missing)}")
-        g = np.stack([by_client[c].scalars.astype(np.float64) for c in plan.participants])
-        w = np.ones(len(g)) if self.weights is None else self.weights[list(plan.participants)]
+        self.rejected = rejected
+        if not by_client:  # nobody computed this round: plan it again, log nothing
+            self.plan_ = None
+            self.replanned += 1
+            return None
+        answered = tuple(c for c in plan.participants if c in by_client)
+        g = np.stack([by_client[c].scalars.astype(np.float64) for c in answered])
+        w = np.ones(len(g)) if self.weights is None else self.weights[list(answered)]
         mean = np.tensordot(w / w.sum(), g, axes=1).astype(np.float32)
-        rec = RoundRecord(plan.round, plan.seeds, mean, plan.participants)
+        rec = RoundRecord(plan.round, plan.seeds, mean, answered)
         self.history.append(rec)
-        self.synced[list(plan.participants)] = plan.round
+        self.synced[list(answered)] = plan.round
         self.plan_ = None
         return rec
+
+    def client_holds(self, client: int, round: int) -> None:
+        """A client told us which round's state it holds (e.g. it restarted from an older
+        copy, or from x_0): its next downlink starts there. Only ever moves ``synced`` back."""
+        if not 0 <= round <= self.round:
+            raise MessageError(f"client {client} claims round {round}; the server is at round {self.round}")
+        self.synced[client] = min(int(self.synced[client]), round)
 
     def _current(self) -> RoundPlan:
         if self.plan_ is None:
