@@ -136,8 +136,8 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     from .runners.rundir import rebuild
 
-    state = rebuild(args.run_dir)
-    torch.save(state.state_dict(), args.out)
+    state, ckpt = rebuild(args.run_dir)
+    torch.save(ckpt, args.out)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
     return 0
 

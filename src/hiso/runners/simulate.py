@@ -76,6 +76,11 @@ class Simulation:
         self.perturber = Perturber(self.state.model, self.state.params, self.perturb_mode)
         self.comm = Comm.zeros(M)
 
+    @property
+    def model(self):
+        """The server's model (x_r)."""
+        return self.state.model
+
     def _batch_fn(self, cid: int):
         return lambda rnd, k: self.task.batch(cid, rnd, k, self.batch_size)
 

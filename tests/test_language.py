@@ -1,0 +1,277 @@
+"""Language tasks on a tiny random causal LM saved to disk: prompts, scoring, SQuAD decoding, LoRA,
+precision, runs and bit-exact rebuilds, bad input. No downloads."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from lm_fixtures import write_qqp, write_squad, write_sst2, write_tiny_lm  # noqa: E402
+
+from hiso.cli import main  # noqa: E402
+from hiso.core.config import ZOConfig  # noqa: E402
+from hiso.core.history import RoundRecord  # noqa: E402
+from hiso.core.state import ModelState  # noqa: E402
+from hiso.tasks.language import LanguageTask  # noqa: E402
+from hiso.tasks.lm import ModelError, add_lora, resolve_autocast  # noqa: E402
+
+WORDS = [" great", " terrible"][::-1]  # label 0 = terrible, 1 = great
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lm")
+    return {"lm": str(write_tiny_lm(d / "lm")), "sst2": str(write_sst2(d / "sst2")),
+            "qqp": str(write_qqp(d / "qqp")), "squad": str(write_squad(d / "squad")), "root": d}
+
+
+def sst2(files, **kw):
+    kw = {"model": files["lm"], "data_dir": files["sst2"], "label_words": WORDS, "min_size": 2, **kw}
+    return LanguageTask("sst2", 3, **kw)
+
+
+def _run(args, capsys):
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------- prompts and scoring
+
+def test_prompts_are_truncated_from_the_left_and_left_padded(files):
+    task = sst2(files, max_length=5)
+    exs = task._data["train"][:4]
+    b = task._collate(exs)
+    ids, mask, pos = b["input_ids"], b["attention_mask"], b["position_ids"]
+    assert ids.shape[1] <= 5
+    suffix = task.tok(" It was", add_special_tokens=False).input_ids
+    for i, ex in enumerate(exs):
+        full = task.tok(task._prompt(ex)).input_ids
+        n = int(mask[i].sum())
+        assert ids[i, -n:].tolist() == full[-n:] and n == min(len(full), 5)  # the prompt's end is kept
+        assert ids[i, -len(suffix):].tolist() == suffix
+        assert (ids[i, :-n] == task.tok.pad_token_id).all() and pos[i, -n:].tolist() == list(range(n))
+
+
+def test_template_fields_are_checked(files):
+    with pytest.raises(ValueError, match="sentence"):
+        sst2(files, template="{text} was it")
+    task = sst2(files, template="Review: {sentence} Sentiment:")
+    assert task._prompt(task._data["train"][0]).startswith("Review: ")
+
+
+def test_label_scores_are_the_label_words_logits_at_the_last_prompt_token(files):
+    """Loss = CE over the label words' logits; batching and padding change nothing."""
+    task = sst2(files)
+    model = task.build_model()
+    exs = [task._data["train"][i] for i in (0, 1, 2, 3, 5)]  # different lengths -> padding
+    b = task._collate(exs)
+    with torch.no_grad():
+        got = task.loss(model, b)
+        rows = []
+        for ex in exs:
+            ids = torch.tensor([task.tok(task._prompt(ex)).input_ids])
+            rows.append(model(input_ids=ids).logits[0, -1, task.label_ids])
+        want = F.cross_entropy(torch.stack(rows), torch.tensor([e.label for e in exs]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_accuracy_matches_argmax_over_label_words(files):
+    task = sst2(files, eval_batch_size=5)
+    model = task.build_model()
+    with torch.no_grad():
+        pred = [int(model(input_ids=torch.tensor([task.tok(task._prompt(e)).input_ids])).logits[0, -1, task.label_ids].argmax())
+                for e in task._data["eval"]]
+    acc = np.mean([p == e.label for p, e in zip(pred, task._data["eval"])])
+    out = task.evaluate(model)
+    assert out["eval_acc"] == pytest.approx(acc) and np.isfinite(out["eval_loss"])
+
+
+def test_qqp_prompt_uses_both_questions(files):
+    task = LanguageTask("qqp", 2, model=files["lm"], data_dir=files["qqp"], label_words=[" no", " yes"], min_size=2)
+    ex = task._data["train"][1]
+    p = task._prompt(ex)
+    assert ex.text_a in p and ex.text_b in p and ex.text_a != ex.text_b
+    assert set(task.evaluate(task.build_model())) == {"eval_loss", "eval_acc"}
+
+
+def test_label_words_must_be_single_tokens(files):
+    with pytest.raises(ValueError, match="single tokens"):
+        sst2(files, label_words=[" great movie", " terrible"])
+
+
+# ---------------------------------------------------------------- squad
+
+def squad(files, **kw):
+    return LanguageTask("squad", 2, model=files["lm"], data_dir=files["squad"], max_new_tokens=4, **kw)
+
+
+def test_squad_loss_is_cross_entropy_on_the_answer_tokens(files):
+    task = squad(files)
+    model = task.build_model()
+    exs = task._data["train"][:3]  # answers of different lengths
+    b = task._encode(exs, with_answers=True)
+    with torch.no_grad():
+        got = task.loss(model, b)
+        total, n = 0.0, 0
+        for ex in exs:
+            prompt = task.tok(task._prompt(ex)).input_ids
+            ans = task.tok(" " + ex.answers[0], add_special_tokens=False).input_ids + [task.tok.eos_token_id]
+            logits = model(input_ids=torch.tensor([prompt + ans])).logits[0]
+            total += F.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(ans), reduction="sum")
+            n += len(ans)
+    torch.testing.assert_close(got, total / n, rtol=1e-5, atol=1e-6)
+
+
+def test_squad_generation_is_greedy_and_scored_with_squad_metrics(files):
+    from hiso.tasks.qa_metrics import exact_match, f1
+
+    task = squad(files)
+    model = task.build_model()
+    exs = task._data["eval"]
+    preds = task.generate(model, exs)
+    for ex, pred in zip(exs[:2], preds[:2]):  # an explicit greedy loop gives the same text
+        ids = task.tok(task._prompt(ex)).input_ids
+        for _ in range(task.max_new_tokens):
+            nxt = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            if nxt == task.tok.eos_token_id:
+                break
+            ids.append(nxt)
+        text = task.tok.decode(ids[len(task.tok(task._prompt(ex)).input_ids):], skip_special_tokens=True)
+        assert pred == text.split("\n")[0].strip()
+    out = task.evaluate(model)
+    assert out["eval_em"] == pytest.approx(np.mean([exact_match(p, list(e.answers)) for p, e in zip(preds, exs)]))
+    assert out["eval_f1"] == pytest.approx(np.mean([f1(p, list(e.answers)) for p, e in zip(preds, exs)]))
+
+
+def test_squad_refuses_label_skew(files):
+    with pytest.raises(ValueError, match="iid"):
+        squad(files, partition="dirichlet")
+    assert squad(files).partition == "iid"
+
+
+# ---------------------------------------------------------------- LoRA and precision
+
+def test_lora_makes_only_the_adapters_trainable_and_perturbed(files):
+    task = sst2(files, lora_r=2, lora_targets=["q_proj", "v_proj"])
+    model = task.build_model()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert any("q_proj.lora_A" in n for n in trainable) and any("v_proj.lora_B" in n for n in trainable)
+    base = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
+    state = ModelState(model, ZOConfig(lr=0.5, mu=1e-2))
+    assert state.params == [p for p in model.parameters() if p.requires_grad]
+    before = [p.clone() for p in state.params]
+    state.apply(RoundRecord(0, np.array([[11, 12, 13, 14, 15]], dtype=np.uint64), np.ones((1, 5), np.float32)))
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
+    assert all(not torch.equal(a, b) for a, b in zip(before, state.params))
+
+
+def test_lora_init_is_a_function_of_the_seed(files):
+    def adapters(seed):
+        m = sst2(files, lora_r=2, seed=seed).build_model()
+        return [p.detach().clone() for p in m.parameters() if p.requires_grad]
+    a, b, c = adapters(0), adapters(0), adapters(1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+def test_unknown_lora_target_is_refused(files):
+    with pytest.raises(ModelError, match="not module names"):
+        sst2(files, lora_r=2, lora_targets=["query"]).build_model()
+
+
+def test_float32_master_weights_keep_tiny_updates_under_bf16_autocast(files):
+    task = sst2(files, autocast="bf16")
+    model = task.build_model()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with torch.no_grad():
+        b = task.batch(0, 0, 0, 4)
+        assert torch.isfinite(task.loss(model, b))  # the forward ran under bf16 autocast
+    state = ModelState(model, ZOConfig(lr=1e-7, mu=1e-3))
+    before = [p.clone() for p in state.params]
+    state.apply(RoundRecord(0, np.array([[1, 2, 3, 4, 5]], dtype=np.uint64), np.ones((1, 5), np.float32)))
+    # an update of ~1e-7 relative survives in float32 weights ...
+    x0 = torch.cat([a.flatten() for a in before])
+    x1 = torch.cat([b.detach().flatten() for b in state.params])
+    assert (x1 != x0).float().mean() > 0.9 and ((x1 - x0).abs() / x0.abs()).median() < 1e-5
+    # ... where bfloat16 weights would round almost all of it away
+    kept = (x0.bfloat16() + (x1 - x0).bfloat16()) != x0.bfloat16()
+    assert kept.float().mean() < 0.01
+
+
+def test_autocast_auto_follows_the_hardware(monkeypatch):
+    import hiso.tasks.lm as lm
+    monkeypatch.setattr(lm, "has_bf16_matmul_units", lambda: False)
+    assert resolve_autocast("auto")[0] == "none"
+    monkeypatch.setattr(lm, "has_bf16_matmul_units", lambda: True)
+    assert resolve_autocast("auto")[0] == "bf16"
+    assert resolve_autocast("none")[0] == "none" and resolve_autocast("bf16")[0] == "bf16"
+
+
+# ---------------------------------------------------------------- runs, rebuilds, errors
+
+def _tiny_run(files, out, *extra):
+    return ["run", "--task", "sst2", "--model", files["lm"], "--data-dir", files["sst2"],
+            "--label-words", " terrible, great", "--clients", "3", "--sampled", "2", "--rounds", "3",
+            "--eval-every", "3", "--min-size", "2", "--lr", "0.05", "--mu", "1e-2", "--batch-size", "4",
+            "--out", str(out), "--quiet", *extra]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_run_and_rebuild_bit_identical(files, tmp_path, capsys, lora):
+    out = tmp_path / "run"
+    extra = ["--lora-r", "2"] if lora else []
+    code, stdout, err = _run(_tiny_run(files, out, *extra), capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "eval_acc" in rows[0] and "eval_acc" in rows[3]
+    info = json.loads((out / "config.json").read_text())["task_info"]
+    ckpt = torch.load(out / "model.pt")
+    assert ckpt["base"]["fingerprint"] == info["base_fingerprint"]
+    if lora:  # the adapter only, not the frozen base
+        assert ckpt["model"] and all("lora_" in k for k in ckpt["model"])
+        assert sum(v.numel() for v in ckpt["model"].values()) == info["trainable_params"] < info["total_params"]
+    code, _, err = _run(["rebuild", str(out), "--out", str(tmp_path / "rb.pt")], capsys)
+    assert code == 0, err
+    rb = torch.load(tmp_path / "rb.pt")
+    assert rb["round"] == ckpt["round"] == 3 and rb["base"] == ckpt["base"]
+    assert ckpt["model"].keys() == rb["model"].keys()
+    assert all(torch.equal(ckpt["model"][k], rb["model"][k]) for k in ckpt["model"])
+    assert all(torch.equal(ckpt["h"][k], rb["h"][k]) for k in ckpt["h"])
+    x0 = LanguageTask("sst2", 3, model=files["lm"], data_dir=files["sst2"], label_words=WORDS, min_size=2,
+                      lora_r=2 if lora else None).build_model().state_dict()
+    assert any(not torch.equal(v, x0[k]) for k, v in ckpt["model"].items())  # training moved it
+
+
+def test_rebuild_refuses_another_base_model(files, tmp_path, capsys):
+    out = tmp_path / "run"
+    other = tmp_path / "lm2"
+    write_tiny_lm(other, seed=1)
+    code, _, err = _run(_tiny_run(files, out, "--lora-r", "2", "--model", str(other)), capsys)
+    assert code == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    write_tiny_lm(other, seed=2)  # the base changed under the run's feet
+    code, _, err = _run(["rebuild", str(out), "--out", str(tmp_path / "rb.pt")], capsys)
+    assert code == 2 and "base model" in err and cfg["task_info"]["base_fingerprint"][:12] in err
+
+
+def test_bad_model_and_data_paths_fail_with_one_line(files, tmp_path, capsys):
+    code, _, err = _run(_tiny_run(files, tmp_path / "a", "--model", str(tmp_path / "nope")), capsys)
+    assert code == 2 and "model directory not found" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _run(_tiny_run(files, tmp_path / "b", "--data-dir", str(tmp_path / "nodata")), capsys)
+    assert code == 2 and "nodata" in err and len(err.strip().splitlines()) == 1
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "train.tsv").write_text("sentence\tlabel\nfine\tseven\n")
+    (bad / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
+    code, _, err = _run(_tiny_run(files, tmp_path / "c", "--data-dir", str(bad)), capsys)
+    assert code == 2 and "train.tsv" in err
