@@ -1,0 +1,422 @@
+"""The Flower ServerApp and ClientApp over hiso's core (scalar-only algorithms: HiSo, DeComFL).
+
+Server side, each round: plan (the core's seeded sample over all ``clients`` partitions),
+send every sampled partition that has a connected node its encoded downlink in a ``train``
+message, wait at most ``round-timeout`` seconds, and aggregate the valid uplinks that came
+back (``Server.aggregate(partial=True)``): a dead, slow or garbled node does not stop the
+round. A sampled partition with no connected node simply does not answer. A round nobody
+answered is planned again (fresh seeds). The run directory is the simulator's
+(``metrics.jsonl``, ``history.bin``, ``summary.json``, ``model.pt``), written by
+:func:`hiso.runners.rundir.run_to_dir`, so ``hiso rebuild`` works on it.
+
+Nodes and partitions: a node names its partition in its node config (``partition-id=3``;
+the simulation engine sets it by itself). The server asks every node it has not seen yet
+(``query`` message) for its partition and the round its replica holds, so a restarted node
+is picked up with a new node id and its history restarts where its replica stands.
+
+Client side, each ``train`` message: open the node's memory-mapped replica
+(:mod:`hiso.flower.replica`), let the core's :class:`~hiso.core.client.Client` decode, catch
+up (skipping records it holds), run its local steps on its partition and encode the answer.
+If the history starts after the replica's round (its disk copy was lost or reset), it answers
+``behind=<round>`` instead and the server resends from there in the same round.
+
+Message content (a ``ConfigRecord`` named ``hiso``): ``down`` (bytes) to a client;
+``up`` (bytes) or ``behind`` (int) back; ``partition`` and ``round`` (ints) for a query.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..config import RunConfig
+from ..core.client import Client
+from ..core.history import RoundRecord
+from ..core.messages import MessageError, decode_uplink, encode_downlink
+from ..core.server import Server
+from ..core.state import ModelState
+from ..runners.simulate import Comm, metric_rows
+from ..tasks.base import Task
+
+log = logging.getLogger("hiso.flower")
+
+REC = "hiso"  # name of the ConfigRecord that carries our fields
+DEFAULT_STATE_DIR = os.path.join(tempfile.gettempdir(), "hiso-flower-replicas")
+
+
+@dataclass
+class Settings:
+    """What the ServerApp needs besides the RunConfig (from the Flower run config)."""
+
+    out_dir: str
+    round_timeout: float = 30.0
+    min_nodes: int = 0  # wait for this many nodes before round 1 (0: as many as partitions)
+    wait_nodes_s: float = 60.0
+    query_timeout: float = 15.0
+    max_replans: int = 20  # consecutive rounds with no answer before the run fails
+    suspect_grace_s: float = 5.0  # how long a node that missed its last answer is waited for
+    poll_s: float = 0.1  # how often replies are pulled from the SuperLink
+
+
+def _records(content):
+    from flwr.app import ConfigRecord, RecordDict
+    return RecordDict({REC: ConfigRecord(content)})
+
+
+@lru_cache(maxsize=4)
+def _task_for(cfg_json: str) -> Task:
+    from ..tasks.registry import build_task
+    return build_task(RunConfig(**json.loads(cfg_json)))
+
+
+# --------------------------------------------------------------------------------- server
+
+
+@dataclass
+class FlowerFederation:
+    """A runner with the simulator's interface (``run``, ``comm``, ``state_dict``) over a Grid."""
+
+    grid: object
+    task: Task
+    cfg: RunConfig
+    settings: Settings
+    on_record: Callable[[RoundRecord], None] | None = None
+    node_of: dict[int, int] = field(default_factory=dict)  # partition -> node id
+    part_of: dict[int, int] = field(default_factory=dict)  # node id -> partition
+    timings: list[dict] = field(default_factory=list)  # per round: where the time went
+
+    def __post_init__(self) -> None:
+        self.zo = self.cfg.zo()
+        M = self.task.num_clients
+        weights = self.task.client_sizes() if self.cfg.weighted else None
+        self.server = Server(M, self.cfg.sampled, self.zo.local_steps, self.zo.perturbations,
+                             seed=self.cfg.seed, weights=weights)
+        self.state = ModelState(self.task.build_model(), self.zo)
+        self.comm = Comm.zeros(M)
+        self._seen: set[int] = set()
+        self._suspects: set[int] = set()  # node ids that missed their last answer
+
+    # -- nodes
+    def refresh_nodes(self) -> None:
+        """Ask every node not seen yet for its partition and its replica's round."""
+        from flwr.app import Message
+        ids = set(self.grid.get_node_ids())
+        for nid in list(self.part_of):
+            if nid not in ids:  # gone
+                pid = self.part_of.pop(nid)
+                if self.node_of.get(pid) == nid:
+                    del self.node_of[pid]
+        new = ids - self._seen
+        if not new:
+            return
+        msgs = [Message(_records({}), dst_node_id=nid, message_type="query") for nid in sorted(new)]
+        for rep in self.grid.send_and_receive(msgs, timeout=self.settings.query_timeout):
+            nid = rep.metadata.src_node_id
+            if rep.has_error():
+                log.warning("node %s failed the query: %s", nid, rep.error.reason)
+                continue
+            rec = rep.content[REC]
+            pid, held = int(rec["partition"]), int(rec["round"])
+            self._seen.add(nid)
+            if not 0 <= pid < self.task.num_clients:
+                log.warning("node %s names partition %s, outside 0..%s: ignored", nid, pid, self.task.num_clients - 1)
+                continue
+            old = self.node_of.get(pid)
+            if old is not None and old != nid:
+                log.warning("partition %s moves from node %s to node %s", pid, old, nid)
+                self.part_of.pop(old, None)
+            self.node_of[pid], self.part_of[nid] = nid, pid
+            self.server.client_holds(pid, min(held, self.server.round))
+
+    def wait_for_nodes(self) -> None:
+        want = self.settings.min_nodes or self.task.num_clients
+        t_end = time.monotonic() + self.settings.wait_nodes_s
+        while True:
+            self.refresh_nodes()
+            if len(self.node_of) >= want:
+                return
+            if time.monotonic() > t_end:
+                if not self.node_of:
+                    raise RuntimeError(f"no node connected within {self.settings.wait_nodes_s} s")
+                log.warning("only %d of %d nodes connected; going on", len(self.node_of), want)
+                return
+            time.sleep(0.5)
+
+    # -- one round
+    def _send(self, rnd: int, pids) -> dict[int, object]:
+        """Downlinks to ``pids`` (those with a node); the replies by partition."""
+        from flwr.app import Message
+        msgs = []
+        for pid in pids:
+            nid = self.node_of.get(pid)
+            if nid is None:
+                continue
+            down = encode_downlink(self.server.downlink(pid))
+            self.comm.down[pid] += len(down)
+            msgs.append(Message(_records({"down": down}), dst_node_id=nid, message_type="train", group_id=str(rnd)))
+        out = {}
+        for rep in self._exchange(msgs):
+            pid = self.part_of.get(rep.metadata.src_node_id)
+            if pid is None:
+                continue
+            if rep.has_error():
+                log.warning("round %d: partition %d failed: %s", rnd, pid, rep.error.reason)
+                continue
+            out[pid] = rep.content[REC]
+        return out
+
+    def _exchange(self, msgs: list) -> list:
+        """Push ``msgs`` and pull their replies until all came back or time is up.
+
+        Like ``Grid.send_and_receive`` but polls every ``poll_s`` (Flower's polls every 3 s) and
+        does not wait ``round_timeout`` for *suspects* (nodes that missed their last answer)
+        once every healthy node has answered: they get ``suspect_grace_s`` more. A node that
+        answers is healthy again.
+        """
+        if not msgs:
+            return []
+        st = self.settings
+        dst = {}
+        ids = list(self.grid.push_messages(msgs))
+        for mid, m in zip(ids, msgs):
+            dst[mid] = m.metadata.dst_node_id
+        pending, out = set(ids), []
+        t_end = time.monotonic() + st.round_timeout
+        grace_end = None
+        while pending:
+            reps = list(self.grid.pull_messages(pending))
+            for rep in reps:
+                mid = rep.metadata.reply_to_message_id
+                if mid in pending:
+                    pending.discard(mid)
+                    out.append(rep)
+            now = time.monotonic()
+            if not pending or now > t_end:
+                break
+            if all(dst[m] in self._suspects for m in pending):
+                grace_end = grace_end or now + st.suspect_grace_s
+                if now > grace_end:
+                    break
+            time.sleep(st.poll_s)
+        for m in pending:
+            self._suspects.add(dst[m])
+        for rep in out:
+            self._suspects.discard(rep.metadata.src_node_id)
+        return out
+
+    def step(self) -> float:
+        for _ in range(self.settings.max_replans + 1):
+            t0 = time.perf_counter()
+            self.refresh_nodes()
+            t1 = time.perf_counter()
+            plan = self.server.plan()
+            replies = self._send(plan.round, plan.participants)
+            behind = [pid for pid, r in replies.items() if "behind" in r]
+            for pid in behind:  # its replica is older than we thought: resend from its round
+                self.server.client_holds(pid, int(replies[pid]["behind"]))
+            if behind:
+                replies.update(self._send(plan.round, behind))
+            t2 = time.perf_counter()
+            ups = []
+            for pid, r in replies.items():
+                if "up" not in r:
+                    continue
+                data = r["up"]
+                self.comm.up[pid] += len(data)
+                try:
+                    up = decode_uplink(data, expect_round=plan.round, expect_shape=self.zo.shape)
+                except MessageError as e:
+                    log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
+                    continue
+                if up.client != pid:
+                    log.warning("round %d: node of partition %d answered for client %d: dropped", plan.round, pid, up.client)
+                    continue
+                ups.append(up)
+            rec = self.server.aggregate(ups, partial=True)
+            for why in self.server.rejected:
+                log.warning("round %d: %s", plan.round, why)
+            if rec is None:
+                log.warning("round %d: no valid answer from %s; planning it again", plan.round, list(plan.participants))
+                continue
+            self.state.apply(rec)
+            if self.on_record is not None:
+                self.on_record(rec)
+            t3 = time.perf_counter()
+            self.timings.append({"round": rec.round, "nodes_s": t1 - t0, "send_and_receive_s": t2 - t1,
+                                 "aggregate_apply_s": t3 - t2, "participants": list(rec.participants),
+                                 "sampled": list(plan.participants)})
+            return float(np.mean([u.loss for u in ups if u.loss is not None] or [np.nan]))
+        raise RuntimeError(f"round {self.server.round}: no client answered in {self.settings.max_replans + 1} attempts")
+
+    # -- the simulator's interface
+    def run(self, rounds: int):
+        self.wait_for_nodes()
+        return metric_rows(self.task, self.state.model, self.comm, self.step, rounds, self.cfg.eval_every)
+
+    @property
+    def model(self):
+        return self.state.model
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+
+@contextmanager
+def _runner_in_rundir(factory):
+    """Let :func:`run_to_dir` drive our runner: it builds its runner with ``build_simulation``.
+
+    TODO(rundir): a ``runner=`` parameter on ``run_to_dir`` would replace this substitution.
+    It is confined to the ServerApp's own process (or thread, in the simulation engine).
+    """
+    from ..runners import rundir
+    saved = rundir.build_simulation
+    rundir.build_simulation = factory
+    try:
+        yield rundir
+    finally:
+        rundir.build_simulation = saved
+
+
+def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
+    """The ServerApp's body: run ``cfg`` over the grid into ``settings.out_dir``."""
+    if not cfg.scalar_only:
+        raise ValueError(f"{cfg.algorithm}: the Flower app runs the scalar-only algorithms (hiso, decomfl)")
+    task = _task_for(cfg.model_dump_json())
+    holder = {}
+
+    def factory(cfg_, task_, on_record=None):
+        holder["fed"] = FlowerFederation(grid, task_, cfg_, settings, on_record)
+        return holder["fed"]
+
+    with _runner_in_rundir(factory) as rundir:
+        summary = rundir.run_to_dir(cfg, settings.out_dir, task=task)
+    fed = holder["fed"]
+    extra = {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
+                        "partitions_seen": sorted(fed.node_of)}}
+    Path(settings.out_dir, "flower.json").write_text(json.dumps(extra, indent=1))
+    if summary.get("diverged"):
+        raise RuntimeError(f"run diverged: {summary['diverged']}")
+    return summary
+
+
+# --------------------------------------------------------------------------------- client
+
+
+def _partition(context) -> int:
+    nc = context.node_config
+    if "partition-id" not in nc:
+        raise ValueError("this SuperNode has no partition: start it with --node-config 'partition-id=N'")
+    return int(nc["partition-id"])
+
+
+def _state_dir(context) -> str:
+    return str(context.node_config.get("state-dir", os.environ.get("HISO_FLOWER_STATE_DIR", DEFAULT_STATE_DIR)))
+
+
+def open_replica(cfg: RunConfig, run_id, partition: int, state_dir: str, cfg_json: str | None = None):
+    """The node's replica for this run; ``cfg_json`` is the configuration text as the server
+    sent it (default: ``cfg``'s own JSON)."""
+    from .replica import Replica, run_key
+    task = _task_for(cfg.model_dump_json())
+    state = ModelState(task.build_model(), cfg.zo())
+    rep = Replica.open(state_dir, run_key(cfg_json or cfg.model_dump_json(), run_id), partition, state)
+    if rep.reset_reason:
+        log.warning("partition %d: replica reset to x_0 (%s)", partition, rep.reset_reason)
+    return task, rep
+
+
+def _cfg_json(context) -> str | None:
+    return context.run_config.get("hiso-config") if context.run_config else None
+
+
+def handle_query(msg, context, cfg: RunConfig):
+    from flwr.app import Message
+    pid = _partition(context)
+    _, rep = open_replica(cfg, context.run_id, pid, _state_dir(context), _cfg_json(context))
+    held = rep.state.round
+    rep.close()
+    return Message(_records({"partition": pid, "round": held}), reply_to=msg)
+
+
+def handle_train(msg, context, cfg: RunConfig):
+    from flwr.app import Message
+    t0 = time.perf_counter()
+    pid = _partition(context)
+    task, rep = open_replica(cfg, context.run_id, pid, _state_dir(context), _cfg_json(context))
+    t1 = time.perf_counter()
+    client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode)
+    data = msg.content[REC]["down"]
+    rep.begin()
+    try:
+        up = client.handle(data)
+    except MessageError as e:
+        rep.commit()  # nothing changed: a refused downlink is checked before any update
+        if "history starts at" in str(e):
+            return Message(_records({"behind": rep.state.round}), reply_to=msg)
+        raise
+    rep.commit()
+    t2 = time.perf_counter()
+    log.info("partition %d: open %.3f s, handle %.3f s", pid, t1 - t0, t2 - t1)
+    rep.close()
+    return Message(_records({"up": up}), reply_to=msg)
+
+
+# --------------------------------------------------------------------------------- apps
+
+
+def make_apps(cfg: RunConfig | None = None, settings: Settings | None = None):
+    """A (ServerApp, ClientApp) pair. With ``cfg``/``settings`` they are fixed (simulation
+    engine); without, they are read from the Flower run config (deployment, ``flwr run``)."""
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    def cfg_of(context) -> RunConfig:
+        if cfg is not None:
+            return cfg
+        return RunConfig(**json.loads(context.run_config["hiso-config"]))
+
+    def settings_of(context) -> Settings:
+        if settings is not None:
+            return settings
+        rc = context.run_config
+        return Settings(out_dir=str(rc["out-dir"]), round_timeout=float(rc.get("round-timeout", 30.0)),
+                        min_nodes=int(rc.get("min-nodes", 0)), wait_nodes_s=float(rc.get("wait-nodes-s", 60.0)))
+
+    server_app, client_app = ServerApp(), ClientApp()
+
+    @server_app.main()
+    def _main(grid, context) -> None:
+        c = cfg_of(context)
+        if c.threads is not None:
+            import torch
+            torch.set_num_threads(c.threads)
+        serve(grid, c, settings_of(context))
+
+    @client_app.query()
+    def _query(msg, context):
+        return handle_query(msg, context, cfg_of(context))
+
+    @client_app.train()
+    def _train(msg, context):
+        c = cfg_of(context)
+        if c.threads is not None:
+            import torch
+            torch.set_num_threads(c.threads)
+        return handle_train(msg, context, c)
+
+    return server_app, client_app
+
+
+_APPS = make_apps()
+server_app = _APPS[0]  # (one name per line: `flwr run` finds them by reading this file)
+client_app = _APPS[1]

@@ -1,0 +1,331 @@
+"""Start a SuperLink and N SuperNodes on 127.0.0.1, run hiso on them, stop everything.
+
+What it runs are Flower's own commands (printed with ``--verbose``), so the same
+federation can be started by hand on several machines (docs/flower.md)::
+
+    flower-superlink --insecure --port PL
+    flower-supernode --insecure --superlink 127.0.0.1:PL --port PN_i \\
+        --node-config "partition-id=i state-dir='DIR'"
+    flwr run <hiso>/flower/project local --run-config overrides.toml --format json
+    flwr ls local --run-id RUN --format json     # until the status is finished:*
+
+``flwr run`` only submits the run and exits 0 whatever happens to it, so the launcher polls
+the run's status and raises :class:`FlowerRunError` unless it is ``finished:completed``.
+Telemetry, update checks and runtime dependency installation are switched off. With
+``tls=True`` it makes a CA and a server certificate for 127.0.0.1; with ``auth=True`` an EC
+key per SuperNode, registered with ``flwr supernode register`` before the node starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import RunConfig
+
+PROJECT = Path(__file__).parent / "project"
+QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+HOST = "127.0.0.1"
+
+
+class FlowerRunError(RuntimeError):
+    """The run did not finish successfully (its status and the ServerApp's log say why)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise FlowerRunError(f"{what} exited with code {proc.returncode} while starting")
+        with socket.socket() as s:
+            if s.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.2)
+    raise FlowerRunError(f"{what} did not listen on {HOST}:{port} within {timeout} s")
+
+
+def make_tls(dirpath: Path) -> dict[str, Path]:
+    """A CA and a server certificate for 127.0.0.1/localhost (test and local use)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    dirpath.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hiso test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address(HOST))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(ca_key, hashes.SHA256()))
+    out = {"ca": dirpath / "ca.crt", "cert": dirpath / "server.pem", "key": dirpath / "server.key"}
+    out["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    out["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    out["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                             serialization.NoEncryption()))
+    return out
+
+
+def make_node_key(dirpath: Path, name: str) -> tuple[Path, Path]:
+    """An EC (P-384) key pair in OpenSSH format, as SuperNode authentication wants."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    dirpath.mkdir(parents=True, exist_ok=True)
+    k = ec.generate_private_key(ec.SECP384R1())
+    priv, pub = dirpath / name, dirpath / f"{name}.pub"
+    priv.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                     serialization.NoEncryption()))
+    priv.chmod(0o600)
+    pub.write_bytes(k.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    return priv, pub
+
+
+@dataclass
+class LocalFederation:
+    """A SuperLink and ``nodes`` SuperNodes on loopback; a context manager that stops them all."""
+
+    nodes: int
+    workdir: Path | None = None
+    tls: bool = False
+    auth: bool = False
+    partitions: list[int] | None = None  # node i's partition (default: i)
+    verbose: bool = False
+    start_timeout: float = 60.0
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._own_workdir = self.workdir is None
+        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="hiso-flower-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.home = self.workdir / "flwr-home"
+        self.state_dir = self.workdir / "replicas"
+        self.logs = self.workdir / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.partitions = self.partitions or list(range(self.nodes))
+        bindir = str(Path(sys.executable).parent)  # flower-superlink spawns flower-superexec by name
+        self.env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home),
+                    "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+        self.bin = Path(bindir)
+        self.port = 0
+        self.node_ports: dict[int, int] = {}
+        self.certs: dict[str, Path] = {}
+        self.keys: dict[int, tuple[Path, Path]] = {}
+
+    # -- processes
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        if self.verbose:
+            print("$", " ".join(argv), file=sys.stderr)
+        logf = open(self.logs / f"{name}.log", "ab")
+        # own session: stop() ends the process group it heads, and nothing else
+        p = subprocess.Popen(["nice", "-n", os.environ.get("HISO_FLOWER_NICE", "15"), *argv], env=self.env,
+                             stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, cwd=self.workdir)
+        logf.close()
+        self.procs[name] = p
+        return p
+
+    def _tls_link_args(self) -> list[str]:
+        if not self.tls:
+            return ["--insecure"]
+        return ["--ssl-certfile", str(self.certs["cert"]), "--ssl-keyfile", str(self.certs["key"]),
+                "--ssl-ca-certfile", str(self.certs["ca"])]
+
+    def _flwr(self, *args: str, timeout: float = 60.0) -> dict:
+        r = subprocess.run([str(self.bin / "flwr"), *args], env=self.env, capture_output=True, text=True,
+                           timeout=timeout, cwd=self.workdir)
+        try:
+            return json.loads(r.stdout[r.stdout.index("{"):])
+        except ValueError:
+            raise FlowerRunError(f"flwr {' '.join(args)} exited {r.returncode}: {r.stdout[-2000:]} {r.stderr[-2000:]}") from None
+
+    def start(self) -> "LocalFederation":
+        if self.tls or self.auth:
+            self.certs = make_tls(self.workdir / "certs") if self.tls else {}
+        self.port = free_port()
+        conn = {"address": f"{HOST}:{self.port}"}
+        if self.tls:
+            conn["root-certificates"] = str(self.certs["ca"].resolve())
+        else:
+            conn["insecure"] = True
+        self.home.mkdir(parents=True, exist_ok=True)
+        lines = ['[superlink]', 'default = "local"', '', '[superlink.local]']
+        lines += [f"{k} = {json.dumps(v)}" for k, v in conn.items()]
+        (self.home / "config.toml").write_text("\n".join(lines) + "\n")
+        argv = [str(self.bin / "flower-superlink"), *self._tls_link_args(), "--port", str(self.port)]
+        if self.auth:
+            argv.append("--enable-supernode-auth")
+        sl = self._spawn("superlink", argv)
+        _wait_port(self.port, sl, self.start_timeout, "flower-superlink")
+        for i in range(self.nodes):
+            self.start_node(i)
+        return self
+
+    def start_node(self, i: int) -> subprocess.Popen:
+        """Start (or restart) SuperNode ``i``; its replica directory is kept across restarts."""
+        if self.auth and i not in self.keys:
+            self.keys[i] = make_node_key(self.workdir / "keys", f"node{i}")
+            res = self._flwr("supernode", "register", str(self.keys[i][1]), "local", "--format", "json")
+            if not res.get("success", False):
+                raise FlowerRunError(f"could not register node {i}: {res}")
+        port = self.node_ports.setdefault(i, free_port())
+        nc = f"partition-id={self.partitions[i]} state-dir='{self.state_dir}'"
+        argv = [str(self.bin / "flower-supernode"), "--superlink", f"{HOST}:{self.port}", "--port", str(port),
+                "--node-config", nc]
+        argv += ["--root-certificates", str(self.certs["ca"])] if self.tls else ["--insecure"]
+        if self.auth:
+            argv += ["--auth-supernode-private-key", str(self.keys[i][0])]
+        p = self._spawn(f"supernode{i}", argv)
+        _wait_port(port, p, self.start_timeout, f"flower-supernode {i}")
+        return p
+
+    def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Kill SuperNode ``i`` (and the ClientApp it may be running) at once."""
+        self._stop(f"supernode{i}", sig)
+
+    def _stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        p = self.procs.pop(name, None)
+        if p is None:
+            return
+        pids = _descendants(p.pid) + [p.pid]  # detached children (superexec, apps) included
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            p.wait(timeout=10)
+
+    def stop(self) -> None:
+        for name in [n for n in self.procs if n.startswith("supernode")] + ["superlink"]:
+            self._stop(name)
+
+    def __enter__(self) -> "LocalFederation":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._own_workdir and exc[0] is None and not self.verbose:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # -- runs
+    def submit(self, cfg: RunConfig, out_dir: str | Path, *, round_timeout: float = 30.0,
+               min_nodes: int | None = None, wait_nodes_s: float = 60.0) -> str:
+        """``flwr run`` the app with ``cfg``; returns the run id (the run goes on in the federation)."""
+        over = self.workdir / f"run-{time.time_ns()}.toml"
+        import tomli_w
+        over.write_text(tomli_w.dumps({
+            "hiso-config": self.config_text(cfg), "out-dir": str(Path(out_dir).resolve()),
+            "round-timeout": float(round_timeout), "min-nodes": int(min_nodes if min_nodes is not None else self.nodes),
+            "wait-nodes-s": float(wait_nodes_s)}))
+        res = self._flwr("run", str(PROJECT), "local", "--run-config", str(over), "--format", "json", timeout=120)
+        if not res.get("success"):
+            raise FlowerRunError(f"flwr run failed: {res.get('error-message', res)}")
+        return str(res["run-id"])
+
+    @staticmethod
+    def config_text(cfg: RunConfig) -> str:
+        """The configuration as it travels in the run config (and keys the nodes' replicas)."""
+        return cfg.model_dump_json()
+
+    def status(self, run_id: str) -> dict:
+        res = self._flwr("ls", "local", "--run-id", run_id, "--format", "json")
+        runs = res.get("runs") or []
+        if not res.get("success") or not runs:
+            raise FlowerRunError(f"flwr ls: no run {run_id}: {res}")
+        return runs[0]
+
+    def wait(self, run_id: str, timeout: float, poll: float = 1.0, on_poll=None) -> dict:
+        """Block until the run finishes; raise FlowerRunError unless it completed."""
+        t_end = time.monotonic() + timeout
+        while True:
+            st = self.status(run_id)
+            if st["status"].startswith("finished"):
+                break
+            if on_poll is not None:
+                on_poll(st)
+            if time.monotonic() > t_end:
+                self._flwr("stop", run_id, "local", "--format", "json")
+                raise FlowerRunError(f"run {run_id} still {st['status']} after {timeout} s (stopped it)")
+            time.sleep(poll)
+        if st["status"] != "finished:completed":
+            log = self.logs_of(run_id)
+            raise FlowerRunError(f"run {run_id} {st['status']}: {st.get('status-details')}\n{log[-3000:]}")
+        return st
+
+    def logs_of(self, run_id: str) -> str:
+        try:
+            r = subprocess.run([str(self.bin / "flwr"), "log", run_id, "local", "--show"], env=self.env,
+                               capture_output=True, text=True, timeout=20, cwd=self.workdir)
+            return r.stdout + r.stderr
+        except (subprocess.TimeoutExpired, OSError) as e:
+            return f"(no log: {e})"
+
+    def run(self, cfg: RunConfig, out_dir: str | Path, timeout: float = 600.0, **kw) -> dict:
+        return self.wait(self.submit(cfg, out_dir, **kw), timeout)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (by /proc parent links), deepest first."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(children.get(c, []))
+    return out[::-1]
