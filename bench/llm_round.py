@@ -1,0 +1,129 @@
+"""Where an LLM round's time and memory go: forwards, direction generation, the rest; peak RSS
+of a training round against inference alone on the same batch.
+
+    python bench/llm_round.py --data-dir ../shared/data/sst2 --lora-r 8 --rounds 3
+    python bench/llm_round.py --data-dir ../shared/data/sst2 --rounds 2          # full parameters
+
+One process per invocation (peak RSS is its own; Linux's /proc/self/clear_refs resets the peak
+between the inference phase and the training phase). A simulated round is m clients' local
+updates (tau (P + 1) forwards each, hooks perturbation: each perturbed layer's direction is
+generated inside the forward) plus the server's replay of the round's record, which is exactly
+what a client pays per missed round when it catches up. All shares come from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default="sst2")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--lora-r", type=int)
+    ap.add_argument("--algorithm", default="hiso")
+    ap.add_argument("--autocast", default="auto")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+
+    from hiso.config import load_config
+    from hiso.core import directions
+    from hiso.core.state import ModelState
+    from hiso.runners.compare import _reset_peak_rss, _vm_hwm_mb
+    from hiso.runners.simulate import Simulation
+    from hiso.tasks.registry import build_task
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(task=args.task, model=args.model, data_dir=args.data_dir, lora_r=args.lora_r,
+                      algorithm=args.algorithm, autocast=args.autocast, clients=6, sampled=2,
+                      batch_size=args.batch_size, lr=1e-6, eval_max=16, min_size=2)
+    t0 = time.perf_counter()
+    task = build_task(cfg)
+    model = task.build_model()
+    load_s = time.perf_counter() - t0
+    batch = task.batch(0, 0, 0, args.batch_size)
+    if not _reset_peak_rss():
+        raise SystemExit("needs Linux's /proc/self/clear_refs to measure peak memory per phase")
+    with torch.no_grad():
+        for _ in range(2):  # warm-up: first touches of the weights' pages
+            task.loss(model, batch)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            task.loss(model, batch)
+        t_fwd = (time.perf_counter() - t0) / 3
+    rss_inference = _vm_hwm_mb()
+
+    timers = {"forward": 0.0, "generate": 0.0, "generate_in_forward": 0.0, "apply": 0.0}
+    inside = [False]
+    fill, loss, apply = directions.DirectionGenerator.fill, task.loss, ModelState.apply
+
+    def timed_fill(self, *a):
+        t = time.perf_counter()
+        out = fill(self, *a)
+        dt = time.perf_counter() - t
+        timers["generate"] += dt
+        if inside[0]:
+            timers["generate_in_forward"] += dt
+        return out
+
+    def timed_loss(m, b):
+        inside[0] = True
+        t = time.perf_counter()
+        try:
+            return loss(m, b)
+        finally:
+            timers["forward"] += time.perf_counter() - t
+            inside[0] = False
+
+    def timed_apply(self, rec):
+        t = time.perf_counter()
+        apply(self, rec)
+        timers["apply"] += time.perf_counter() - t
+
+    directions.DirectionGenerator.fill = timed_fill
+    task.loss = timed_loss
+    ModelState.apply = timed_apply
+    task._spare = model  # the simulation takes the model inference used (one copy in memory)
+    sim = Simulation(task, cfg.zo(), clients_per_round=2, seed=0, batch_size=args.batch_size, eval_every=10**9)
+    _reset_peak_rss()
+    sim.step()  # warm-up: scratch buffers
+    for k in timers:
+        timers[k] = 0.0
+    t0 = time.perf_counter()
+    for _ in range(args.rounds):
+        sim.step()
+    total = time.perf_counter() - t0
+    R = args.rounds
+    fwd = (timers["forward"] - timers["generate_in_forward"]) / R
+    gen = timers["generate"] / R
+    per = total / R
+    n_fwd = 2 * cfg.local_steps * (cfg.perturbations + 1)
+    out = {
+        "task": args.task, "model": args.model, "lora_r": args.lora_r, "algorithm": args.algorithm,
+        "autocast": task.autocast, "threads": args.threads, "batch_size": args.batch_size,
+        "trainable_params": sum(p.numel() for p in sim.state.params), "load_s": load_s,
+        "s_per_round": per, "forwards_s": fwd, "directions_s": gen, "rest_s": per - fwd - gen,
+        "forward_alone_s": t_fwd, "forwards_per_round": n_fwd, "round_over_forwards_alone": per / (n_fwd * t_fwd),
+        "catch_up_s_per_missed_round": timers["apply"] / R,
+        "rss_inference_mb": rss_inference, "peak_rss_round_mb": _vm_hwm_mb(),
+    }
+    print(f"{args.task} {args.model} {'LoRA r=' + str(args.lora_r) if args.lora_r else 'full'} "
+          f"({out['trainable_params']:,} trainable), {args.algorithm}, autocast {task.autocast}, {args.threads} threads:")
+    print(f"  {per:.2f} s/round = forwards {fwd:.2f} s ({100 * fwd / per:.0f}%) + directions {gen:.2f} s "
+          f"({100 * gen / per:.0f}%) + rest {per - fwd - gen:.2f} s; round = {out['round_over_forwards_alone']:.2f}x "
+          f"its {n_fwd} forwards alone ({t_fwd:.2f} s each)")
+    print(f"  catch-up: {out['catch_up_s_per_missed_round']:.2f} s per missed round; peak RSS: inference "
+          f"{rss_inference:.0f} MB, training round {out['peak_rss_round_mb']:.0f} MB "
+          f"({out['peak_rss_round_mb'] - rss_inference:+.0f} MB)")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
