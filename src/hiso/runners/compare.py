@@ -257,7 +257,7 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
         spec = CompareSpec(**{**raw_cmp, **(compare_flags or {})})
     except ValidationError as e:
         raise ConfigError(_one_line(e, "compare")) from None
-    load_config(None, **shared)  # the shared part alone must be valid (names, types, ranges)
+    load_config(None, **{"lr": 1.0, **shared})  # the shared part alone must be valid (an arm's lr: below)
 
     # variants and per-algorithm overrides
     for name, keys in spec.variants.items():
@@ -305,12 +305,16 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
         raise ConfigError(f"compare.seeds: need distinct non-negative integers, got {spec.seeds}")
 
     arms = []
-    default_lr = load_config(None, **shared).lr
     for name in spec.algorithms:
         var = spec.variants.get(name, {"algorithm": name})
         alg = var["algorithm"]
         overrides = {**spec.overrides.get(alg, {}), **{k: v for k, v in var.items() if k != "algorithm"}}
-        lrs = spec.lr_grid.get(name, spec.lr_grid.get(alg, [default_lr]))
+        lrs = spec.lr_grid.get(name, spec.lr_grid.get(alg))
+        if lrs is None:  # no grid: the shared lr, else this algorithm's default for the task
+            try:
+                lrs = [load_config(None, **{**shared, **overrides, "algorithm": alg}).lr]
+            except ConfigError as e:
+                raise ConfigError(f"{name}: {e} (in a comparison: --lr-grid {name}=LR,...)") from None
         arms.append(Arm(name, alg, overrides, tuple(float(x) for x in lrs)))
 
     reference = spec.reference
