@@ -40,38 +40,40 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
     gen, h, model = state.gen, state.h, state.model
     was_training = model.training
     model.eval()  # f must be a function of x alone: no dropout, no batch-norm statistics updates
-    need_delta = tau > 1 or return_delta
-    delta = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in state.params] if need_delta else None
-    scalars = np.empty((tau, P), dtype=np.float32)
-    losses = []
+    try:
+        need_delta = tau > 1 or return_delta
+        delta = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in state.params] if need_delta else None
+        scalars = np.empty((tau, P), dtype=np.float32)
+        losses = []
 
-    def f(batch, seed=None, scale=0.0) -> float:
-        if seed is None and delta is None:
-            return float(loss_fn(model, batch))
-        with perturber.at(Shift(gen, seed, scale, h, delta)):
-            return float(loss_fn(model, batch))
+        def f(batch, seed=None, scale=0.0) -> float:
+            if seed is None and delta is None:
+                return float(loss_fn(model, batch))
+            with perturber.at(Shift(gen, seed, scale, h, delta)):
+                return float(loss_fn(model, batch))
 
-    for k in range(tau):
-        batch = batches[k]
-        f0 = f(batch) if cfg.difference == "forward" else None
-        for p in range(P):
-            s = int(seeds[k, p])
-            fp = f(batch, s, cfg.mu)
-            if f0 is not None:
-                scalars[k, p] = (fp - f0) / cfg.mu
-                if p == 0:
-                    losses.append(f0)
-            else:
-                fm = f(batch, s, -cfg.mu)
-                scalars[k, p] = (fp - fm) / (2 * cfg.mu)
-                losses.append(0.5 * (fp + fm))
-        if not np.all(np.isfinite(scalars[k])):
-            raise FloatingPointError(f"non-finite ZO scalar at local step {k} (loss diverged: lower lr or mu)")
-        if delta is not None and (k < tau - 1 or return_delta):
-            for i, prm in enumerate(state.params):
-                ghat = step_direction(gen, i, prm, seeds[k], scalars[k], state.h_of(i))
-                delta[i].add_(ghat, alpha=-cfg.lr)
-    model.train(was_training)
+        for k in range(tau):
+            batch = batches[k]
+            f0 = f(batch) if cfg.difference == "forward" else None
+            for p in range(P):
+                s = int(seeds[k, p])
+                fp = f(batch, s, cfg.mu)
+                if f0 is not None:
+                    scalars[k, p] = (fp - f0) / cfg.mu
+                    if p == 0:
+                        losses.append(f0)
+                else:
+                    fm = f(batch, s, -cfg.mu)
+                    scalars[k, p] = (fp - fm) / (2 * cfg.mu)
+                    losses.append(0.5 * (fp + fm))
+            if not np.all(np.isfinite(scalars[k])):
+                raise FloatingPointError(f"non-finite ZO scalar at local step {k} (loss diverged: lower lr or mu)")
+            if delta is not None and (k < tau - 1 or return_delta):
+                for i, prm in enumerate(state.params):
+                    ghat = step_direction(gen, i, prm, seeds[k], scalars[k], state.h_of(i))
+                    delta[i].add_(ghat, alpha=-cfg.lr)
+    finally:  # also when a forward raises
+        model.train(was_training)
     if return_delta:
         return scalars, float(np.mean(losses)), delta
     return scalars, float(np.mean(losses))
