@@ -115,6 +115,10 @@ class FullModelSimulation:
             losses.append(ans.loss)
         step, self.opt_state = self.opt.update(self.opt_state, unflatten(agg, self.params))
         with torch.no_grad():
+            # written only if every new value is finite: a diverged run keeps its last finite model
+            for p, s in zip(self.params, step):
+                if not bool(torch.isfinite(p + s.to(p.dtype)).all()):
+                    raise FloatingPointError(f"the server step of round {r + 1} makes the model non-finite (lower lr or server_lr)")
             for p, s in zip(self.params, step):
                 p.add_(s.to(p.dtype))
         self.round += 1

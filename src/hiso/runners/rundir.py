@@ -5,11 +5,17 @@ DIR/metrics.jsonl   one row per round (row 0: the initial evaluation), flushed a
 DIR/history.bin     the server's log (seeds, aggregated scalars, participants per round)
 DIR/summary.json    final and best metrics, communication per client, time and memory
 DIR/model.pt        the final server model (state dict) and, for HiSo, H
+
+A run whose model (or H) turns non-finite, or whose mean training loss is non-finite or exceeds
+``diverge_factor`` x round 1's, stops as diverged (``summary.json`` ``diverged``, exit 1 from
+``hiso run``). Its ``model.pt`` is the last finite model, and for the scalar-only algorithms
+``history.bin`` ends at that same round (``hiso rebuild`` reproduces it).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -48,6 +54,24 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
     return FullModelSimulation(task, cfg)
 
 
+def finite(tensors) -> bool:
+    """Whether every value of every tensor is finite (one reduction per tensor; a second pass
+    only when a sum overflows or is NaN)."""
+    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def loss_diverged(loss: float | None, first: float | None, factor: float | None) -> str | None:
+    """Why a round's mean training loss means divergence (None: it does not): non-finite, or
+    above ``factor`` x ``first`` (round 1's loss, the clients' loss at x_0; skipped if <= 0)."""
+    if loss is None:
+        return None
+    if not math.isfinite(loss):
+        return f"non-finite training loss {loss}"
+    if factor is not None and first is not None and first > 0 and loss > factor * first:
+        return f"training loss {loss:.4g} exceeds diverge_factor {factor:g} x round 1's {first:.4g}"
+    return None
+
+
 def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None,
                task: Task | None = None) -> dict:
     """Run ``cfg`` and write DIR. ``progress(row)`` is called after every round."""
@@ -66,9 +90,17 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         hist = None
         if cfg.scalar_only:  # full-model baselines have no seed/scalar log to rebuild from
             hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape))
-        sim = build_simulation(cfg, task, hist.write if hist else None)
+
+        def log(rec):  # a round that left x or H non-finite is not logged (and not counted)
+            st = sim.state
+            if not finite(st.params) or (st.h is not None and not finite(st.h)):
+                raise FloatingPointError(f"the model or H became non-finite in round {rec.round + 1} (lower lr)")
+            hist.write(rec)
+
+        sim = build_simulation(cfg, task, log if hist else None)
         row = {}
         diverged = None
+        first_loss = None
         try:
             for row in sim.run(cfg.rounds):
                 mf.write(json.dumps(row) + "\n")
@@ -80,11 +112,25 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                         best[k] = v if k not in best else better(best[k], v)
                 if progress is not None:
                     progress(row)
+                if first_loss is None:
+                    first_loss = row.get("train_loss")
+                why = loss_diverged(row.get("train_loss"), first_loss, cfg.diverge_factor)
+                if why is not None:  # this round's model is finite (checked above): it is kept
+                    diverged = {"round": row["round"], "error": why}
+                    break
         except FloatingPointError as e:
-            # a diverged run is a result (too large an lr), not a crash: keep what it logged; the
-            # failing round was never aggregated, so the saved model is the last finite one
+            # a diverged run is a result (too large an lr), not a crash: keep what it logged. A
+            # non-finite scalar stops the round before it is aggregated; a round that made x or H
+            # non-finite is rolled back below (the full-model runner never writes such a step)
             diverged = {"round": row.get("round", 0) + 1, "error": str(e)}
-    torch.save(checkpoint(sim.state_dict(), info), out / "model.pt")
+    state = sim.state_dict()
+    if diverged is not None and cfg.scalar_only and not (finite(sim.state.params) and
+                                                         (sim.state.h is None or finite(sim.state.h))):
+        # x_0 plus the logged rounds: exactly the state before the bad round (as `hiso rebuild`)
+        last = ModelState(task.build_model(), sim.state.cfg)
+        last.replay(sim.server.history[:row.get("round", 0)])
+        state = last.state_dict()
+    torch.save(checkpoint(state, info), out / "model.pt")
     summary = {
         "algorithm": cfg.algorithm, "task": cfg.task, "rounds": cfg.rounds,
         "rounds_done": row.get("round", 0), "diverged": diverged,
