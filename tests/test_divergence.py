@@ -231,6 +231,21 @@ def test_a_comparison_gives_each_arm_without_a_grid_its_own_default(monkeypatch)
         build_plan(None, {}, parse_cli("hiso,decomfl", "0", ["hiso=0.1"]))
 
 
+def test_a_comparison_resumes_runs_made_before_diverge_factor_existed(tmp_path):
+    from hiso.runners.compare import _finished, build_plan, parse_cli
+    plan = build_plan(None, {"dim": 5, "rounds": 2}, parse_cli("hiso", "0", ["hiso=0.05"]))
+    spec = plan.runs(tmp_path)[0]
+    run_to_dir(spec.cfg, spec.dir)
+    raw = json.loads((spec.dir / "config.json").read_text())
+    del raw["diverge_factor"]  # as written by an older hiso
+    (spec.dir / "config.json").write_text(json.dumps(raw))
+    assert _finished(spec)
+    raw["diverge_factor"] = 10.0  # a run made with another factor is another run
+    (spec.dir / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="diverge_factor"):
+        _finished(spec)
+
+
 # ------------------------------------------------------------------ local_update and the model's mode
 
 class Dropper(nn.Module):

@@ -102,7 +102,7 @@ TASK_METRICS = {"quadratic": ("gap", "eval_loss"), "mnist": ("eval_acc", "eval_l
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
                    "difference", "batch_size", "eval_every", "weighted", "mode", "perturb_mode",
                    "nu", "eps", "h_min", "h_max", "h_source", "server_lr", "beta1", "beta2",
-                   "server_tau", "wire_dtype", "threads"}
+                   "server_tau", "wire_dtype", "threads", "diverge_factor"}
 # RunConfig fields that may differ between a finished run and the one asked for now
 RESUME_IGNORED = {"threads"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -355,6 +355,8 @@ def _finished(spec: RunSpec) -> bool:
     for k in sorted(set(old) | set(new)):
         if k in RESUME_IGNORED or k == "task_info":
             continue
+        if k not in old and k in RunConfig.model_fields and new[k] == RunConfig.model_fields[k].default:
+            continue  # an option added after that run was made, asked for at its default
         if old.get(k) != new.get(k):
             raise ConfigError(f"{spec.dir} holds a finished run with {k} = {old.get(k)!r}, not {new.get(k)!r} "
                               "as asked now (use --force to rerun, or another --out)")
