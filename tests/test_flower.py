@@ -106,25 +106,31 @@ def _wait_rows(path: Path, n: int, timeout: float) -> None:
 
 
 def test_flower_run_finishes_with_the_survivor_when_a_node_dies(federation, tmp_path):
-    """Node 1 is killed after round 1; node 0 carries the rest, and stays bit-identical."""
-    cfg = RunConfig(**CFG, rounds=5, seed=1)
+    """Node 1 is killed after round 1: node 0 carries the next rounds and stays bit-identical.
+    Node 1 is then restarted on the same disk: it catches up and ends in step too."""
+    cfg = RunConfig(**CFG, rounds=6, seed=1)
     fed = federation(nodes=2)
     out = tmp_path / "flower"
-    run_id = fed.submit(cfg, out, round_timeout=12)
+    run_id = fed.submit(cfg, out, round_timeout=20)
     _wait_rows(out / "metrics.jsonl", 1, timeout=120)  # round 1 logged
     fed.kill_node(1)
+    _wait_rows(out / "metrics.jsonl", 2, timeout=120)  # a round without it
+    fed.start_node(1)
     fed.wait(run_id, timeout=240)
     _, _, recs = read_history(out / "history.bin")
-    assert len(recs) == 5 and recs[0].participants == (0, 1)
-    assert recs[-1].participants == (0,)  # the dead node took no part at the end
+    parts = [r.participants for r in recs]
+    assert len(recs) == 6 and parts[0] == (0, 1)
+    assert (0,) in parts[1:]  # rounds closed with the survivor alone
+    assert parts[-1] == (0, 1)  # the restarted node is back
     final = _load(out / "model.pt")
     state, _ = rebuild(out)
     assert all(torch.equal(p, final["model"][n]) for n, p in state.named)
-    rep = _replica(fed, cfg, run_id, 0)  # the survivor, in step with the server
-    assert rep.state.round == 4
-    rep.state.replay(recs[4:])
-    assert all(torch.equal(p, final["model"][n]) for n, p in rep.state.named)
-    assert all(torch.equal(h, final["h"][n]) for (n, _), h in zip(rep.state.named, rep.state.h))
+    for pid in (0, 1):  # both replicas hold x_5 and replay to the server's x_6, H included
+        rep = _replica(fed, cfg, run_id, pid)
+        assert rep.state.round == 5
+        rep.state.replay(recs[5:])
+        assert all(torch.equal(p, final["model"][n]) for n, p in rep.state.named)
+        assert all(torch.equal(h, final["h"][n]) for (n, _), h in zip(rep.state.named, rep.state.h))
     flower = json.loads((out / "flower.json").read_text())["flower"]
     assert any(t["participants"] != t["sampled"] for t in flower["timings"])
 
@@ -136,7 +142,11 @@ def test_flower_with_tls_and_node_authentication(federation, tmp_path):
     assert st["status"] == "finished:completed"
     run_to_dir(cfg, tmp_path / "sim")
     assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
-    # the SuperLink really speaks TLS only: a plain-HTTP request gets no HTTP answer
+    # node authentication: a node whose key was never registered is refused and exits
+    intruder = fed.start_node(7, register=False, wait=False)
+    assert intruder.wait(timeout=60) != 0
+    assert len(fed.nodes_online()) == 2
+    # TLS: the SuperLink answers no plain-HTTP request
     import http.client
     conn = http.client.HTTPConnection("127.0.0.1", fed.port, timeout=5)
     try:

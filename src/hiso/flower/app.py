@@ -62,9 +62,8 @@ class Settings:
     round_timeout: float = 30.0
     min_nodes: int = 0  # wait for this many nodes before round 1 (0: as many as partitions)
     wait_nodes_s: float = 60.0
-    query_timeout: float = 15.0
     max_replans: int = 20  # consecutive rounds with no answer before the run fails
-    suspect_grace_s: float = 5.0  # how long a node that missed its last answer is waited for
+    suspect_grace_s: float = 2.0  # how long a node that missed its last answer is waited for
     poll_s: float = 0.1  # how often replies are pulled from the SuperLink
 
 
@@ -105,10 +104,12 @@ class FlowerFederation:
         self.comm = Comm.zeros(M)
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
+        self._queries: dict[str, int] = {}  # query message id -> node id, awaiting a reply
 
     # -- nodes
     def refresh_nodes(self) -> None:
-        """Ask every node not seen yet for its partition and its replica's round."""
+        """Ask every node not seen yet for its partition and its replica's round (non-blocking:
+        a query is sent once per node; replies are collected whenever this is called)."""
         from flwr.app import Message
         ids = set(self.grid.get_node_ids())
         for nid in list(self.part_of):
@@ -116,18 +117,23 @@ class FlowerFederation:
                 pid = self.part_of.pop(nid)
                 if self.node_of.get(pid) == nid:
                     del self.node_of[pid]
-        new = ids - self._seen
-        if not new:
+        self._queries = {m: n for m, n in self._queries.items() if n in ids}
+        new = sorted(ids - self._seen - set(self._queries.values()))
+        if new:
+            msgs = [Message(_records({}), dst_node_id=nid, message_type="query") for nid in new]
+            self._queries.update(zip(self.grid.push_messages(msgs), new))
+        if not self._queries:
             return
-        msgs = [Message(_records({}), dst_node_id=nid, message_type="query") for nid in sorted(new)]
-        for rep in self.grid.send_and_receive(msgs, timeout=self.settings.query_timeout):
-            nid = rep.metadata.src_node_id
+        for rep in self.grid.pull_messages(set(self._queries)):
+            nid = self._queries.pop(rep.metadata.reply_to_message_id, None)
+            if nid is None:
+                continue
+            self._seen.add(nid)
             if rep.has_error():
                 log.warning("node %s failed the query: %s", nid, rep.error.reason)
                 continue
             rec = rep.content[REC]
             pid, held = int(rec["partition"]), int(rec["round"])
-            self._seen.add(nid)
             if not 0 <= pid < self.task.num_clients:
                 log.warning("node %s names partition %s, outside 0..%s: ignored", nid, pid, self.task.num_clients - 1)
                 continue
@@ -150,7 +156,7 @@ class FlowerFederation:
                     raise RuntimeError(f"no node connected within {self.settings.wait_nodes_s} s")
                 log.warning("only %d of %d nodes connected; going on", len(self.node_of), want)
                 return
-            time.sleep(0.5)
+            time.sleep(self.settings.poll_s)
 
     # -- one round
     def _send(self, rnd: int, pids) -> dict[int, object]:
@@ -180,8 +186,8 @@ class FlowerFederation:
 
         Like ``Grid.send_and_receive`` but polls every ``poll_s`` (Flower's polls every 3 s) and
         does not wait ``round_timeout`` for *suspects* (nodes that missed their last answer)
-        once every healthy node has answered: they get ``suspect_grace_s`` more. A node that
-        answers is healthy again.
+        once every healthy node has answered: they get ``suspect_grace_s`` more (if all are
+        suspects, all get the full ``round_timeout``). A node that answers is healthy again.
         """
         if not msgs:
             return []
@@ -193,6 +199,7 @@ class FlowerFederation:
         pending, out = set(ids), []
         t_end = time.monotonic() + st.round_timeout
         grace_end = None
+        any_healthy = any(d not in self._suspects for d in dst.values())  # else: all get the full time
         while pending:
             reps = list(self.grid.pull_messages(pending))
             for rep in reps:
@@ -203,7 +210,7 @@ class FlowerFederation:
             now = time.monotonic()
             if not pending or now > t_end:
                 break
-            if all(dst[m] in self._suspects for m in pending):
+            if any_healthy and all(dst[m] in self._suspects for m in pending):
                 grace_end = grace_end or now + st.suspect_grace_s
                 if now > grace_end:
                     break
@@ -312,6 +319,30 @@ def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
 # --------------------------------------------------------------------------------- client
 
 
+def _process_start() -> float:
+    """When this process started, on the perf_counter clock (Linux; else: module import)."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        return time.perf_counter() - (up - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter()
+
+
+_PROCESS_T0 = _process_start()
+
+
+def _note_timing(path: Path, row: dict) -> None:
+    """Where a ClientApp's time went, appended beside its replica (never sent on the wire)."""
+    try:
+        with open(path / "timings.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError:
+        pass
+
+
 def _partition(context) -> int:
     nc = context.node_config
     if "partition-id" not in nc:
@@ -366,7 +397,8 @@ def handle_train(msg, context, cfg: RunConfig):
         raise
     rep.commit()
     t2 = time.perf_counter()
-    log.info("partition %d: open %.3f s, handle %.3f s", pid, t1 - t0, t2 - t1)
+    _note_timing(rep.path, {"round": client.state.round, "since_process_start_s": t0 - _PROCESS_T0,
+                            "open_s": t1 - t0, "handle_s": t2 - t1, "up_bytes": len(up), "down_bytes": len(data)})
     rep.close()
     return Message(_records({"up": up}), reply_to=msg)
 

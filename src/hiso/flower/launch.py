@@ -121,7 +121,7 @@ class LocalFederation:
     auth: bool = False
     partitions: list[int] | None = None  # node i's partition (default: i)
     verbose: bool = False
-    start_timeout: float = 60.0
+    start_timeout: float = 120.0
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -191,23 +191,33 @@ class LocalFederation:
             self.start_node(i)
         return self
 
-    def start_node(self, i: int) -> subprocess.Popen:
-        """Start (or restart) SuperNode ``i``; its replica directory is kept across restarts."""
+    def start_node(self, i: int, *, register: bool = True, wait: bool = True) -> subprocess.Popen:
+        """Start (or restart) SuperNode ``i``; its replica directory is kept across restarts.
+
+        With authentication on, its key is made and registered first (``register=False``
+        makes a key the SuperLink does not know: such a node must be refused)."""
         if self.auth and i not in self.keys:
             self.keys[i] = make_node_key(self.workdir / "keys", f"node{i}")
-            res = self._flwr("supernode", "register", str(self.keys[i][1]), "local", "--format", "json")
-            if not res.get("success", False):
-                raise FlowerRunError(f"could not register node {i}: {res}")
+            if register:
+                res = self._flwr("supernode", "register", str(self.keys[i][1]), "local", "--format", "json")
+                if not res.get("success", False):
+                    raise FlowerRunError(f"could not register node {i}: {res}")
         port = self.node_ports.setdefault(i, free_port())
-        nc = f"partition-id={self.partitions[i]} state-dir='{self.state_dir}'"
+        part = self.partitions[i] if i < len(self.partitions) else i
+        nc = f"partition-id={part} state-dir='{self.state_dir}'"
         argv = [str(self.bin / "flower-supernode"), "--superlink", f"{HOST}:{self.port}", "--port", str(port),
                 "--node-config", nc]
         argv += ["--root-certificates", str(self.certs["ca"])] if self.tls else ["--insecure"]
         if self.auth:
             argv += ["--auth-supernode-private-key", str(self.keys[i][0])]
         p = self._spawn(f"supernode{i}", argv)
-        _wait_port(port, p, self.start_timeout, f"flower-supernode {i}")
+        if wait:
+            _wait_port(port, p, self.start_timeout, f"flower-supernode {i}")
         return p
+
+    def nodes_online(self) -> list[dict]:
+        res = self._flwr("supernode", "ls", "local", "--format", "json")
+        return [n for n in res.get("nodes", []) if n.get("status") == "online"]
 
     def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Kill SuperNode ``i`` (and the ClientApp it may be running) at once."""
@@ -329,3 +339,21 @@ def _descendants(pid: int) -> list[int]:
         out.append(c)
         todo.extend(children.get(c, []))
     return out[::-1]
+
+
+def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False, auth: bool = False,
+              round_timeout: float = 30.0, timeout: float = 3600.0, workdir: str | Path | None = None,
+              verbose: bool = False, progress=None) -> dict:
+    """Start a loopback federation of ``nodes`` SuperNodes (partitions 0..nodes-1), run ``cfg``
+    into ``out``, stop every process; returns the run's final status (raises unless completed)."""
+    if nodes < 1:
+        raise ValueError(f"need at least one node, got {nodes}")
+    if cfg.clients != nodes:
+        print(f"hiso flower: {cfg.clients} partitions on {nodes} nodes: partitions without a node never answer",
+              file=sys.stderr)
+    with LocalFederation(nodes=nodes, workdir=Path(workdir) if workdir else None, tls=tls, auth=auth,
+                         verbose=verbose) as fed:
+        run_id = fed.submit(cfg, out, round_timeout=round_timeout)
+        if verbose:
+            print(f"run {run_id}; logs in {fed.logs}", file=sys.stderr)
+        return fed.wait(run_id, timeout, on_poll=progress)
