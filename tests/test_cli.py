@@ -107,3 +107,73 @@ def test_a_diverging_run_keeps_its_rows_and_says_so(tmp_path, capsys, algorithm)
     assert len(rows) == summary["rounds_done"] + 1
     state = torch.load(out / "model.pt")
     assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+# --------------------------------------------------------------------------- --help
+
+def _help(args, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: no wrapping inside words or flags
+    code, out, _ = _run(args, capsys)
+    assert code == 0
+    return out
+
+
+def _option_line(text, flag):
+    """An option's entry in --help: its flag line and the help argparse may put on the next line."""
+    entries = []
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            entries.append(line.strip())
+        elif entries and line.startswith("   "):
+            entries[-1] += " " + line.strip()
+    found = [e for e in entries if e.startswith((flag + " ", flag + ","))]
+    assert len(found) == 1, (flag, found)
+    return found[0]
+
+
+def test_every_run_option_has_a_description():
+    from hiso.config import RunConfig
+    missing = [name for name, f in RunConfig.model_fields.items() if not (f.description or "").strip()]
+    assert not missing, f"RunConfig fields without Field(description=...): {missing}"
+
+
+def test_run_help_shows_choices_and_a_meaning_for_every_option(capsys, monkeypatch):
+    from typing import Literal, get_args, get_origin
+
+    from hiso.config import ALGORITHMS, TASKS, RunConfig
+    text = _help(["run", "--help"], capsys, monkeypatch)
+    for name, field in RunConfig.model_fields.items():
+        line = _option_line(text, "--" + name.replace("_", "-"))
+        assert field.description in line, (name, line)
+        if "default:" not in field.description:  # the default is shown unless the meaning says it
+            assert f"(default: {'off' if field.default is False else field.default})" in line, (name, line)
+        ann = field.annotation
+        for a in (ann, *get_args(ann)):
+            if get_origin(a) is Literal:
+                assert "{" + ",".join(get_args(a)) + "}" in line, (name, line)
+    assert _option_line(text, "--task").startswith("--task {" + ",".join(TASKS) + "}")
+    assert _option_line(text, "--algorithm").startswith("--algorithm {" + ",".join(ALGORITHMS) + "}")
+    assert "finite-difference step of the ZO estimate" in _option_line(text, "--mu")
+    assert "weight of the new value in H's moving average" in _option_line(text, "--nu")
+    assert "{iid,dirichlet,dirichlet-prior}" in _option_line(text, "--partition")
+    assert "{auto,bf16,none}" in _option_line(text, "--autocast")
+    assert "default: per task and algorithm (hiso.config.DEFAULT_LR)" in _option_line(text, "--lr")
+    assert "(default: 300)" in _option_line(text, "--rounds")
+
+
+def test_compare_help_shows_the_shared_run_options(capsys, monkeypatch):
+    from hiso.config import RunConfig
+    text = _help(["compare", "--help"], capsys, monkeypatch)
+    for name, field in RunConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if name in ("algorithm", "seed"):  # per run: --algorithms, --seeds
+            assert not any(line.strip().startswith(flag + " ") for line in text.splitlines())
+            continue
+        assert field.description in _option_line(text, flag)
+    assert "slower than serial" in " ".join(_option_line(text, "--jobs").split())
+
+
+def test_choices_are_validated_by_the_config_not_by_argparse(tmp_path, capsys):
+    # the same one-line error for a flag and a TOML key, naming the field
+    code, _, err = _run(["run", "--out", str(tmp_path / "x"), "--difference", "backward", "--quiet"], capsys)
+    assert code == 2 and err.startswith("hiso: error: difference:") and "forward" in err

@@ -6,7 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, load_config
+from .config import ALGORITHMS, TASKS, ConfigError, RunConfig, load_config
+
+
+# RunConfig fields whose values are checked by name (not a Literal): their choices for --help
+CHOICES = {"task": TASKS, "algorithm": ALGORITHMS}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -14,21 +18,53 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"hiso: error: {message}\n")
 
 
+def field_choices(name: str) -> tuple[str, ...] | None:
+    """The values a RunConfig field takes, for --help: its Literal's, or TASKS / ALGORITHMS."""
+    from typing import Literal, get_args, get_origin
+
+    if name in CHOICES:
+        return CHOICES[name]
+    ann = RunConfig.model_fields[name].annotation
+    for a in (ann, *get_args(ann)):  # Literal[...] or Literal[...] | None
+        if get_origin(a) is Literal:
+            return tuple(str(v) for v in get_args(a))
+    return None
+
+
+def field_help(name: str) -> str:
+    """A field's one line of --help: its meaning (``Field(description=...)``) and its default.
+
+    A description that says its own default (``default: ...``, e.g. lr's per-task default) is
+    shown as is; otherwise the field's default value is appended.
+    """
+    field = RunConfig.model_fields[name]
+    text = (field.description or "").replace("%", "%%")  # argparse formats help with %
+    if "default:" not in text:
+        default = field.default
+        text += f" (default: {'off' if default is False else default})"
+    return text
+
+
 def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per RunConfig field; every default is None so the config file can show through."""
+    """One flag per RunConfig field; every default is None so the config file can show through.
+
+    Choices are shown, not enforced here: RunConfig validates them (also for the TOML file)."""
+    group = p.add_argument_group("run options (each is also a TOML key: --local-steps 2 is local_steps = 2)")
     for name, field in RunConfig.model_fields.items():
         if name in exclude:
             continue
         flag = "--" + name.replace("_", "-")
         ann = field.annotation
         if ann is bool:
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=field_help(name))
             continue
         typ = {int: int, float: float}.get(ann, None)
         if typ is None and ann in (float | None, int | None):
             typ = float if ann == (float | None) else int
-        p.add_argument(flag, dest=name, type=typ or str, default=None,
-                       help=f"default: {field.default}")
+        choices = field_choices(name)
+        group.add_argument(flag, dest=name, type=typ or str, default=None, help=field_help(name),
+                           metavar="{" + ",".join(choices) + "}" if choices else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--reference", help="the algorithm the others are measured against (default: decomfl)")
     cmp.add_argument("--metric", help="eval metric to select and compare on (default: eval_acc, or gap)")
     cmp.add_argument("--force", action="store_true", help="rerun finished runs too")
-    cmp.add_argument("--jobs", type=int, default=1, help="runs at a time, each in its own process (default 1)")
+    cmp.add_argument("--jobs", type=int, default=1,
+                     help="runs at a time, each in its own worker process (default 1). A worker starts Python "
+                     "and torch and builds its own task (a few seconds), so for runs of a few seconds each, "
+                     "--jobs 2 can be slower than serial; set --threads 1 with it")
     cmp.add_argument("--quiet", action="store_true", help="no progress output, only the table")
     _add_run_flags(cmp, exclude=("algorithm", "seed"))
     fl = sub.add_parser("flower", help="run on a Flower federation: a SuperLink and --nodes SuperNodes on 127.0.0.1 "

