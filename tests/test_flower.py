@@ -16,17 +16,88 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("flwr")
+from hiso.config import RunConfig
+from hiso.core import Client, ModelState, Server, decode_uplink, encode_downlink
+from hiso.core.history import read_history
+from hiso.flower.launch import LocalFederation
+from hiso.flower.replica import Replica, run_key
+from hiso.runners.rundir import rebuild, run_to_dir
+from hiso.tasks.registry import build_task
 
-from hiso.config import RunConfig  # noqa: E402
-from hiso.core.history import read_history  # noqa: E402
-from hiso.flower.launch import LocalFederation  # noqa: E402
-from hiso.runners.rundir import rebuild, run_to_dir  # noqa: E402
-
-pytestmark = pytest.mark.slow
+needs_flwr = pytest.mark.skipif(__import__("importlib").util.find_spec("flwr") is None,
+                                reason="the flower extra is not installed")
 
 CFG = dict(task="quadratic", algorithm="hiso", clients=2, sampled=2, local_steps=2, perturbations=3,
            dim=40, lr=0.05, eval_every=100, threads=1)
+
+
+# ------------------------------------------------------------- the node's replica (no Flower)
+
+
+def _cfg_json(**kw) -> str:
+    return RunConfig(**{**CFG, "rounds": 5, **kw}).model_dump_json()
+
+
+def _open(root, cfg_json, run_id, pid):
+    cfg = RunConfig.model_validate_json(cfg_json)
+    state = ModelState(build_task(cfg).build_model(), cfg.zo())
+    return Replica.open(root, run_key(cfg_json, run_id), pid, state)
+
+
+def test_flower_replica_survives_processes_and_stays_bit_identical(tmp_path):
+    """A client whose replica is reopened for every message (as a ClientApp process is) and
+    whose answers are sometimes lost ends bit-identical to the server, H included."""
+    cfg_json = _cfg_json(clients=3, sampled=2)
+    cfg = RunConfig.model_validate_json(cfg_json)
+    task = build_task(cfg)
+    server = Server(3, 2, cfg.local_steps, cfg.perturbations, seed=cfg.seed)
+    ref = ModelState(task.build_model(), cfg.zo())
+    for r in range(12):
+        plan = server.plan()
+        ups = []
+        for pid in plan.participants:
+            rep = _open(tmp_path, cfg_json, 7, pid)  # a fresh process: nothing but the file
+            client = Client(pid, rep.state, task.loss, lambda rr, k, pid=pid: task.batch(pid, rr, k, cfg.batch_size))
+            rep.begin()
+            up = client.handle(encode_downlink(server.downlink(pid)))
+            rep.commit()
+            rep.close()
+            if not (pid == 1 and r % 3 == 0):  # partition 1's answer is lost now and then
+                ups.append(decode_uplink(up))
+        rec = server.aggregate(ups, partial=True)
+        if rec is not None:
+            ref.apply(rec)
+    for pid in range(3):
+        rep = _open(tmp_path, cfg_json, 7, pid)
+        assert rep.reset_reason is None
+        rep.state.replay(server.history[rep.state.round:])
+        assert all(torch.equal(a, b) for a, b in zip(rep.state.params, ref.params))
+        assert all(torch.equal(a, b) for a, b in zip(rep.state.h, ref.h))
+    assert not torch.equal(ref.h[0], torch.ones_like(ref.h[0]))
+
+
+def test_flower_replica_is_reset_when_torn_or_foreign(tmp_path):
+    cfg_json = _cfg_json()
+    rep = _open(tmp_path, cfg_json, 1, 0)
+    with torch.no_grad():
+        rep.state.params[0].add_(1.0)
+    rep.state.round = 4
+    rep.commit()
+    again = _open(tmp_path, cfg_json, 1, 0)
+    assert again.reset_reason is None and again.state.round == 4
+    x0 = ModelState(build_task(RunConfig.model_validate_json(cfg_json)).build_model(),
+                    RunConfig.model_validate_json(cfg_json).zo())
+    assert torch.equal(again.state.params[0], x0.params[0] + 1.0)  # the values persisted
+    again.begin()  # the process dies here, mid-update: the replica stays marked dirty
+    torn = _open(tmp_path, cfg_json, 1, 0)
+    assert torn.reset_reason and "interrupted" in torn.reset_reason
+    assert torn.state.round == 0 and torch.equal(torn.state.params[0], x0.params[0])
+    assert _open(tmp_path, cfg_json, 2, 0).state.round == 0  # another run never shares it
+    assert run_key(cfg_json, 1) != run_key(_cfg_json(seed=9), 1)
+    assert run_key(cfg_json, 1) == run_key(_cfg_json(rounds=50), 1)  # a longer run: same trajectory
+
+
+# ------------------------------------------------------------- a federation on loopback
 
 
 @pytest.fixture
@@ -67,6 +138,8 @@ def _replica(fed: LocalFederation, cfg: RunConfig, run_id: str, partition: int):
     return rep
 
 
+@pytest.mark.slow
+@needs_flwr
 def test_flower_deployment_matches_the_simulator_bit_for_bit(federation, tmp_path):
     cfg = RunConfig(**CFG, rounds=3, seed=4)
     fed = federation(nodes=2)
@@ -105,6 +178,8 @@ def _wait_rows(path: Path, n: int, timeout: float) -> None:
     raise TimeoutError(f"{path} did not reach round {n} in {timeout} s")
 
 
+@pytest.mark.slow
+@needs_flwr
 def test_flower_run_finishes_with_the_survivor_when_a_node_dies(federation, tmp_path):
     """Node 1 is killed after round 1: node 0 carries the next rounds and stays bit-identical.
     Node 1 is then restarted on the same disk: it catches up and ends in step too."""
@@ -135,6 +210,8 @@ def test_flower_run_finishes_with_the_survivor_when_a_node_dies(federation, tmp_
     assert any(t["participants"] != t["sampled"] for t in flower["timings"])
 
 
+@pytest.mark.slow
+@needs_flwr
 def test_flower_with_tls_and_node_authentication(federation, tmp_path):
     cfg = RunConfig(**CFG, rounds=2, seed=2)
     fed = federation(nodes=2, tls=True, auth=True)

@@ -381,7 +381,7 @@ def handle_query(msg, context, cfg: RunConfig):
 
 def handle_train(msg, context, cfg: RunConfig):
     from flwr.app import Message
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     pid = _partition(context)
     task, rep = open_replica(cfg, context.run_id, pid, _state_dir(context), _cfg_json(context))
     t1 = time.perf_counter()
@@ -398,7 +398,10 @@ def handle_train(msg, context, cfg: RunConfig):
     rep.commit()
     t2 = time.perf_counter()
     _note_timing(rep.path, {"round": client.state.round, "since_process_start_s": t0 - _PROCESS_T0,
-                            "open_s": t1 - t0, "handle_s": t2 - t1, "up_bytes": len(up), "down_bytes": len(data)})
+                            "open_s": t1 - t0, "handle_s": t2 - t1, "up_bytes": len(up), "down_bytes": len(data),
+                            # CPU seconds (independent of how busy the machine is): before our code ran
+                            # (interpreter, flwr, torch, hiso imports, Flower's setup) and in it
+                            "cpu_before_handler_s": c0, "cpu_handler_s": time.process_time() - c0})
     rep.close()
     return Message(_records({"up": up}), reply_to=msg)
 

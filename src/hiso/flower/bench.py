@@ -59,16 +59,76 @@ def _server_timings(run: Path) -> dict:
             "rounds_partial": sum(r["participants"] != r["sampled"] for r in t)}
 
 
+class CountingProxy:
+    """A TCP relay on 127.0.0.1 that counts the bytes each way (what the nodes really send and
+    receive from the SuperLink: HTTP, headers and all)."""
+
+    def __init__(self, listen_port: int, target_port: int):
+        import socket
+        import threading
+        self.up = self.down = 0  # node -> SuperLink, SuperLink -> node
+        self._lock = threading.Lock()
+        self._srv = socket.create_server(("127.0.0.1", listen_port))
+        self._target = target_port
+        self._threads = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+        while True:
+            try:
+                c, _ = self._srv.accept()
+            except OSError:
+                return
+            try:
+                t = socket.create_connection(("127.0.0.1", self._target))
+            except OSError:
+                c.close()
+                continue
+            for a, b, up in ((c, t, True), (t, c, False)):
+                threading.Thread(target=self._pump, args=(a, b, up), daemon=True).start()
+
+    def _pump(self, a, b, up: bool) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+                with self._lock:
+                    if up:
+                        self.up += len(data)
+                    else:
+                        self.down += len(data)
+        except OSError:
+            pass
+        finally:
+            for x in (a, b):
+                try:
+                    x.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._srv.close()
+
+
 def deploy(args) -> dict:
-    from .launch import LocalFederation
+    from .launch import LocalFederation, free_port
     cfg = _cfg(args)
     work = Path(tempfile.mkdtemp(prefix="hiso-flower-bench-"))
     t0 = time.perf_counter()
-    with LocalFederation(nodes=args.nodes, workdir=work / "fed") as fed:
+    link, relay = free_port(), free_port()
+    proxy = CountingProxy(relay, link)
+    with LocalFederation(nodes=args.nodes, workdir=work / "fed", port=link, node_link_port=relay) as fed:
         t_up = time.perf_counter() - t0
+        idle0 = (proxy.up, proxy.down)
+        time.sleep(args.idle_s)  # what idle nodes cost on the wire (polling, heartbeats)
+        idle = ((proxy.up - idle0[0]) + (proxy.down - idle0[1])) / max(args.idle_s, 1e-9) / args.nodes
+        run0 = (proxy.up, proxy.down)
         st = fed.run(cfg, work / "flower", timeout=3600, round_timeout=args.round_timeout)
+        run_bytes = {"up": proxy.up - run0[0], "down": proxy.down - run0[1]}
         state_dir = fed.state_dir
         t_all = time.perf_counter() - t0
+    proxy.close()
     s_fl = json.loads((work / "flower" / "summary.json").read_text())
     s_ip = _inproc(cfg, work / "inproc")
     comm = s_fl["communication_per_client"]
@@ -83,7 +143,10 @@ def deploy(args) -> dict:
         "server": _server_timings(work / "flower"), "clients": _client_timings(state_dir),
         "payload_bytes_per_client": comm, "payload_bytes_per_sampled_client_round":
             (comm["bytes_up_mean"] + comm["bytes_down_mean"]) * cfg.clients / (cfg.rounds * cfg.sampled),
-        "wire_bytes_superlink": traffic, "wire_bytes_per_sampled_client_round": per_client_round,
+        "superlink_counted_bytes": traffic, "superlink_counted_bytes_per_sampled_client_round": per_client_round,
+        "tcp_bytes_nodes_superlink_during_run": run_bytes,
+        "tcp_bytes_per_sampled_client_round": (run_bytes["up"] + run_bytes["down"]) / max(cfg.rounds * cfg.sampled, 1),
+        "tcp_bytes_per_idle_node_per_s": idle,
         "bit_identical_to_inproc": _same(work / "flower", work / "inproc"),
         "flower_status": st["status"], "workdir": str(work),
     }
@@ -104,18 +167,72 @@ def sim(args) -> dict:
             "bit_identical_to_inproc": _same(work / "flower", work / "inproc"), "workdir": str(work)}
 
 
+def replica_cost(args) -> dict:
+    """Per-message cost of a node's state for a d-parameter model, without Flower's overhead:
+    the memory-mapped replica (open + commit; the round's replay itself is the same whatever
+    holds the state) against carrying the model in ``Context.state`` (an ArrayRecord built from
+    the state dict and read back, as the SuperNode ships it into and out of each ClientApp)."""
+    import torch
+    from torch import nn
+
+    from ..core import ModelState, RoundRecord, decomfl
+    from .replica import Replica
+    out = {}
+    for d in args.dims:
+        zo = decomfl(lr=1e-3, perturbations=1)
+        make = lambda: nn.Linear(d, 1, bias=False)  # noqa: E731
+        root = Path(tempfile.mkdtemp(prefix="hiso-replica-cost-"))
+        Replica.open(root, "k", 0, ModelState(make(), zo)).close()
+        rec = RoundRecord(0, np.array([[7]], np.uint64), np.array([[0.1]], np.float32))
+        t = {"build_x0_s": [], "mmap_open_s": [], "replay_one_round_s": [], "commit_s": []}
+        for i in range(args.repeat):
+            tb = time.perf_counter()
+            st = ModelState(make(), zo)  # every ClientApp process builds the model skeleton (x_0)
+            t0 = time.perf_counter()
+            rep = Replica.open(root, "k", 0, st)
+            t1 = time.perf_counter()
+            t["build_x0_s"].append(t0 - tb)
+            rep.begin()
+            rep.state.apply(RoundRecord(rep.state.round, rec.seeds, rec.scalars))
+            t2 = time.perf_counter()
+            rep.commit()
+            rep.close()
+            t3 = time.perf_counter()
+            t["mmap_open_s"].append(t1 - t0); t["replay_one_round_s"].append(t2 - t1); t["commit_s"].append(t3 - t2)
+        row = {k: float(np.median(v)) for k, v in t.items()}
+        try:
+            from flwr.app import ArrayRecord
+            sd = nn.Linear(d, 1, bias=False).state_dict()
+            c = []
+            for i in range(args.repeat):
+                t0 = time.perf_counter()
+                ar = ArrayRecord(sd)  # into the context ...
+                blob = ar.deflate()   # ... serialised to cross the process boundary ...
+                back = ArrayRecord.inflate(blob, children={k: v for k, v in ar.children.items()} if hasattr(ar, "children") else None)
+                back.to_torch_state_dict()  # ... and back into a model
+                c.append(time.perf_counter() - t0)
+            row["context_state_one_way_s"] = float(np.median(c))
+        except Exception as e:  # noqa: BLE001 - a Flower API difference must not hide the replica numbers
+            row["context_state_one_way_s"] = f"not measured: {type(e).__name__}: {e}"
+        out[f"d={d}"] = row
+    return {"what": "replica cost per message", "threads": torch.get_num_threads(), **out}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m hiso.flower.bench")
-    p.add_argument("what", choices=["deploy", "sim"])
+    p.add_argument("what", choices=["deploy", "sim", "replica"])
+    p.add_argument("--dims", type=lambda x: [int(v) for v in x.split(",")], default=[10**4, 10**6, 10**7])
+    p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--cpus", type=int, default=None, help="Ray CPUs (sim)")
     p.add_argument("--round-timeout", type=float, default=120.0)
+    p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle federation measured on the wire")
     for k, t in (("task", str), ("algorithm", str), ("clients", int), ("sampled", int), ("rounds", int), ("dim", int),
                  ("local_steps", int), ("perturbations", int), ("batch_size", int), ("seed", int), ("lr", float),
                  ("data_dir", str), ("partition", str), ("eval_max", int)):
         p.add_argument("--" + k.replace("_", "-"), dest=k, type=t)
     args = p.parse_args(argv)
-    out = deploy(args) if args.what == "deploy" else sim(args)
+    out = {"deploy": deploy, "sim": sim, "replica": replica_cost}[args.what](args)
     print(json.dumps(out, indent=1))
     return 0
 

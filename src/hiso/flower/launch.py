@@ -122,6 +122,8 @@ class LocalFederation:
     partitions: list[int] | None = None  # node i's partition (default: i)
     verbose: bool = False
     start_timeout: float = 120.0
+    port: int = 0  # the SuperLink's port (0: a free one)
+    node_link_port: int | None = None  # where SuperNodes reach the SuperLink (a byte-counting proxy)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,7 +139,6 @@ class LocalFederation:
         self.env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home),
                     "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
         self.bin = Path(bindir)
-        self.port = 0
         self.node_ports: dict[int, int] = {}
         self.certs: dict[str, Path] = {}
         self.keys: dict[int, tuple[Path, Path]] = {}
@@ -148,7 +149,9 @@ class LocalFederation:
             print("$", " ".join(argv), file=sys.stderr)
         logf = open(self.logs / f"{name}.log", "ab")
         # own session: stop() ends the process group it heads, and nothing else
-        p = subprocess.Popen(["nice", "-n", os.environ.get("HISO_FLOWER_NICE", "15"), *argv], env=self.env,
+        # niceness HISO_FLOWER_NICE (default 15) in absolute terms, not added to ours
+        inc = max(0, int(os.environ.get("HISO_FLOWER_NICE", "15")) - os.nice(0))
+        p = subprocess.Popen(["nice", "-n", str(inc), *argv], env=self.env,
                              stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True, cwd=self.workdir)
         logf.close()
@@ -172,7 +175,7 @@ class LocalFederation:
     def start(self) -> "LocalFederation":
         if self.tls or self.auth:
             self.certs = make_tls(self.workdir / "certs") if self.tls else {}
-        self.port = free_port()
+        self.port = self.port or free_port()
         conn = {"address": f"{HOST}:{self.port}"}
         if self.tls:
             conn["root-certificates"] = str(self.certs["ca"].resolve())
@@ -205,7 +208,8 @@ class LocalFederation:
         port = self.node_ports.setdefault(i, free_port())
         part = self.partitions[i] if i < len(self.partitions) else i
         nc = f"partition-id={part} state-dir='{self.state_dir}'"
-        argv = [str(self.bin / "flower-supernode"), "--superlink", f"{HOST}:{self.port}", "--port", str(port),
+        argv = [str(self.bin / "flower-supernode"), "--superlink", f"{HOST}:{self.node_link_port or self.port}",
+                "--port", str(port),
                 "--node-config", nc]
         argv += ["--root-certificates", str(self.certs["ca"])] if self.tls else ["--insecure"]
         if self.auth:
@@ -291,7 +295,7 @@ class LocalFederation:
             raise FlowerRunError(f"flwr ls: no run {run_id}: {res}")
         return runs[0]
 
-    def wait(self, run_id: str, timeout: float, poll: float = 1.0, on_poll=None) -> dict:
+    def wait(self, run_id: str, timeout: float, poll: float = 3.0, on_poll=None) -> dict:
         """Block until the run finishes; raise FlowerRunError unless it completed."""
         t_end = time.monotonic() + timeout
         while True:
