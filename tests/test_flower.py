@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -95,6 +96,130 @@ def test_flower_replica_is_reset_when_torn_or_foreign(tmp_path):
     assert _open(tmp_path, cfg_json, 2, 0).state.round == 0  # another run never shares it
     assert run_key(cfg_json, 1) != run_key(_cfg_json(seed=9), 1)
     assert run_key(cfg_json, 1) == run_key(_cfg_json(rounds=50), 1)  # a longer run: same trajectory
+
+
+# ------------------------------------------------------------- the ServerApp's logic on a fake grid
+
+
+class _Msg:
+    def __init__(self, fields, dst, kind, group=None):
+        self.fields, self.kind = fields, kind
+        self.metadata = SimpleNamespace(dst_node_id=dst, src_node_id=None, reply_to_message_id=None)
+
+
+class _Reply:
+    def __init__(self, fields, src, mid):
+        self.content = {"hiso": fields}
+        self.metadata = SimpleNamespace(src_node_id=src, reply_to_message_id=mid)
+        self.error = None
+
+    def has_error(self):
+        return False
+
+
+class FakeGrid:
+    """Nodes are in-process ClientApp handlers over the same replica files; a node can be
+    dead (never answers), garbled (answers garbage) or replaced by a new node id."""
+
+    def __init__(self, cfg, state_dir, nodes: dict[int, int]):
+        self.cfg, self.state_dir, self.nodes = cfg, str(state_dir), dict(nodes)  # node id -> partition
+        self.dead, self.garbled, self.replies, self.n = set(), set(), {}, 0
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def push_messages(self, msgs):
+        from hiso.flower.app import query_fields, train_fields
+        ids = []
+        for m in msgs:
+            self.n += 1
+            mid, nid = f"m{self.n}", m.metadata.dst_node_id
+            ids.append(mid)
+            if nid in self.dead:
+                continue
+            pid = self.nodes[nid]
+            if m.kind == "query":
+                f = query_fields(self.cfg, 1, pid, self.state_dir)
+            else:
+                f = train_fields(self.cfg, 1, pid, self.state_dir, m.fields["down"])
+                if nid in self.garbled:
+                    f = {"up": f["up"][:-3]} if "up" in f else f
+            self.replies[mid] = _Reply(f, nid, mid)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+
+def test_flower_server_logic_survives_dead_garbled_and_restarted_nodes(tmp_path):
+    from hiso.flower.app import FlowerFederation, Settings
+    cfg = RunConfig(**{**CFG, "clients": 3, "sampled": 3, "rounds": 8, "seed": 3})
+    task = build_task(cfg)
+    grid = FakeGrid(cfg, tmp_path / "replicas", {101: 0, 102: 1, 103: 2})
+    fed = FlowerFederation(grid, task, cfg, Settings(out_dir=str(tmp_path), round_timeout=0.3, suspect_grace_s=0.05,
+                                                    poll_s=0.01, wait_nodes_s=5))
+    fed._message = lambda fields, nid, kind, group=None: _Msg(fields, nid, kind, group)
+    fed.wait_for_nodes()
+    assert fed.node_of == {0: 101, 1: 102, 2: 103}
+    fed.step()
+    grid.dead.add(102)        # partition 1's node dies
+    grid.garbled.add(103)     # partition 2's node answers garbage
+    fed.step()
+    assert fed.server.history[-1].participants == (0,)
+    assert 102 in fed._suspects and 103 not in fed._suspects  # garbage is an answer, dropped later
+    grid.garbled.clear()
+    fed.step()
+    assert fed.server.history[-1].participants == (0, 2)
+    # partition 1 comes back as a new node whose replica was lost (torn): it reports round 0
+    rep = _open(tmp_path / "replicas", cfg.model_dump_json(), 1, 1)
+    rep.begin()  # mark it torn: the next open resets it to x_0
+    del grid.nodes[102]
+    grid.nodes[104] = 1
+    fed.step()
+    assert fed.node_of[1] == 104 and fed.server.history[-1].participants == (0, 1, 2)
+    # every answer lost: the round is planned again, nothing logged
+    grid.dead.update({101, 103, 104})
+    n = fed.server.round
+    fed.settings.max_replans = 1
+    with pytest.raises(RuntimeError, match="no client answered"):
+        fed.step()
+    assert fed.server.round == n and fed.server.replanned == 2
+    grid.dead.clear()
+    fed._suspects.clear()
+    fed.step()
+    # all three replicas, one reset and caught up from x_0 on the way, equal the server's model
+    for pid in range(3):
+        rep = _open(tmp_path / "replicas", cfg.model_dump_json(), 1, pid)
+        assert rep.reset_reason is None
+        rep.state.replay(fed.server.history[rep.state.round:])
+        assert all(torch.equal(a, b) for a, b in zip(rep.state.params, fed.state.params))
+        assert all(torch.equal(a, b) for a, b in zip(rep.state.h, fed.state.h))
+
+
+def test_flower_client_asks_for_history_it_lacks(tmp_path):
+    """A node whose replica is older than the server thinks answers `behind`, and the server
+    resends from there in the same round."""
+    from hiso.flower.app import FlowerFederation, Settings
+    cfg = RunConfig(**{**CFG, "clients": 2, "sampled": 2, "rounds": 4, "seed": 5})
+    grid = FakeGrid(cfg, tmp_path / "replicas", {1: 0, 2: 1})
+    fed = FlowerFederation(grid, build_task(cfg), cfg, Settings(out_dir=str(tmp_path), round_timeout=0.3, poll_s=0.01))
+    fed._message = lambda fields, nid, kind, group=None: _Msg(fields, nid, kind, group)
+    fed.wait_for_nodes()
+    for _ in range(3):
+        fed.step()
+    rep = _open(tmp_path / "replicas", cfg.model_dump_json(), 1, 1)
+    rep.begin()  # torn on disk, but the server still believes it holds round 2
+    rep.close()
+    sent = []
+    orig = grid.push_messages
+    grid.push_messages = lambda msgs: sent.extend((m.kind, m.metadata.dst_node_id) for m in msgs) or orig(msgs)
+    fed.step()
+    assert sent.count(("train", 2)) == 2  # once refused (behind), once from round 0
+    assert fed.server.history[-1].participants == (0, 1)
+    rep = _open(tmp_path / "replicas", cfg.model_dump_json(), 1, 1)
+    assert rep.state.round == 3
+    rep.state.replay(fed.server.history[3:])
+    assert all(torch.equal(a, b) for a, b in zip(rep.state.params, fed.state.params))
 
 
 # ------------------------------------------------------------- a federation on loopback

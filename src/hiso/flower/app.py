@@ -106,11 +106,14 @@ class FlowerFederation:
         self._suspects: set[int] = set()  # node ids that missed their last answer
         self._queries: dict[str, int] = {}  # query message id -> node id, awaiting a reply
 
+    def _message(self, fields: dict, node_id: int, kind: str, group: str | None = None):
+        from flwr.app import Message
+        return Message(_records(fields), dst_node_id=node_id, message_type=kind, group_id=group)
+
     # -- nodes
     def refresh_nodes(self) -> None:
         """Ask every node not seen yet for its partition and its replica's round (non-blocking:
         a query is sent once per node; replies are collected whenever this is called)."""
-        from flwr.app import Message
         ids = set(self.grid.get_node_ids())
         for nid in list(self.part_of):
             if nid not in ids:  # gone
@@ -120,7 +123,7 @@ class FlowerFederation:
         self._queries = {m: n for m, n in self._queries.items() if n in ids}
         new = sorted(ids - self._seen - set(self._queries.values()))
         if new:
-            msgs = [Message(_records({}), dst_node_id=nid, message_type="query") for nid in new]
+            msgs = [self._message({}, nid, "query") for nid in new]
             self._queries.update(zip(self.grid.push_messages(msgs), new))
         if not self._queries:
             return
@@ -161,7 +164,6 @@ class FlowerFederation:
     # -- one round
     def _send(self, rnd: int, pids) -> dict[int, object]:
         """Downlinks to ``pids`` (those with a node); the replies by partition."""
-        from flwr.app import Message
         msgs = []
         for pid in pids:
             nid = self.node_of.get(pid)
@@ -169,7 +171,7 @@ class FlowerFederation:
                 continue
             down = encode_downlink(self.server.downlink(pid))
             self.comm.down[pid] += len(down)
-            msgs.append(Message(_records({"down": down}), dst_node_id=nid, message_type="train", group_id=str(rnd)))
+            msgs.append(self._message({"down": down}, nid, "train", str(rnd)))
         out = {}
         for rep in self._exchange(msgs):
             pid = self.part_of.get(rep.metadata.src_node_id)
@@ -370,40 +372,51 @@ def _cfg_json(context) -> str | None:
     return context.run_config.get("hiso-config") if context.run_config else None
 
 
-def handle_query(msg, context, cfg: RunConfig):
-    from flwr.app import Message
-    pid = _partition(context)
-    _, rep = open_replica(cfg, context.run_id, pid, _state_dir(context), _cfg_json(context))
+def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None) -> dict:
+    """A node's answer to ``query``: its partition and the round its replica holds."""
+    _, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
     held = rep.state.round
     rep.close()
-    return Message(_records({"partition": pid, "round": held}), reply_to=msg)
+    return {"partition": pid, "round": held}
 
 
-def handle_train(msg, context, cfg: RunConfig):
-    from flwr.app import Message
+def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, cfg_json: str | None = None) -> dict:
+    """A node's answer to ``train``: ``up`` (the encoded uplink) or ``behind`` (its round)."""
     t0, c0 = time.perf_counter(), time.process_time()
-    pid = _partition(context)
-    task, rep = open_replica(cfg, context.run_id, pid, _state_dir(context), _cfg_json(context))
+    task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
     t1 = time.perf_counter()
     client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode)
-    data = msg.content[REC]["down"]
     rep.begin()
     try:
-        up = client.handle(data)
+        up = client.handle(down)
     except MessageError as e:
         rep.commit()  # nothing changed: a refused downlink is checked before any update
+        rep.close()
         if "history starts at" in str(e):
-            return Message(_records({"behind": rep.state.round}), reply_to=msg)
+            return {"behind": rep.state.round}
         raise
     rep.commit()
     t2 = time.perf_counter()
     _note_timing(rep.path, {"round": client.state.round, "since_process_start_s": t0 - _PROCESS_T0,
-                            "open_s": t1 - t0, "handle_s": t2 - t1, "up_bytes": len(up), "down_bytes": len(data),
+                            "open_s": t1 - t0, "handle_s": t2 - t1, "up_bytes": len(up), "down_bytes": len(down),
                             # CPU seconds (independent of how busy the machine is): before our code ran
                             # (interpreter, flwr, torch, hiso imports, Flower's setup) and in it
                             "cpu_before_handler_s": c0, "cpu_handler_s": time.process_time() - c0})
     rep.close()
-    return Message(_records({"up": up}), reply_to=msg)
+    return {"up": up}
+
+
+def handle_query(msg, context, cfg: RunConfig):
+    from flwr.app import Message
+    fields = query_fields(cfg, context.run_id, _partition(context), _state_dir(context), _cfg_json(context))
+    return Message(_records(fields), reply_to=msg)
+
+
+def handle_train(msg, context, cfg: RunConfig):
+    from flwr.app import Message
+    fields = train_fields(cfg, context.run_id, _partition(context), _state_dir(context),
+                          msg.content[REC]["down"], _cfg_json(context))
+    return Message(_records(fields), reply_to=msg)
 
 
 # --------------------------------------------------------------------------------- apps

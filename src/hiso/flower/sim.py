@@ -25,7 +25,7 @@ from .app import Settings, make_apps
 
 def run_simulation(cfg: RunConfig, out: str | Path, *, num_nodes: int | None = None, round_timeout: float = 60.0,
                    state_dir: str | Path | None = None, cpus_per_client: float = 1.0, num_cpus: int | None = None,
-                   ray_address: str | None = None, wait_nodes_s: float = 600.0, verbose: bool = False) -> dict:
+                   ray_address: str | None = None, wait_nodes_s: float = 300.0, verbose: bool = False) -> dict:
     """Run ``cfg`` on ``num_nodes`` (default ``cfg.clients``) virtual nodes into ``out``."""
     from flwr.simulation import run_simulation as flwr_run_simulation
 
@@ -44,8 +44,13 @@ def run_simulation(cfg: RunConfig, out: str | Path, *, num_nodes: int | None = N
     if ray_address is not None:
         init_args["address"] = ray_address
     backend = {"client_resources": {"num_cpus": cpus_per_client, "num_gpus": 0.0}, "init_args": init_args}
-    flwr_run_simulation(server_app=server_app, client_app=client_app, num_supernodes=n,
-                        backend_config=backend, verbose_logging=verbose)
+    try:
+        flwr_run_simulation(server_app=server_app, client_app=client_app, num_supernodes=n,
+                            backend_config=backend, verbose_logging=verbose)
+    finally:  # a crashed engine must not leave Ray's processes behind
+        import ray
+        if ray.is_initialized():
+            ray.shutdown()
     import json
     summary_p = Path(out) / "summary.json"
     if not summary_p.exists():
