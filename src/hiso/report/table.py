@@ -15,6 +15,10 @@ comparison (``eval_acc`` for classifiers: higher is better; ``eval_loss`` or the
   many seeds did. The resolution is ``eval_every`` rounds. For the reference itself the column
   holds its **rounds to its own best**: per seed the first evaluated round at which that seed's
   run attains its own best, mean over seeds (marked "own best").
+* **time to reach the reference's best**: the same first evaluated round, counted in seconds of
+  training instead of rounds: that round's ``wall_s`` (cumulative training time, evaluation
+  excluded), mean over seeds if every seed reaches ``T``, else ``—``; for the reference, the time
+  to its own best. Wall time depends on the machine and on what else ran beside it (``--jobs``).
 * **speed-up**: the reference's rounds to its own best divided by this arm's rounds to reach
   ``T`` (1.00x for the reference; ``—`` when not reached or when reached at round 0).
 * **communication per client**: the bytes one client sent (uplink) and received (downlink)
@@ -23,6 +27,11 @@ comparison (``eval_acc`` for classifiers: higher is better; ``eval_loss`` or the
 * **s / round**: training wall time (evaluation excluded) divided by rounds, mean over seeds.
 * **peak memory**: the peak resident memory of the process during the run (``peak_rss_mb_run``
   when compare measured it per run, else the run's ``peak_rss_mb``), the max over seeds, in MiB.
+
+The footer under the table states the setup and each column's definition, and warns where the
+table can mislead: an arm whose chosen lr is the smallest or largest of a grid of two or more
+(the best lr may lie outside it), an arm with a one-point grid ("lr not tuned"), and a single
+seed ("1 seed: no spread").
 """
 
 from __future__ import annotations
@@ -130,17 +139,36 @@ def reaches(value: float, threshold: float, higher: bool) -> bool:
     return value >= threshold - tol if higher else value <= threshold + tol
 
 
-def first_reach(rows: list[dict], metric: str, threshold: float, higher: bool) -> int | None:
-    """The first round (rows in round order) whose ``metric`` reaches ``threshold``; None if never."""
+def first_reach_row(rows: list[dict], metric: str, threshold: float, higher: bool) -> dict | None:
+    """The first row (rows in round order) whose ``metric`` reaches ``threshold``; None if never."""
     for r in rows:
         if metric in r and reaches(r[metric], threshold, higher):
-            return int(r["round"])
+            return r
     return None
+
+
+def first_reach(rows: list[dict], metric: str, threshold: float, higher: bool) -> int | None:
+    """The first round (rows in round order) whose ``metric`` reaches ``threshold``; None if never."""
+    r = first_reach_row(rows, metric, threshold, higher)
+    return None if r is None else int(r["round"])
+
+
+def _reach_of(rows_per_seed: list[dict | None]) -> "Reach":
+    return Reach(tuple(None if r is None else int(r["round"]) for r in rows_per_seed),
+                 tuple(None if r is None or r.get("wall_s") is None else float(r["wall_s"]) for r in rows_per_seed))
 
 
 @dataclass(frozen=True)
 class Reach:
     per_seed: tuple[int | None, ...]
+    seconds: tuple[float | None, ...] = ()  # per seed, the training time (wall_s) at that round
+
+    @property
+    def mean_seconds(self) -> float | None:
+        """Mean training seconds to reach, defined only when every seed reached (and has wall_s)."""
+        if not self.seconds or any(s is None for s in self.seconds) or self.reached < self.n:
+            return None
+        return mean(self.seconds)
 
     @property
     def reached(self) -> int:
@@ -159,13 +187,13 @@ class Reach:
 
 
 def rounds_to_reach(runs_rows: list[list[dict]], metric: str, threshold: float, higher: bool) -> Reach:
-    """Per seed, the first evaluated round reaching ``threshold``."""
-    return Reach(tuple(first_reach(rows, metric, threshold, higher) for rows in runs_rows))
+    """Per seed, the first evaluated round reaching ``threshold`` (and its training time)."""
+    return _reach_of([first_reach_row(rows, metric, threshold, higher) for rows in runs_rows])
 
 
 def rounds_to_own_best(runs_rows: list[list[dict]], metric: str, higher: bool) -> Reach:
-    """Per seed, the first evaluated round at which the run attains its own best."""
-    return Reach(tuple(first_reach(rows, metric, best_of(rows, metric, higher), higher) for rows in runs_rows))
+    """Per seed, the first evaluated round at which the run attains its own best (and its training time)."""
+    return _reach_of([first_reach_row(rows, metric, best_of(rows, metric, higher), higher) for rows in runs_rows])
 
 
 def speedup(reference_rounds: float | None, rounds: float | None) -> float | None:
@@ -220,6 +248,8 @@ class TableRow:
     reach: Reach
     rounds: float | None  # rounds to reach T (for the reference: to its own best)
     speedup: float | None
+    seconds: float | None  # training seconds to reach T (for the reference: to its own best)
+    lr_grid: tuple[float, ...]  # the lrs tried (empty: unknown)
     is_reference: bool
     bytes_up: float
     bytes_down: float
@@ -271,7 +301,8 @@ def build_table(arms: list[ArmResult], reference: str, metric: str) -> Table:
         rows.append(TableRow(
             name=arm.name, algorithm=arm.algorithm, lr=arm.lr, best_mean=m, best_std=s,
             seeds=len(arm.runs), reach=reach, rounds=rounds,
-            speedup=speedup(ref_own.mean, rounds), is_reference=arm.name == reference,
+            speedup=speedup(ref_own.mean, rounds), seconds=reach.mean_seconds,
+            lr_grid=tuple(arm.grid), is_reference=arm.name == reference,
             bytes_up=mean(c["bytes_up_mean"] for c in comm),
             bytes_down=mean(c["bytes_down_mean"] for c in comm),
             s_per_round=_mean_of([r.summary.get("s_per_round") for r in arm.runs]),
@@ -319,7 +350,8 @@ def _fmt_reach(row: TableRow) -> str:
 def markdown_columns(table: Table) -> list[str]:
     ref = display_name(table.reference)
     return ["algorithm", "lr", _best_header(table.metric),
-            f"rounds to {ref}'s best ({_fmt_threshold(table.threshold, table.metric)})", "speed-up",
+            f"rounds to {ref}'s best ({_fmt_threshold(table.threshold, table.metric)})",
+            f"time to {ref}'s best", "speed-up",
             "uplink / client", "downlink / client", "total / client", "s / round", "peak memory"]
 
 
@@ -328,6 +360,7 @@ def to_markdown(table: Table) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1)) + "|"]
     for r in table.rows:
         cells = [display_name(r.name), f"{r.lr:g}", _fmt_best(r, table.metric), _fmt_reach(r),
+                 human_seconds(r.seconds),
                  "—" if r.speedup is None else f"{r.speedup:.2f}×",
                  human_bytes(r.bytes_up), human_bytes(r.bytes_down), human_bytes(r.bytes_total),
                  human_seconds(r.s_per_round),
@@ -344,29 +377,51 @@ def footer(table: Table) -> str:
     n_eval = f" on {c['n_eval']:,} held-out examples" if c.get("n_eval") else ""
     better = "highest" if table.higher else "lowest"
     cmp_word = "≥" if table.higher else "≤"
+    spread = ("mean ± sample std over seeds" if len(seeds) > 1 else
+              "1 seed: no spread (give more seeds, e.g. --seeds 0,1,2, for mean ± std)")
     return "\n".join([
         f"Task {c.get('task')}: {c.get('clients')} clients, {c.get('sampled')} sampled per round, "
         f"{c.get('rounds')} rounds, evaluated every {c.get('eval_every')} rounds{n_eval}; "
         f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))}).",
         f"- lr: chosen per algorithm from its grid by the best mean over seeds of the runs' best {lab} "
         "(selection.json lists the grid).",
-        f"- best {lab}: the {better} {lab} over a run's evaluated rounds; mean ± sample std over seeds.",
+        f"- best {lab}: the {better} {lab} over a run's evaluated rounds; {spread}.",
         f"- rounds to {ref}'s best: per seed the first evaluated round with {lab} {cmp_word} "
         f"{_fmt_threshold(table.threshold, m)} ({ref}'s mean best), mean over seeds; "
         f"'—' if some seed never reaches it. {ref}'s own row: rounds to its own best (per seed, mean).",
+        f"- time to {ref}'s best: the same, in seconds of training (wall_s at that round; evaluation "
+        "excluded), mean over seeds.",
         f"- speed-up: {ref}'s rounds to its own best / this row's rounds to reach it "
         f"(resolution: {c.get('eval_every')} rounds).",
         "- communication: bytes per client over the whole run (mean over all clients, then seeds); "
         "decimal units (1 KB = 1000 B).",
         "- s / round: training wall time per round (evaluation excluded), mean over seeds; "
         "peak memory: the process's peak resident memory during the run, max over seeds.",
+        *lr_warnings(table),
     ])
+
+
+def lr_warnings(table: Table) -> list[str]:
+    """Footer lines for lrs that may not be the best: chosen at an end of a grid of two or more
+    (the optimum may lie outside it), or not tuned at all (a one-point grid)."""
+    lines, untuned = [], []
+    for r in table.rows:
+        grid = sorted(r.lr_grid)
+        if len(grid) == 1:
+            untuned.append(display_name(r.name))
+        elif len(grid) > 1 and r.lr in (grid[0], grid[-1]):
+            end, side = ("smallest", "below") if r.lr == grid[0] else ("largest", "above")
+            lines.append(f"- warning: {display_name(r.name)}'s lr {r.lr:g} is the {end} of its grid "
+                         f"({', '.join(f'{x:g}' for x in grid)}): the best lr may lie {side} it; extend the grid.")
+    if untuned:
+        lines.append(f"- lr not tuned (a one-point grid) for {', '.join(untuned)}.")
+    return lines
 
 
 def csv_columns(metric: str) -> list[str]:
     b = f"best_{metric}_pct" if is_percent(metric) else f"best_{metric}"
     return ["algorithm", "base_algorithm", "lr", f"{b}_mean", f"{b}_std", "seeds", "reference",
-            "rounds_to_reach", "seeds_reached", "speedup", "bytes_up_per_client",
+            "rounds_to_reach", "seconds_to_reach", "seeds_reached", "speedup", "bytes_up_per_client",
             "bytes_down_per_client", "bytes_total_per_client", "s_per_round", "peak_rss_mib"]
 
 
@@ -378,7 +433,8 @@ def to_csv(table: Table) -> str:
     for r in table.rows:
         w.writerow([r.name, r.algorithm, repr(r.lr), r.best_mean * scale,
                     "" if r.best_std is None else r.best_std * scale, r.seeds, int(r.is_reference),
-                    "" if r.rounds is None else r.rounds, r.reach.reached,
+                    "" if r.rounds is None else r.rounds, "" if r.seconds is None else r.seconds,
+                    r.reach.reached,
                     "" if r.speedup is None else r.speedup, r.bytes_up, r.bytes_down, r.bytes_total,
                     "" if r.s_per_round is None else r.s_per_round,
                     "" if r.peak_rss_mb is None else r.peak_rss_mb])

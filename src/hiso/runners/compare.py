@@ -70,7 +70,19 @@ Selection and outputs
 * ``DIR/table.md``, ``DIR/table.csv`` (also printed): see :mod:`hiso.report.table` for the
   precise definitions (rounds to reach the reference's best, speed-up, communication).
 * ``DIR/*.png``: see :mod:`hiso.report.plots`.
-* ``DIR/compare.json``: the resolved plan (shared configuration, arms, grids, seeds).
+* ``DIR/compare.json``: the resolved plan (shared configuration, arms, grids, seeds). Written
+  only once the plan is known to fit the runs already in ``DIR`` (a refused compare leaves it as
+  it was).
+
+Progress
+--------
+Each finished run prints one line with its best value and its own time (``wall_s_total`` of its
+``summary.json``: task building and queueing excluded). With ``--jobs`` > 1 the bar counts
+rounds over all runs to do, fed by the workers (each sends its round numbers through a queue),
+and shows each running run's round. A worker process starts Python and torch and builds its own
+task (seconds, and the task's data once per run instead of once per seed), so for runs of a few
+seconds ``--jobs 2`` is slower than serial: compare says so, and prints at the end the elapsed
+time next to the runs' own total.
 """
 
 from __future__ import annotations
@@ -383,18 +395,56 @@ def _vm_hwm_mb() -> float | None:
     return None
 
 
+_PROGRESS = None  # in a worker process: the queue its runs report their rounds to
+
+
+def _init_worker(queue) -> None:
+    global _PROGRESS
+    _PROGRESS = queue
+
+
+def _round_reporter(label: str, rounds: int, every_s: float = 0.2) -> Callable[[dict], None] | None:
+    """A progress callback sending (label, round) to the parent: round 1, then at most every
+    ``every_s`` seconds, and the last round."""
+    queue = _PROGRESS
+    if queue is None:
+        return None
+    last = [-math.inf]
+
+    def report(row: dict) -> None:
+        rnd, now = int(row["round"]), time.monotonic()
+        if rnd == 1 or rnd >= rounds or (rnd > 0 and now - last[0] >= every_s):
+            last[0] = now
+            queue.put((label, rnd))
+    return report
+
+
 def _run_in_worker(spec: RunSpec) -> dict:
     """One run in a worker process (``--jobs`` > 1): its own task, its own peak memory."""
     from ..tasks.registry import build_task
     from .rundir import run_to_dir
 
     reset = _reset_peak_rss()
-    summary = run_to_dir(spec.cfg, spec.dir, None, task=build_task(spec.cfg))
+    task = build_task(spec.cfg)
+    summary = run_to_dir(spec.cfg, spec.dir, _round_reporter(spec.label, spec.cfg.rounds), task=task)
     hwm = _vm_hwm_mb() if reset else None
     if hwm is not None:
         summary["peak_rss_mb_run"] = hwm
         (spec.dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _run_seconds(summary: dict) -> str:
+    """A finished run's own time for its progress line: ``wall_s_total`` of its summary.json."""
+    s = summary.get("wall_s_total")
+    return "? s" if s is None else f"{s:.1f} s"
+
+
+def _summary_seconds(d: Path) -> float:
+    try:
+        return float(json.loads((d / "summary.json").read_text()).get("wall_s_total") or 0.0)
+    except (OSError, ValueError):
+        return 0.0
 
 
 def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], jobs: int, bar) -> int:
@@ -403,21 +453,50 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
     import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+    import queue as queue_mod
+
     done, skipped = 0, len(specs) - len(todo)
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        pending = {pool.submit(_run_in_worker, spec): (spec, time.perf_counter()) for spec in todo}
-        bar.set_postfix_str(f"{min(jobs, len(todo))} runs at a time")
+    ctx = mp.get_context("spawn")
+    rounds_q = ctx.Queue()
+    at: dict[str, int] = {}  # label -> the last round a running run reported
+    counted: dict[str, int] = {}  # label -> rounds of it already added to the bar
+
+    def advance(label: str, rnd: int) -> None:
+        if rnd > counted.get(label, 0):
+            bar.update(rnd - counted.get(label, 0))
+            counted[label] = rnd
+
+    def drain() -> None:
+        while True:
+            try:
+                label, rnd = rounds_q.get_nowait()
+            except (queue_mod.Empty, OSError, ValueError):
+                return
+            if label in by_label and label not in finished_labels:
+                at[label] = max(at.get(label, 0), rnd)
+                advance(label, at[label])
+
+    by_label = {s.label: s for s in todo}
+    finished_labels: set[str] = set()
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
+                             initargs=(rounds_q,)) as pool:
+        pending = {pool.submit(_run_in_worker, spec): spec for spec in todo}
         try:
             while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                drain()
                 for fut in finished:
-                    spec, t0 = pending.pop(fut)
+                    spec = pending.pop(fut)
                     summary = fut.result()  # a failed run raises here; finished runs stay on disk
                     done += 1
-                    bar.update(1)
+                    finished_labels.add(spec.label)
+                    at.pop(spec.label, None)
+                    advance(spec.label, spec.cfg.rounds)  # a diverged run's rounds left count as done
                     best = summary.get("best", {}).get(plan.metric, float("nan"))
                     bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.metric} {best:.4g}, "
-                              f"{time.perf_counter() - t0:.1f} s")
+                              f"{_run_seconds(summary)}")
+                running = ", ".join(f"{lab}: {r}/{by_label[lab].cfg.rounds}" for lab, r in sorted(at.items()))
+                bar.set_postfix_str(f"runs {done + skipped}/{len(specs)}" + (f"; {running}" if running else ""))
         except BaseException:
             for fut in pending:
                 fut.cancel()
@@ -439,21 +518,34 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     from .rundir import run_to_dir
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps(plan.to_json(), indent=2))
     specs = plan.runs(out)
-    todo = specs if force else [s for s in specs if not _finished(s)]
+    todo = specs if force else [s for s in specs if not _finished(s)]  # refuses a changed config
+    out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare writes nothing
+    (out / "compare.json").write_text(json.dumps(plan.to_json(), indent=2))
     skipped = len(specs) - len(todo)
-    bar = tqdm(total=len(specs), initial=skipped, desc="compare", unit="run", disable=quiet,
-               dynamic_ncols=True, file=sys.stderr)
-    if skipped and not quiet:
-        bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
-    if jobs > 1 and len(todo) > 1:
+    if jobs > 1 and len(todo) > 1:  # a bar of rounds, moved by the workers' reports
+        bar = tqdm(total=sum(s.cfg.rounds for s in todo), desc="compare", unit="round", disable=quiet,
+                   dynamic_ncols=True, file=sys.stderr)
+        if not quiet:
+            if skipped:
+                bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
+            bar.write(f"--jobs {jobs}: {len(todo)} runs, {min(jobs, len(todo))} at a time, each in a worker "
+                      "process that starts Python and torch and builds its own task (seconds): for runs of a "
+                      "few seconds --jobs 1 is faster")
+        t_start = time.perf_counter()
         try:
             done = _execute_parallel(plan, specs, todo, jobs, bar)
         finally:
             bar.close()
+        if not quiet:
+            own = sum(_summary_seconds(s.dir) for s in todo)
+            print(f"--jobs {jobs}: {time.perf_counter() - t_start:.1f} s elapsed for {done} runs taking "
+                  f"{own:.1f} s by themselves", file=sys.stderr)
         return {"run": done, "skipped": skipped, "total": len(specs)}
+    bar = tqdm(total=len(specs), initial=skipped, desc="compare", unit="run", disable=quiet,
+               dynamic_ncols=True, file=sys.stderr)
+    if skipped and not quiet:
+        bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
     tasks: dict[str, Any] = {}
     done = 0
     try:
@@ -488,7 +580,7 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
             if not quiet:
                 best = summary.get("best", {}).get(plan.metric, float("nan"))
                 bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.metric} {best:.4g}, "
-                          f"{time.perf_counter() - t0:.1f} s")
+                          f"{_run_seconds(summary)}")
     finally:
         bar.close()
     return {"run": done, "skipped": skipped, "total": len(specs)}

@@ -1,0 +1,179 @@
+"""hiso compare's report: each run's own time, a refused compare writes nothing, round progress
+with --jobs, time to accuracy, lr-at-the-edge warnings, and the single-seed footer."""
+
+import json
+import re
+
+import pytest
+
+from hiso.cli import main
+from hiso.report.table import ArmResult, RunResult, build_table, csv_columns, footer, to_csv, to_markdown
+from hiso.runners import compare as cmp
+
+TINY_FLAGS = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2",
+              "--rounds", "30", "--eval-every", "10"]
+GRID = ["--lr-grid", "hiso=0.02,0.05", "--lr-grid", "decomfl=0.05"]
+
+
+def _main(args, capsys):
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+class FakeBar:
+    """Records what compare does with its tqdm bar."""
+
+    made: list["FakeBar"] = []
+
+    def __init__(self, total=None, initial=0, unit="it", disable=False, **_):
+        self.total, self.n, self.unit = total, initial, unit
+        self.updates, self.writes, self.postfixes = [], [], []
+        FakeBar.made.append(self)
+
+    def update(self, n=1):
+        self.updates.append(n)
+        self.n += n
+
+    def write(self, s, *a, **k):
+        self.writes.append(s)
+
+    def set_postfix_str(self, s, *a, **k):
+        self.postfixes.append(s)
+
+    def set_postfix(self, *a, **k):
+        pass
+
+    def close(self):
+        pass
+
+
+def _own_times(lines):
+    """{run label: seconds} from the '[k/N] label: best ..., T s' lines."""
+    out = {}
+    for line in lines:
+        m = re.match(r"\[\d+/\d+\] (.+): best \S+ \S+, ([\d.]+) s$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+# --------------------------------------------------------------------------- running
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_each_run_prints_its_own_time_and_parallel_runs_report_rounds(tmp_path, monkeypatch, capsys, jobs):
+    FakeBar.made = []
+    monkeypatch.setattr("tqdm.tqdm", FakeBar)
+    out = tmp_path / "cmp"
+    code, _, err = _main(["compare", "--out", str(out), *TINY_FLAGS, "--seeds", "0", *GRID,
+                          "--jobs", str(jobs)], capsys)
+    assert code == 0
+    bar = FakeBar.made[0]
+    times = _own_times(bar.writes)
+    specs = cmp.build_plan(None, {"task": "quadratic", "dim": 20, "clients": 4, "sampled": 2, "rounds": 30,
+                                  "eval_every": 10},
+                           cmp.parse_cli(seeds="0", lr_grid=["hiso=0.02,0.05", "decomfl=0.05"])).runs(out)
+    assert set(times) == {s.label for s in specs}
+    for s in specs:  # the run's own time (its summary), not the time since it was queued
+        own = json.loads((s.dir / "summary.json").read_text())["wall_s_total"]
+        assert times[s.label] == pytest.approx(own, abs=0.051)
+    if jobs == 1:
+        assert bar.unit == "run" and bar.n == 3
+        return
+    # --jobs 2: the bar counts rounds, fed by the workers as they go, not once per finished run
+    assert bar.unit == "round" and bar.total == 3 * 30 and sum(bar.updates) == 90
+    assert len(bar.updates) > 3 and 1 in bar.updates, bar.updates  # round 1 of a run arrived on its own
+    assert any("--jobs 1 is faster" in w for w in bar.writes)  # start-up cost is said
+    assert re.search(r"--jobs 2: [\d.]+ s elapsed for 3 runs taking [\d.]+ s by themselves", err)
+
+
+def test_a_refused_compare_rewrites_nothing(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    args = ["compare", "--out", str(out), *TINY_FLAGS, "--seeds", "0", "--lr-grid", "hiso=0.05",
+            "--lr-grid", "decomfl=0.05", "--quiet"]
+    assert _main(args, capsys)[0] == 0
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert json.loads((out / "compare.json").read_text())["shared"]["rounds"] == 30
+    code, _, err = _main([*args, "--rounds", "40"], capsys)  # over finished 30-round runs
+    assert code == 2 and "rounds = 30, not 40" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files  # compare.json included
+
+
+# --------------------------------------------------------------------------- the table
+
+def _rows(values, every=10, s_per_round=0.1, metric="eval_acc"):
+    rows = []
+    for i, v in enumerate(values):
+        for r in range(i * every, i * every + (every if i < len(values) - 1 else 1)):
+            row = {"round": r, "train_loss": 1.0, "wall_s": r * s_per_round}
+            if r == i * every:
+                row[metric] = v
+            rows.append(row)
+    return rows
+
+
+def _arm(name, per_seed_values, s_per_round=0.1, lr=1e-3, grid=None, seeds=None):
+    from pathlib import Path
+    seeds = seeds if seeds is not None else list(range(len(per_seed_values)))
+    runs = [RunResult(Path("."), s, {"clients": 4, "rounds": 30, "eval_every": 10, "task": "mnist", "sampled": 2},
+                      _rows(v, s_per_round=s_per_round * (1 + s)),
+                      {"communication_per_client": {"bytes_up_mean": 10.0, "bytes_down_mean": 20.0},
+                       "s_per_round": s_per_round, "peak_rss_mb": 100.0})
+            for s, v in zip(seeds, per_seed_values)]
+    return ArmResult(name, name, lr, runs, grid=grid or {})
+
+
+def test_time_to_reach_the_references_best():
+    ref = _arm("decomfl", [[0.1, 0.6, 0.7, 0.7], [0.1, 0.5, 0.8, 0.8]], s_per_round=0.5)  # own best at 20, 20
+    fast = _arm("hiso", [[0.1, 0.76, 0.9, 0.9], [0.1, 0.5, 0.8, 0.9]], s_per_round=0.2)   # reach 0.75 at 10, 20
+    never = _arm("fedavg", [[0.1, 0.2, 0.3, 0.75], [0.1, 0.2, 0.3, 0.4]])
+    t = build_table([fast, ref, never], "decomfl", "eval_acc")
+    row = {r.name: r for r in t.rows}
+    # seed s trains at s_per_round * (1 + s) seconds a round; wall_s at the first reaching round
+    assert row["hiso"].reach.seconds == pytest.approx((10 * 0.2, 20 * 0.4))
+    assert row["hiso"].seconds == pytest.approx((2.0 + 8.0) / 2)
+    assert row["decomfl"].seconds == pytest.approx((20 * 0.5 + 20 * 1.0) / 2)  # its own best
+    assert row["fedavg"].seconds is None and row["fedavg"].reach.seconds == (pytest.approx(3.0), None)
+    md = to_markdown(t)
+    header = [c.strip() for c in md.splitlines()[0].strip("|").split("|")]
+    i = header.index("time to DeComFL's best")
+    assert header[i - 1].startswith("rounds to DeComFL's best")
+    cells = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")] for r in md.splitlines()[2:]}
+    assert cells["HiSo"][i] == "5 s" and cells["DeComFL"][i] == "15 s" and cells["FedAvg"][i] == "—"
+    csv_rows = [line.split(",") for line in to_csv(t).splitlines()]
+    j = csv_columns("eval_acc").index("seconds_to_reach")
+    assert float(csv_rows[1][j]) == pytest.approx(5.0) and csv_rows[3][j] == ""
+    assert "time to DeComFL's best: the same, in seconds of training" in footer(t)
+
+
+@pytest.mark.parametrize("chosen, warning", [
+    (3e-3, None),
+    (1e-2, "HiSo's lr 0.01 is the largest of its grid (0.001, 0.003, 0.01): the best lr may lie above it"),
+    (1e-3, "HiSo's lr 0.001 is the smallest of its grid (0.001, 0.003, 0.01): the best lr may lie below it"),
+])
+def test_warns_when_the_chosen_lr_is_at_the_edge_of_its_grid(tmp_path, chosen, warning):
+    from hiso.report.table import write_table
+    grid = {1e-2: [0.5, 0.5], 1e-3: [0.5, 0.5], 3e-3: [0.5, 0.5]}  # listing order is not grid order
+    hiso = _arm("hiso", [[0.1, 0.9], [0.1, 0.9]], lr=chosen, grid=grid)
+    ref = _arm("decomfl", [[0.1, 0.8], [0.1, 0.8]], lr=1e-3, grid={1e-3: [0.8, 0.8]})
+    text = write_table(tmp_path, build_table([hiso, ref], "decomfl", "eval_acc"))
+    foot = (tmp_path / "table.md").read_text().split("\n\n", 1)[1]
+    assert text.endswith(foot)  # printed and in table.md alike
+    edge = [line for line in foot.splitlines() if "of its grid" in line]
+    assert edge == ([] if warning is None else [f"- warning: {warning}; extend the grid."])
+    assert "- lr not tuned (a one-point grid) for DeComFL." in foot.splitlines()
+    assert "DeComFL's lr" not in foot  # a one-point grid is "not tuned", not "at the edge"
+
+
+def test_one_seed_says_no_spread_and_several_show_mean_and_std():
+    one = build_table([_arm("hiso", [[0.1, 0.9]], seeds=[3]), _arm("decomfl", [[0.1, 0.8]], seeds=[3])],
+                      "decomfl", "eval_acc")
+    md, foot = to_markdown(one), footer(one)
+    assert "±" not in md and "1 seed: no spread" in foot and "± sample std" not in foot
+    two = build_table([_arm("hiso", [[0.1, 0.9], [0.1, 0.7]]), _arm("decomfl", [[0.1, 0.8], [0.1, 0.8]])],
+                      "decomfl", "eval_acc")
+    assert "80.00 ± 14.14" in to_markdown(two)
+    assert "no spread" not in footer(two) and "mean ± sample std over seeds" in footer(two)
