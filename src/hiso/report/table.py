@@ -390,7 +390,7 @@ def footer(table: Table) -> str:
         f"{_fmt_threshold(table.threshold, m)} ({ref}'s mean best), mean over seeds; "
         f"'—' if some seed never reaches it. {ref}'s own row: rounds to its own best (per seed, mean).",
         f"- time to {ref}'s best: the same, in seconds of training (wall_s at that round; evaluation "
-        "excluded), mean over seeds.",
+        "excluded), mean over seeds; it depends on the machine and on the runs beside it (--jobs).",
         f"- speed-up: {ref}'s rounds to its own best / this row's rounds to reach it "
         f"(resolution: {c.get('eval_every')} rounds).",
         "- communication: bytes per client over the whole run (mean over all clients, then seeds); "
