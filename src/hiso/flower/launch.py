@@ -352,6 +352,8 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
     into ``out``, stop every process; returns the run's final status (raises unless completed)."""
     if nodes < 1:
         raise ValueError(f"need at least one node, got {nodes}")
+    if not cfg.scalar_only:
+        raise ValueError(f"{cfg.algorithm}: the Flower app runs the scalar-only algorithms (hiso, decomfl)")
     if cfg.clients != nodes:
         print(f"hiso flower: {cfg.clients} partitions on {nodes} nodes: partitions without a node never answer",
               file=sys.stderr)
