@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import ALGORITHMS, TASKS, ConfigError, RunConfig, load_config
+from .config import ALGORITHMS, TASKS, ConfigError, RunConfig, load_config, read_toml
 
 
 # RunConfig fields whose values are checked by name (not a Literal): their choices for --help
@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hiso", description="Federated zeroth-order fine-tuning with scalar-only communication.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run one algorithm on one task into --out DIR")
-    run.add_argument("--out", required=True, help="run directory to create")
+    run.add_argument("--out", help="run directory to create")
+    run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR (its config.json; "
+                     "options that would change it are refused)")
     run.add_argument("--config", help="TOML file of options (flags override it)")
     run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -125,10 +127,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .tasks.registry import build_task
 
     overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
-    cfg = load_config(args.config, **overrides)
-    out = Path(args.out)
-    if (out / "config.json").exists() and not args.force:
-        return _fail(f"{out} already holds a run (use --force to overwrite)")
+    if (args.out is None) == (args.resume is None):
+        return _fail("give --out DIR (a new run) or --resume DIR (an interrupted one)")
+    if args.resume is not None:
+        import json
+
+        from .runners.rundir import saved_config
+        if args.force:
+            return _fail("--resume continues a run and --force overwrites it: choose one")
+        out = Path(args.resume)
+        cfg, _ = saved_config(out)
+        given = {**read_toml(args.config), **{k: v for k, v in overrides.items() if v is not None}}
+        saved = cfg.model_dump()
+        wanted = load_config(None, **{**saved, **given}).model_dump()
+        changed = [k for k in given if wanted.get(k) != saved.get(k)]
+        if changed:
+            k = changed[0]
+            return _fail(f"--resume continues {out} as configured in its config.json: {k} = {wanted.get(k)!r} would "
+                         f"change its {saved.get(k)!r} (start a new run with --out instead)")
+        if (out / "summary.json").exists():
+            summary = json.loads((out / "summary.json").read_text())
+            print(f"{out} is a finished run ({summary['rounds_done']} rounds"
+                  + (f", diverged in round {summary['diverged']['round']}" if summary["diverged"] else "")
+                  + "): nothing to resume")
+            return 1 if summary["diverged"] else 0
+    else:
+        cfg = load_config(args.config, **overrides)
+        out = Path(args.out)
+        if (out / "config.json").exists() and not args.force:
+            return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
     task = build_task(cfg)
     if args.show_partition:
         hist = getattr(task, "label_hist", None)
@@ -142,6 +169,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     def progress(row: dict) -> None:
         if row["round"] == 0:
             return
+        if bar.n == 0 and row["round"] > 1:  # a resumed run
+            bar.update(row["round"] - 1)
         post = {"loss": f"{row['train_loss']:.4g}"}
         for k in ("eval_acc", "gap"):
             if k in row:
@@ -150,7 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        summary = run_to_dir(cfg, out, progress, task=task)
+        summary = run_to_dir(cfg, out, progress, task=task, resume=args.resume is not None)
     finally:
         bar.close()
     comm = summary["communication_per_client"]

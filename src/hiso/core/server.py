@@ -145,6 +145,34 @@ class Server:
         self.plan_ = None
         return rec
 
+    def plan_logged(self, rec: RoundRecord, max_draws: int = 1000) -> RoundPlan:
+        """Resume: plan round ``rec.round`` again, as the interrupted run did. The server's
+        draws are seeded, so planning again draws the same clients and seeds; a draw whose
+        seeds are not the logged ones is a round the run re-planned (nobody answered): it is
+        dropped and counted in ``replanned``, as it was. Close it with :meth:`close_logged`."""
+        if rec.round != self.round:
+            raise ValueError(f"the server is at round {self.round}, cannot replay record {rec.round}")
+        for _ in range(max_draws):
+            plan = self.plan()
+            if np.array_equal(plan.seeds, rec.seeds):
+                if not set(rec.participants) <= set(plan.participants):
+                    raise ValueError(f"round {rec.round}: logged participants {list(rec.participants)} were not "
+                                     f"sampled ({list(plan.participants)}): the log is not this run's")
+                return plan
+            self.plan_ = None
+            self.replanned += 1
+        raise ValueError(f"round {rec.round}: the logged seeds are not among the next {max_draws} this server "
+                         f"draws: the log was written with another seed or configuration")
+
+    def close_logged(self, rec: RoundRecord) -> None:
+        """Resume: close the round planned by :meth:`plan_logged` with its logged record."""
+        plan = self._current()
+        if rec.round != plan.round or not np.array_equal(rec.seeds, plan.seeds):
+            raise ValueError(f"record {rec.round} does not match the planned round {plan.round}")
+        self.history.append(rec)
+        self.synced[list(rec.participants)] = plan.round
+        self.plan_ = None
+
     def client_holds(self, client: int, round: int) -> None:
         """A client told us which round's state it holds (e.g. it restarted from an older
         copy, or from x_0): its next downlink starts there. Only ever moves ``synced`` back."""

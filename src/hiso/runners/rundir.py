@@ -10,12 +10,23 @@ A run whose model (or H) turns non-finite, or whose mean training loss is non-fi
 ``diverge_factor`` x round 1's, stops as diverged (``summary.json`` ``diverged``, exit 1 from
 ``hiso run``). Its ``model.pt`` is the last finite model, and for the scalar-only algorithms
 ``history.bin`` ends at that same round (``hiso rebuild`` reproduces it).
+
+Crash safety (scalar-only algorithms): a round counts as done once its record is in
+``history.bin`` (checksummed, flushed and fsync'd) *and* its row in ``metrics.jsonl``.
+``run_to_dir(..., resume=True)`` (``hiso run --resume DIR``) continues a run killed at any
+point: it keeps the rounds done (a torn history record or metrics line is dropped; each
+file is cut back to the rounds both hold), rebuilds the server's model and H by replaying
+the log, the server's sampling and seed streams by drawing them again for the logged rounds
+(checked against the log), the bytes counted per client by re-encoding the messages, and
+goes on. The result is the uninterrupted run's ``model.pt``, ``history.bin`` and metrics,
+bit for bit (``wall_s`` apart: it adds the time of both attempts' kept rounds).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -26,7 +37,7 @@ from typing import Callable
 import torch
 
 from ..config import RunConfig
-from ..core.history import HistoryWriter, read_history
+from ..core.history import HistoryWriter, parse_history, read_history
 from ..core.state import ModelState
 from ..report.table import higher_is_better
 from ..tasks.base import Task
@@ -72,24 +83,86 @@ def loss_diverged(loss: float | None, first: float | None, factor: float | None)
     return None
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` whole (a crash leaves the old file or the new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
+    """A run directory's configuration and task description (``config.json``)."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a hiso run directory?")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is damaged ({e})") from None
+    info = raw.pop("task_info", None) or {}
+    return RunConfig(**raw), info
+
+
+def resume_point(out: Path, shape: tuple[int, int]) -> tuple[list[str], list]:
+    """The rounds an interrupted run finished: (metrics lines of rows 0..R, history records
+    0..R-1), R the last round both files hold. No row at all: ([], []), start over."""
+    lines = []
+    if (out / "metrics.jsonl").exists():
+        text = (out / "metrics.jsonl").read_text()
+        for i, line in enumerate(text.split("\n")[:-1]):  # the text after the last newline is torn
+            try:
+                r = json.loads(line)["round"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{out}/metrics.jsonl: line {i + 1} is damaged") from None
+            if r != i:
+                raise ValueError(f"{out}/metrics.jsonl: line {i + 1} is round {r}, expected {i}")
+            lines.append(line)
+    if not lines:
+        return [], []
+    path = out / "history.bin"
+    if not path.exists():
+        raise ValueError(f"{path} is missing: the run's rounds cannot be rebuilt")
+    log = parse_history(path)
+    if (log.tau, log.P) != shape:
+        raise ValueError(f"{path} has (tau, P) = {(log.tau, log.P)} but config.json says {shape}")
+    R = min(len(lines) - 1, len(log.records))
+    return lines[:R + 1], log.records[:R]
+
+
 def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None,
-               task: Task | None = None) -> dict:
-    """Run ``cfg`` and write DIR. ``progress(row)`` is called after every round."""
+               task: Task | None = None, resume: bool = False) -> dict:
+    """Run ``cfg`` and write DIR. ``progress(row)`` is called after every round.
+
+    ``resume``: DIR holds an interrupted run of ``cfg`` (same ``config.json``): continue it
+    (see the module's docstring). Scalar-only algorithms only: the full-model baselines keep
+    no log to rebuild their server (and optimiser) state from.
+    """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if resume and not cfg.scalar_only:
+        raise ValueError(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
+                         f"their state from (start again with --force)")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     task = task or build_task(cfg)
     info = task.describe()
-    (out / "config.json").write_text(json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
+    kept, records = resume_point(out, cfg.zo().shape) if resume else ([], [])
+    if not resume or not (out / "config.json").exists():
+        _write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
     best: dict[str, float] = {}
     last_eval: dict = {}
     t0 = time.perf_counter()
     with ExitStack() as stack:
-        mf = stack.enter_context(open(out / "metrics.jsonl", "w"))
+        if resume:  # cut metrics back to the rounds kept, then append
+            _write_atomic(out / "metrics.jsonl", "".join(line + "\n" for line in kept))
+        mf = stack.enter_context(open(out / "metrics.jsonl", "a" if resume else "w"))
         hist = None
         if cfg.scalar_only:  # full-model baselines have no seed/scalar log to rebuild from
-            hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape))
+            hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape,
+                                                     keep=len(records) if resume else None))
 
         def log(rec):  # a round that left x or H non-finite is not logged (and not counted)
             st = sim.state
@@ -101,22 +174,35 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         row = {}
         diverged = None
         first_loss = None
+
+        def account(row) -> dict | None:  # best/final metrics and the divergence test, per row
+            nonlocal last_eval, first_loss
+            if "eval_loss" in row:
+                last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "gap"))}
+                for k, v in last_eval.items():
+                    better = max if higher_is_better(k) else min
+                    best[k] = v if k not in best else better(best[k], v)
+            if first_loss is None:
+                first_loss = row.get("train_loss")
+            why = loss_diverged(row.get("train_loss"), first_loss, cfg.diverge_factor)
+            return None if why is None else {"round": row["round"], "error": why}
+
+        rows = sim.run(cfg.rounds) if not kept else ()
+        if kept:  # resume: the kept rows' bookkeeping, then the server state at their last round
+            for line in kept:
+                row = json.loads(line)
+                diverged = diverged or account(row)
+            sim.resume(records)
+            if diverged is None:
+                rows = sim.run(cfg.rounds, start=row["round"], wall=row["wall_s"])
         try:
-            for row in sim.run(cfg.rounds):
+            for row in rows:
                 mf.write(json.dumps(row) + "\n")
                 mf.flush()
-                if "eval_loss" in row:
-                    last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "gap"))}
-                    for k, v in last_eval.items():
-                        better = max if higher_is_better(k) else min
-                        best[k] = v if k not in best else better(best[k], v)
+                diverged = account(row)
                 if progress is not None:
                     progress(row)
-                if first_loss is None:
-                    first_loss = row.get("train_loss")
-                why = loss_diverged(row.get("train_loss"), first_loss, cfg.diverge_factor)
-                if why is not None:  # this round's model is finite (checked above): it is kept
-                    diverged = {"round": row["round"], "error": why}
+                if diverged is not None:  # this round's model is finite (checked above): it is kept
                     break
         except FloatingPointError as e:
             # a diverged run is a result (too large an lr), not a crash: keep what it logged. A
@@ -140,7 +226,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         "s_per_round": (row.get("wall_s") or 0.0) / max(row.get("round", 0), 1), "peak_rss_mb": peak_rss_mb(),
         "parameters": sum(p.numel() for p in sim.model.parameters() if p.requires_grad),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
@@ -159,12 +245,7 @@ def rebuild(run_dir: str | Path) -> tuple[ModelState, dict]:
     the run's (fingerprint in ``config.json``) is refused before anything is replayed.
     """
     run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: is {run_dir} a hiso run directory?")
-    raw = json.loads(cfg_path.read_text())
-    info = raw.pop("task_info", None) or {}
-    cfg = RunConfig(**raw)
+    cfg, info = saved_config(run_dir)
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
     tau, P, records = read_history(run_dir / "history.bin")

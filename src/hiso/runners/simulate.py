@@ -113,9 +113,37 @@ class Simulation:
             self.on_record(rec)
         return rec, float(np.mean([u.loss for u in uplinks]))
 
-    def run(self, rounds: int) -> Iterator[dict]:
-        """Yield one metrics row per round (plus row 0: the initial evaluation)."""
-        return metric_rows(self.task, self.state.model, self.comm, lambda: self.step()[1], rounds, self.eval_every)
+    def run(self, rounds: int, start: int = 0, wall: float = 0.0) -> Iterator[dict]:
+        """Yield one metrics row per round (plus row 0: the initial evaluation). ``start`` > 0
+        continues after round ``start`` (see :meth:`resume`), ``wall`` its rows' ``wall_s``."""
+        return metric_rows(self.task, self.state.model, self.comm, lambda: self.step()[1], rounds, self.eval_every,
+                           start=start, wall=wall)
+
+    def resume(self, records: list[RoundRecord]) -> None:
+        """Bring a new simulation to the end of an interrupted run's logged rounds, exactly as
+        if it had run them: the server re-draws each round's clients and seeds (its streams
+        are seeded; the draws are checked against the log) and takes the logged record, the
+        model and H replay it, and the bytes each message would have had are counted. In
+        faithful mode each client that took part is rebuilt at the round it last took part in
+        (the server's replica then, which it equals bit for bit)."""
+        if self.server.round or self.clients:
+            raise RuntimeError("resume() needs a simulation that has not run yet")
+        last = {c: rec.round for rec in records for c in rec.participants}
+        for rec in records:
+            plan = self.server.plan_logged(rec)
+            for cid in plan.participants:
+                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid)))
+                if cid in rec.participants:
+                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0)))
+                if self.mode == "faithful" and last.get(cid) == rec.round:
+                    st = self.client(cid).state
+                    for dst, src in zip(st.params, self.state.params):
+                        dst.data.copy_(src.data)
+                    for dst, src in zip(st.h or [], self.state.h or []):
+                        dst.copy_(src)
+                    st.round = rec.round
+            self.server.close_logged(rec)
+            self.state.apply(rec)
 
     def state_dict(self) -> dict:
         """The server's final state (model, H, round), as saved in ``model.pt``."""
@@ -128,15 +156,16 @@ class Simulation:
 
 
 def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds: int,
-                eval_every: int) -> Iterator[dict]:
+                eval_every: int, start: int = 0, wall: float = 0.0) -> Iterator[dict]:
     """The rows of ``metrics.jsonl`` for any runner whose ``step()`` returns the mean train loss.
 
     Row 0 is the initial evaluation; ``wall_s`` counts training time only (evaluation is not
     part of an algorithm's cost); evaluation every ``eval_every`` rounds and at the last.
+    ``start`` > 0: a resumed run, rows from round ``start + 1`` on, ``wall_s`` from ``wall``.
     """
-    wall = 0.0
-    yield {"round": 0, "train_loss": None, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, **task.evaluate(model)}
-    for r in range(1, rounds + 1):
+    if start == 0:
+        yield {"round": 0, "train_loss": None, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, **task.evaluate(model)}
+    for r in range(start + 1, rounds + 1):
         t0 = time.perf_counter()
         loss = step()
         wall += time.perf_counter() - t0

@@ -1,0 +1,304 @@
+"""Crash-safe runs: a checksummed, append-only history log and ``hiso run --resume DIR``.
+
+A run killed at any point leaves a prefix of each of its files (config.json is written whole
+first). So the cut tests truncate an uninterrupted run's files to the states a kill can leave
+(between rounds, between a round's history record and its metrics row, a torn record, a torn
+metrics line, before model.pt), resume, and compare with the uninterrupted run bit for bit.
+The SIGKILL tests kill real ``hiso run`` processes at several points and do the same.
+"""
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hiso.cli import main
+from hiso.config import load_config
+from hiso.core.history import HistoryWriter, RoundRecord, parse_history, read_history
+from hiso.runners.rundir import run_to_dir
+
+QUAD = ["--task", "quadratic", "--dim", "40", "--clients", "6", "--sampled", "3", "--eval-every", "4"]
+WALL = {"wall_s"}  # wall-clock keys: the only ones a resumed run may change
+WALL_SUMMARY = {"wall_s_train", "wall_s_total", "s_per_round", "peak_rss_mb"}
+
+
+def _cli(args, capsys):
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _cfg(args):
+    """The RunConfig the CLI makes of ``args`` (flags like QUAD)."""
+    kv = dict(zip(args[::2], args[1::2]))
+    return load_config(None, **{k[2:].replace("-", "_"): v for k, v in kv.items()})
+
+
+def _rows(d):
+    return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """model.pt, history.bin, metrics (all but wall-clock keys) and summary are identical."""
+    assert (a / "history.bin").read_bytes() == (b / "history.bin").read_bytes()
+    ra, rb = _rows(a), _rows(b)
+    assert [{k: v for k, v in r.items() if k not in WALL} for r in ra] == \
+        [{k: v for k, v in r.items() if k not in WALL} for r in rb]
+    ma, mb = torch.load(a / "model.pt"), torch.load(b / "model.pt")
+    assert ma["round"] == mb["round"] and ma.keys() == mb.keys()
+    for part in ("model", "h"):
+        if part in ma:
+            assert ma[part].keys() == mb[part].keys()
+            assert all(torch.equal(ma[part][k], mb[part][k]) for k in ma[part])
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    assert {k: v for k, v in sa.items() if k not in WALL_SUMMARY} == \
+        {k: v for k, v in sb.items() if k not in WALL_SUMMARY}
+
+
+# ------------------------------------------------------------------------- the log itself
+
+def _records(n, tau=2, P=3, m=2):
+    rng = np.random.default_rng(0)
+    return [RoundRecord(r, rng.integers(0, 2**63, (tau, P), dtype=np.uint64),
+                        rng.standard_normal((tau, P)).astype(np.float32), tuple(range(r % 3, r % 3 + m)))
+            for r in range(n)]
+
+
+def _equal_records(a, b):
+    return len(a) == len(b) and all(x.round == y.round and x.participants == y.participants
+                                    and np.array_equal(x.seeds, y.seeds) and np.array_equal(x.scalars, y.scalars)
+                                    for x, y in zip(a, b))
+
+
+def test_a_torn_last_record_is_dropped_and_damage_before_the_end_is_an_error(tmp_path):
+    path = tmp_path / "h.bin"
+    recs = _records(5)
+    with HistoryWriter(path, 2, 3) as w:
+        for r in recs:
+            w.write(r)
+    data = path.read_bytes()
+    log = parse_history(path)
+    assert log.version == 2 and log.torn == 0 and _equal_records(log.records, recs)
+    last = log.ends[4]
+    for cut in range(last, len(data)):  # every length a write of the last record can be cut to
+        path.write_bytes(data[:cut])
+        assert _equal_records(read_history(path)[2], recs[:4]), cut
+    # a full-length last record with a bad checksum (a crash left garbage): torn as well
+    bad = bytearray(data)
+    bad[-6] ^= 0x40
+    path.write_bytes(bytes(bad))
+    assert _equal_records(read_history(path)[2], recs[:4])
+    # the same damage in a record before the last is an error, not a silent loss
+    bad = bytearray(data)
+    bad[log.ends[2] - 6] ^= 0x40
+    path.write_bytes(bytes(bad))
+    with pytest.raises(ValueError, match="record 1 .* checksum"):
+        read_history(path)
+
+
+def test_version_1_logs_are_still_read_and_resumed_ones_are_rewritten(tmp_path):
+    recs = _records(3)
+    v1 = struct.pack("<4sBHH", b"HSOH", 1, 2, 3) + b"".join(
+        struct.pack("<IH", r.round, len(r.participants)) + np.asarray(r.participants, "<u4").tobytes()
+        + r.seeds.astype("<u8").tobytes() + r.scalars.astype("<f4").tobytes() for r in recs)
+    path = tmp_path / "h.bin"
+    path.write_bytes(v1)
+    assert _equal_records(read_history(path)[2], recs)
+    with HistoryWriter(path, 2, 3, keep=2) as w:  # a resumed run on a version 1 log
+        w.write(recs[2])
+    log = parse_history(path)
+    assert log.version == 2 and _equal_records(log.records, recs)
+    path.write_bytes(v1[:-3])
+    with pytest.raises(ValueError, match="truncated"):  # version 1 has no checksum to tell torn from damaged
+        read_history(path)
+
+
+def test_the_writer_continues_after_the_records_it_keeps(tmp_path):
+    path = tmp_path / "h.bin"
+    recs = _records(4)
+    with HistoryWriter(path, 2, 3) as w:
+        for r in recs:
+            w.write(r)
+    path.write_bytes(path.read_bytes()[:-5])  # torn round 3
+    with HistoryWriter(path, 2, 3, keep=2) as w:  # rounds 2.. are redone
+        w.write(recs[2])
+        w.write(recs[3])
+    assert _equal_records(read_history(path)[2], recs)
+    with pytest.raises(ValueError, match="cannot keep 9"):
+        HistoryWriter(path, 2, 3, keep=9)
+
+
+# ----------------------------------------------------------- resume from every kind of cut
+
+def _cut(full: Path, to: Path, rows: int, records: int, *, torn_history=0, torn_line=False, v1=False):
+    """``to``: what a kill leaves of ``full`` with ``rows`` metrics rows and ``records`` log
+    records written, plus optionally a torn record / half a metrics line after them."""
+    shutil.copytree(full, to)
+    (to / "summary.json").unlink()
+    (to / "model.pt").unlink()
+    lines = (full / "metrics.jsonl").read_text().splitlines(keepends=True)
+    text = "".join(lines[:rows])
+    if torn_line:
+        text += lines[rows][: len(lines[rows]) // 2]
+    (to / "metrics.jsonl").write_text(text)
+    log = parse_history(full / "history.bin")
+    data = (full / "history.bin").read_bytes()
+    end = log.ends[records]
+    if torn_history:
+        end += min(torn_history, log.ends[records + 1] - end - 1)
+    if v1:
+        data = struct.pack("<4sBHH", b"HSOH", 1, log.tau, log.P) + b"".join(
+            struct.pack("<IH", r.round, len(r.participants)) + np.asarray(r.participants, "<u4").tobytes()
+            + r.seeds.astype("<u8").tobytes() + r.scalars.astype("<f4").tobytes() for r in log.records[:records])
+        end = len(data)
+    (to / "history.bin").write_bytes(data[:end])
+
+
+CUTS = {  # name: (metrics rows, history records, options)
+    "before-row-0": (0, 0, {}),
+    "between-rounds": (4, 3, {}),
+    "record-logged-row-not": (4, 4, {}),
+    "torn-record-and-line": (6, 5, {"torn_history": 7, "torn_line": True}),
+    "metrics-ahead-of-a-torn-log": (8, 5, {"torn_history": 30}),
+    "version-1-log": (5, 4, {"v1": True}),
+    "all-rounds-no-model": (11, 10, {}),
+}
+
+
+@pytest.mark.parametrize("algorithm, extra", [("hiso", []), ("decomfl", ["--local-steps", "2"])])
+def test_resume_after_every_kind_of_cut_is_bit_identical(tmp_path, capsys, algorithm, extra):
+    args = [*QUAD, "--rounds", "10", "--algorithm", algorithm, *extra]
+    full = tmp_path / "full"
+    run_to_dir(_cfg(args), full)
+    for name, (rows, records, opts) in CUTS.items():
+        d = tmp_path / name
+        _cut(full, d, rows, records, **opts)
+        code, out, err = _cli(["run", "--resume", str(d), "--quiet"], capsys)
+        assert code == 0, (name, err)
+        assert_same_run(full, d)
+    # a log damaged before its end is reported, not papered over
+    d = tmp_path / "damaged"
+    _cut(full, d, 6, 5)
+    data = bytearray((d / "history.bin").read_bytes())
+    data[parse_history(d / "history.bin").ends[2] - 6] ^= 1
+    (d / "history.bin").write_bytes(bytes(data))
+    code, _, err = _cli(["run", "--resume", str(d), "--quiet"], capsys)
+    assert code == 2 and "checksum" in err and len(err.strip().splitlines()) == 1
+
+
+def test_resume_in_faithful_mode_rebuilds_the_clients(tmp_path, capsys):
+    """Faithful clients are real replicas: each is rebuilt at the round it last took part in,
+    so downlinks (and bytes) after the resume are the uninterrupted run's."""
+    args = [*QUAD, "--rounds", "10", "--mode", "faithful", "--local-steps", "2", "--h-source", "every"]
+    full = tmp_path / "full"
+    run_to_dir(_cfg(args), full)
+    d = tmp_path / "cut"
+    _cut(full, d, 6, 5)
+    assert _cli(["run", "--resume", str(d), "--quiet"], capsys)[0] == 0
+    assert_same_run(full, d)
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _cli(["run", "--out", str(out), *QUAD, "--rounds", "5", "--quiet"], capsys)[0] == 0
+    # a finished run: said so, exit 0, nothing rewritten
+    before = (out / "summary.json").read_bytes()
+    code, stdout, _ = _cli(["run", "--resume", str(out), "--quiet"], capsys)
+    assert code == 0 and "finished" in stdout and (out / "summary.json").read_bytes() == before
+    # options that agree with config.json are fine, one that changes it is refused in one line
+    (out / "summary.json").unlink()
+    code, _, err = _cli(["run", "--resume", str(out), "--dim", "40", "--lr", "0.5", "--quiet"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "lr" in err and "config.json" in err
+    conf = tmp_path / "c.toml"
+    conf.write_text("rounds = 50\n")
+    code, _, err = _cli(["run", "--resume", str(out), "--config", str(conf), "--quiet"], capsys)
+    assert code == 2 and "rounds" in err
+    assert _cli(["run", "--resume", str(out), "--dim", "40", "--quiet"], capsys)[0] == 0
+    for args, needle in [(["--resume", str(out), "--force"], "choose one"),
+                         (["--resume", str(out), "--out", str(out)], "--out DIR"),
+                         ([], "--out DIR"),
+                         (["--resume", str(tmp_path / "nothing")], "config.json")]:
+        code, _, err = _cli(["run", *args, "--quiet"], capsys)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (args, err)
+    # full-model baselines keep no log: refused, and the directory is left as it was
+    fa = tmp_path / "fedavg"
+    assert _cli(["run", "--out", str(fa), *QUAD, "--rounds", "3", "--algorithm", "fedavg", "--quiet"], capsys)[0] == 0
+    (fa / "summary.json").unlink()
+    rows = (fa / "metrics.jsonl").read_bytes()
+    code, _, err = _cli(["run", "--resume", str(fa), "--quiet"], capsys)
+    assert code == 2 and "fedavg runs cannot be resumed" in err
+    assert (fa / "metrics.jsonl").read_bytes() == rows
+
+
+# ------------------------------------------------------------------- real SIGKILLs
+
+def _spawn(args):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "hiso.cli", "run", "--quiet", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _rows_written(d: Path) -> int:
+    try:
+        return (d / "metrics.jsonl").read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _kill_after(proc, d: Path, rows: int, limit: float = 120.0) -> None:
+    """SIGKILL ``proc`` once ``d`` holds ``rows`` metrics rows (bounded wait)."""
+    t0 = time.monotonic()
+    while _rows_written(d) < rows:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before {rows} rows: "
+                                 f"{proc.stderr.read().decode()[-500:]}")
+        if time.monotonic() - t0 > limit:
+            raise AssertionError(f"no {rows} rows after {limit} s")
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("extra, kills", [
+    ([], (3, 9, 16)),  # HiSo, tau = 1: killed three times, a torn record faked after the second
+    (["--local-steps", "2", "--h-source", "every", "--mode", "faithful"], (7,)),
+])
+def test_a_run_killed_with_sigkill_and_resumed_is_the_uninterrupted_run(tmp_path, extra, kills):
+    args = [*QUAD, "--rounds", "24", "--dim", "2000", *extra]
+    ref = tmp_path / "ref"
+    run_to_dir(_cfg(args), ref)
+    d = tmp_path / "killed"
+    procs = []
+    try:
+        p = _spawn(["--out", str(d), *args])
+        procs.append(p)
+        for i, rows in enumerate(kills):
+            _kill_after(p, d, rows)
+            assert not (d / "summary.json").exists()
+            if i == len(kills) - 1 or i == 1:  # a write torn by the kill: the last record cut short
+                h = d / "history.bin"
+                log = parse_history(h)
+                if len(log.records):
+                    os.truncate(h, log.ends[-1] - 3)
+            p = _spawn(["--resume", str(d)])
+            procs.append(p)
+        assert p.wait(timeout=300) == 0, p.stderr.read().decode()[-1000:]
+    finally:
+        for q in procs:
+            if q.poll() is None:
+                q.kill()
+                q.wait()
+    assert_same_run(ref, d)
