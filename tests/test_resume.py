@@ -211,6 +211,21 @@ def test_resume_in_faithful_mode_rebuilds_the_clients(tmp_path, capsys):
     assert_same_run(full, d)
 
 
+def test_a_diverged_run_cut_before_its_summary_resumes_to_the_same_end(tmp_path, capsys):
+    """Killed after its diverging round (row written) or just before it: resumed, it stops at
+    the same round with the same model and exit 1."""
+    args = [*QUAD, "--dim", "20", "--algorithm", "decomfl", "--lr", "2.2", "--rounds", "300"]
+    full = tmp_path / "full"
+    r = run_to_dir(_cfg(args), full)["diverged"]["round"]
+    assert r < 300
+    for rows, records in [(r + 1, r), (r, r - 1)]:
+        d = tmp_path / f"cut{rows}"
+        _cut(full, d, rows, records)
+        code, _, err = _cli(["run", "--resume", str(d), "--quiet"], capsys)
+        assert code == 1 and "diverged" in err
+        assert_same_run(full, d)
+
+
 def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
     out = tmp_path / "run"
     assert _cli(["run", "--out", str(out), *QUAD, "--rounds", "5", "--quiet"], capsys)[0] == 0
