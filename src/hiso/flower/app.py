@@ -465,6 +465,9 @@ def make_apps(cfg: RunConfig | None = None, settings: Settings | None = None):
     return server_app, client_app
 
 
-_APPS = make_apps()
+try:
+    _APPS = make_apps()
+except ImportError:  # no flower extra: the handlers above still import (and are tested) without it
+    _APPS = (None, None)
 server_app = _APPS[0]  # (one name per line: `flwr run` finds them by reading this file)
 client_app = _APPS[1]
