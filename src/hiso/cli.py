@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="run algorithms x lr grid x seeds into --out DIR; table and plots")
     cmp.add_argument("--out", required=True, help="comparison directory (reused: finished runs are skipped)")
     cmp.add_argument("--config", help="TOML file: shared options at the top level, plus a [compare] table")
-    cmp.add_argument("--algorithms", help="comma-separated algorithms or variants, e.g. hiso,decomfl")
+    cmp.add_argument("--algorithms", help="comma-separated algorithms or variants, e.g. hiso,decomfl "
+                     f"(algorithms: {', '.join(ALGORITHMS)}; default: hiso,decomfl)")
     cmp.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2")
     cmp.add_argument("--lr-grid", action="append", metavar="NAME=LR,LR,...",
                      help="lrs to try for an algorithm or variant (repeatable)")
