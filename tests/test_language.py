@@ -308,3 +308,27 @@ def test_smollm2_loads_offline_from_its_package_and_is_cached(files, tmp_path, m
 def lm_fingerprint(model):
     from hiso.tasks.lm import fingerprint
     return fingerprint(dict(model.named_parameters()))
+
+
+def test_gguf_cache_survives_a_concurrent_writer(files, tmp_path, monkeypatch):
+    """Two processes (compare --jobs 2) converting the same GGUF: the loser uses the winner's cache."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import hiso.tasks.lm as lm
+
+    monkeypatch.setenv("HISO_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(lm, "_gguf_file", lambda short: Path(files["lm"]) / "model.gguf")
+    model_fn, tok_fn = lm._model, lm._tokenizer
+    monkeypatch.setattr(lm, "_model", lambda src, gguf_file=None: model_fn(src))
+    monkeypatch.setattr(lm, "_tokenizer", lambda src, gguf_file=None: tok_fn(src))
+    real_replace = os.replace
+
+    def racing_replace(src, dst):  # another process renames its finished copy first
+        shutil.copytree(src, dst)
+        real_replace(src, dst)
+    monkeypatch.setattr(lm.os, "replace", racing_replace)
+    out = lm._cache_gguf("smollm2-135m")
+    assert (out / "config.json").is_file()
+    assert [p.name for p in out.parent.iterdir()] == ["smollm2-135m"]  # the loser's temp copy is gone

@@ -131,6 +131,10 @@ def _cache_gguf(short: str) -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         os.replace(tmp, out)  # atomic: a crash never leaves a half-written cache behind
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():  # not another process that finished first
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
