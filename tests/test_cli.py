@@ -5,19 +5,13 @@ import json
 import pytest
 import torch
 
-from hiso.cli import main
+from cli_helpers import run_cli
 
 TINY = ["--task", "quadratic", "--dim", "50", "--clients", "6", "--sampled", "2", "--rounds", "30",
         "--eval-every", "10", "--quiet"]
 
 
-def _run(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:  # argparse's own errors exit through SystemExit
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_run = run_cli
 
 
 @pytest.mark.parametrize("algorithm", ["hiso", "decomfl"])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hiso.cli import main
+from cli_helpers import run_cli
 from hiso.report.table import (Reach, best_of, build_table, csv_columns, first_reach, human_bytes,
                                load_run_result, rounds_to_own_best, rounds_to_reach, speedup)
 from hiso.report.table import ArmResult
@@ -20,13 +20,7 @@ TINY_FLAGS = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled
               "--rounds", "30", "--eval-every", "10"]
 
 
-def _main(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_main = run_cli
 
 
 def _rows(values, every=10, metric="eval_acc"):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from hiso.cli import main
+from cli_helpers import run_cli
 from hiso.report.table import ArmResult, RunResult, build_table, csv_columns, footer, to_csv, to_markdown
 from hiso.runners import compare as cmp
 
@@ -15,13 +15,7 @@ TINY_FLAGS = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled
 GRID = ["--lr-grid", "hiso=0.02,0.05", "--lr-grid", "decomfl=0.05"]
 
 
-def _main(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_main = run_cli
 
 
 class FakeBar:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hiso import config as config_mod
-from hiso.cli import main
+from cli_helpers import run_cli
 from hiso.config import ALGORITHMS, DEFAULT_LR, ConfigError, default_lr, load_config
 from hiso.core import ModelState, Perturber, decomfl, hiso, local_update, read_history
 from hiso.runners import fullmodel
@@ -21,13 +21,7 @@ from hiso.tasks.quadratic import QuadraticTask
 QUAD = dict(task="quadratic", dim=20, clients=4, sampled=2, eval_every=5)
 
 
-def _run(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_run = run_cli
 
 
 def _rows(out):

@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 
 from lm_fixtures import write_qqp, write_squad, write_sst2, write_tiny_lm  # noqa: E402
 
-from hiso.cli import main  # noqa: E402
+from cli_helpers import run_cli  # noqa: E402
 from hiso.core.config import ZOConfig  # noqa: E402
 from hiso.core.history import RoundRecord  # noqa: E402
 from hiso.core.state import ModelState  # noqa: E402
@@ -35,13 +35,7 @@ def sst2(files, **kw):
     return LanguageTask("sst2", 3, **kw)
 
 
-def _run(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_run = run_cli
 
 
 # ---------------------------------------------------------------- prompts and scoring

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.cli import main
+from cli_helpers import run_cli
 from hiso.config import load_config
 from hiso.core.history import HistoryWriter, RoundRecord, parse_history, read_history
 from hiso.runners.rundir import run_to_dir
@@ -32,13 +32,7 @@ WALL = {"wall_s"}  # wall-clock keys: the only ones a resumed run may change
 WALL_SUMMARY = {"wall_s_train", "wall_s_total", "s_per_round", "peak_rss_mb"}
 
 
-def _cli(args, capsys):
-    try:
-        code = main(args)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+_cli = run_cli
 
 
 def _cfg(args):
