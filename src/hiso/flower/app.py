@@ -31,7 +31,6 @@ import logging
 import os
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -280,22 +279,6 @@ class FlowerFederation:
         return self.state.state_dict()
 
 
-@contextmanager
-def _runner_in_rundir(factory):
-    """Let :func:`run_to_dir` drive our runner: it builds its runner with ``build_simulation``.
-
-    TODO(rundir): a ``runner=`` parameter on ``run_to_dir`` would replace this substitution.
-    It is confined to the ServerApp's own process (or thread, in the simulation engine).
-    """
-    from ..runners import rundir
-    saved = rundir.build_simulation
-    rundir.build_simulation = factory
-    try:
-        yield rundir
-    finally:
-        rundir.build_simulation = saved
-
-
 def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
     """The ServerApp's body: run ``cfg`` over the grid into ``settings.out_dir``."""
     if not cfg.scalar_only:
@@ -307,8 +290,9 @@ def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
         holder["fed"] = FlowerFederation(grid, task_, cfg_, settings, on_record)
         return holder["fed"]
 
-    with _runner_in_rundir(factory) as rundir:
-        summary = rundir.run_to_dir(cfg, settings.out_dir, task=task)
+    from ..runners.rundir import run_to_dir
+
+    summary = run_to_dir(cfg, settings.out_dir, task=task, runner=factory)
     fed = holder["fed"]
     extra = {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
                         "partitions_seen": sorted(fed.node_of)}}

@@ -133,8 +133,11 @@ def resume_point(out: Path, shape: tuple[int, int]) -> tuple[list[str], list]:
 
 
 def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None,
-               task: Task | None = None, resume: bool = False) -> dict:
+               task: Task | None = None, resume: bool = False, runner: Callable | None = None) -> dict:
     """Run ``cfg`` and write DIR. ``progress(row)`` is called after every round.
+
+    ``runner(cfg, task, on_record)`` builds the runner (default :func:`build_simulation`); a
+    transport such as the Flower ServerApp passes its own and gets the same run directory.
 
     ``resume``: DIR holds an interrupted run of ``cfg`` (same ``config.json``): continue it
     (see the module's docstring). Scalar-only algorithms only: the full-model baselines keep
@@ -170,7 +173,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                 raise FloatingPointError(f"the model or H became non-finite in round {rec.round + 1} (lower lr)")
             hist.write(rec)
 
-        sim = build_simulation(cfg, task, log if hist else None)
+        sim = (runner or build_simulation)(cfg, task, log if hist else None)
         row = {}
         diverged = None
         first_loss = None
