@@ -91,6 +91,8 @@ class RunConfig(BaseModel):
     diverge_factor: float | None = Field(1e3, gt=1, description=(
         "stop as diverged when a round's training loss exceeds this times round 1's (default: 1000; a non-finite "
         "loss always stops)"))
+    directions: str = Field("torch-normal", description=(
+        "direction family: how a seed becomes a random direction (see hiso.core.directions.FAMILIES)"))
     weighted: bool = Field(False, description="weight clients' contributions by their data size (default: plain mean)")
     mode: Literal["fast", "faithful"] = Field("fast", description=(
         "fast: one shared model copy; faithful: a model (and H) per client, rebuilt from its downlink bytes"))
@@ -159,6 +161,9 @@ class RunConfig(BaseModel):
             raise ValueError(f"unknown task {self.task!r} (choose from {', '.join(TASKS)})")
         if self.sampled > self.clients:
             raise ValueError(f"sampled ({self.sampled}) cannot exceed clients ({self.clients})")
+        from .core.directions import FAMILIES
+        if self.directions not in FAMILIES:
+            raise ValueError(f"unknown direction family {self.directions!r} (choose from {', '.join(FAMILIES)})")
         if self.h_min is not None and self.h_max is not None and self.h_max < self.h_min:
             raise ValueError(f"h_max ({self.h_max}) must be >= h_min ({self.h_min})")
         if self.lr is None:
@@ -181,7 +186,8 @@ class RunConfig(BaseModel):
             precond = PreconditionerConfig(nu=self.nu, eps=self.eps, h_min=self.h_min,
                                            h_max=self.h_max, source=self.h_source)
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
-                        local_steps=self.local_steps, difference=self.difference, precond=precond)
+                        local_steps=self.local_steps, difference=self.difference, precond=precond,
+                        directions=self.directions)
 
 
 def _one_line(err: ValidationError) -> str:

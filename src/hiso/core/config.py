@@ -18,6 +18,7 @@ class ZOConfig:
     local_steps: int = 1
     difference: Literal["forward", "central"] = "forward"
     precond: PreconditionerConfig | None = None
+    directions: str = "torch-normal"  # the direction family (see hiso.core.directions.FAMILIES)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -28,6 +29,9 @@ class ZOConfig:
             raise ValueError(f"perturbations must be >= 1, got {self.perturbations}")
         if self.local_steps < 1:
             raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
+        from .directions import FAMILIES
+        if self.directions not in FAMILIES:
+            raise ValueError(f"unknown direction family {self.directions!r} (choose from {', '.join(FAMILIES)})")
         if self.difference not in ("forward", "central"):
             raise ValueError(f"difference must be 'forward' or 'central', got {self.difference!r}")
 

@@ -19,6 +19,11 @@ from __future__ import annotations
 
 import torch
 
+# Direction families by name: what ``ZOConfig.directions`` may hold (recorded in config.json).
+FAMILIES = {
+    "torch-normal": "standard Gaussian from torch's CPU generator (peers need the same torch version)",
+}
+
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -44,7 +49,10 @@ class DirectionGenerator:
     wasteful: on some machines every new page costs a fault, which dominated round time.)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, family: str = "torch-normal") -> None:
+        if family not in FAMILIES:
+            raise ValueError(f"unknown direction family {family!r} (choose from {', '.join(FAMILIES)})")
+        self.family = family
         self._gen = torch.Generator(device="cpu")
         self._buffers: dict[tuple, torch.Tensor] = {}
 

@@ -58,7 +58,7 @@ class ModelState:
         self.params = [p for _, p in self.named]
         self.h = pc.init(self.params) if cfg.precond is not None else None
         self.round = round
-        self.gen = DirectionGenerator()
+        self.gen = DirectionGenerator(cfg.directions)
 
     def h_of(self, i: int) -> torch.Tensor | None:
         return None if self.h is None else self.h[i]
