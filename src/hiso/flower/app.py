@@ -64,6 +64,7 @@ class Settings:
     max_replans: int = 20  # consecutive rounds with no answer before the run fails
     suspect_grace_s: float = 2.0  # how long a node that missed its last answer is waited for
     poll_s: float = 0.1  # how often replies are pulled from the SuperLink
+    resume: bool = False  # out_dir holds an interrupted run of this config: continue it
 
 
 def _records(content):
@@ -267,9 +268,29 @@ class FlowerFederation:
         raise RuntimeError(f"round {self.server.round}: no client answered in {self.settings.max_replans + 1} attempts")
 
     # -- the simulator's interface
-    def run(self, rounds: int):
+    def run(self, rounds: int, start: int = 0, wall: float = 0.0):
         self.wait_for_nodes()
-        return metric_rows(self.task, self.state.model, self.comm, self.step, rounds, self.cfg.eval_every)
+        return metric_rows(self.task, self.state.model, self.comm, self.step, rounds, self.cfg.eval_every,
+                           start=start, wall=wall)
+
+    def resume(self, records: list[RoundRecord]) -> None:
+        """Bring a new ServerApp to the end of an interrupted run's log (``run_to_dir(resume=
+        True)``): the server draws each logged round's sample and seeds again (checked against
+        the log; rounds the run planned again are skipped as it did), closes it with the logged
+        record, and the model and H replay it. Bytes are counted as if every sampled
+        partition had a node (what the log can tell). Nodes report the round their replica
+        holds when they are queried, so each one's next downlink starts there."""
+        from ..core.messages import Uplink, encode_uplink
+        if self.server.round:
+            raise RuntimeError("resume() needs a federation that has not run yet")
+        for rec in records:
+            plan = self.server.plan_logged(rec)
+            for cid in plan.participants:
+                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid)))
+                if cid in rec.participants:
+                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0)))
+            self.server.close_logged(rec)
+            self.state.apply(rec)
 
     @property
     def model(self):
@@ -281,8 +302,9 @@ class FlowerFederation:
 
 def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
     """The ServerApp's body: run ``cfg`` over the grid into ``settings.out_dir``."""
-    if not cfg.scalar_only:
-        raise ValueError(f"{cfg.algorithm}: the Flower app runs the scalar-only algorithms (hiso, decomfl)")
+    if not cfg.scalar_only:  # the full-model baselines: models and updates in ArrayRecords
+        from .fullmodel import serve_full
+        return serve_full(grid, cfg, settings)
     task = _task_for(cfg.model_dump_json())
     holder = {}
 
@@ -292,14 +314,25 @@ def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
 
     from ..runners.rundir import run_to_dir
 
-    summary = run_to_dir(cfg, settings.out_dir, task=task, runner=factory)
+    before = _earlier_attempts(settings) if settings.resume else []
+    summary = run_to_dir(cfg, settings.out_dir, task=task, runner=factory, resume=settings.resume)
     fed = holder["fed"]
     extra = {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
-                        "partitions_seen": sorted(fed.node_of)}}
+                        "partitions_seen": sorted(fed.node_of), "earlier_attempts": before}}
     Path(settings.out_dir, "flower.json").write_text(json.dumps(extra, indent=1))
     if summary.get("diverged"):
         raise RuntimeError(f"run diverged: {summary['diverged']}")
     return summary
+
+
+def _earlier_attempts(settings: Settings) -> list:
+    """A resumed run's record of the attempts before it (``flower.json``, if the dead
+    ServerApp got to write one), kept beside the new attempt's timings."""
+    try:
+        old = json.loads(Path(settings.out_dir, "flower.json").read_text())["flower"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [*old.pop("earlier_attempts", []), old]
 
 
 # --------------------------------------------------------------------------------- client
@@ -358,6 +391,8 @@ def _cfg_json(context) -> str | None:
 
 def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None) -> dict:
     """A node's answer to ``query``: its partition and the round its replica holds."""
+    if not cfg.scalar_only:  # full-model clients keep no replica
+        return {"partition": pid, "round": 0}
     _, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
     held = rep.state.round
     rep.close()
@@ -422,7 +457,8 @@ def make_apps(cfg: RunConfig | None = None, settings: Settings | None = None):
             return settings
         rc = context.run_config
         return Settings(out_dir=str(rc["out-dir"]), round_timeout=float(rc.get("round-timeout", 30.0)),
-                        min_nodes=int(rc.get("min-nodes", 0)), wait_nodes_s=float(rc.get("wait-nodes-s", 60.0)))
+                        min_nodes=int(rc.get("min-nodes", 0)), wait_nodes_s=float(rc.get("wait-nodes-s", 60.0)),
+                        resume=bool(rc.get("resume", False)))
 
     server_app, client_app = ServerApp(), ClientApp()
 
@@ -444,6 +480,9 @@ def make_apps(cfg: RunConfig | None = None, settings: Settings | None = None):
         if c.threads is not None:
             import torch
             torch.set_num_threads(c.threads)
+        if not c.scalar_only:
+            from .fullmodel import handle_train_full
+            return handle_train_full(msg, context, c)
         return handle_train(msg, context, c)
 
     return server_app, client_app

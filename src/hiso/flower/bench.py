@@ -48,8 +48,18 @@ def _client_timings(state_dir: Path) -> dict:
     if not rows:
         return {}
     med = lambda k: float(np.median([r[k] for r in rows]))  # noqa: E731
-    return {"messages": len(rows), "median_process_start_to_handler_s": med("since_process_start_s"),
-            "median_open_replica_s": med("open_s"), "median_handle_s": med("handle_s")}
+    out = {"messages": len(rows), "median_process_start_to_handler_s": med("since_process_start_s"),
+           "median_open_replica_s": med("open_s"), "median_handle_s": med("handle_s")}
+    if all("cpu_handler_s" in r for r in rows):  # CPU seconds: comparable whatever the load
+        out.update(median_cpu_before_handler_s=med("cpu_before_handler_s"), median_cpu_handler_s=med("cpu_handler_s"),
+                   total_cpu_clientapps_s=float(sum(r["cpu_before_handler_s"] + r["cpu_handler_s"] for r in rows)))
+    return out
+
+
+def _load() -> list[float]:
+    """The machine's load average (1, 5, 15 min): how busy it was while we measured."""
+    import os
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _server_timings(run: Path) -> dict:
@@ -114,6 +124,7 @@ class CountingProxy:
 def deploy(args) -> dict:
     from .launch import LocalFederation, free_port
     cfg = _cfg(args)
+    load0 = _load()
     work = Path(tempfile.mkdtemp(prefix="hiso-flower-bench-"))
     t0 = time.perf_counter()
     link, relay = free_port(), free_port()
@@ -148,13 +159,14 @@ def deploy(args) -> dict:
         "tcp_bytes_per_sampled_client_round": (run_bytes["up"] + run_bytes["down"]) / max(cfg.rounds * cfg.sampled, 1),
         "tcp_bytes_per_idle_node_per_s": idle,
         "bit_identical_to_inproc": _same(work / "flower", work / "inproc"),
-        "flower_status": st["status"], "workdir": str(work),
+        "flower_status": st["status"], "workdir": str(work), "loadavg_before": load0, "loadavg_after": _load(),
     }
 
 
 def sim(args) -> dict:
     from .sim import run_simulation
     cfg = _cfg(args)
+    load0 = _load()
     work = Path(tempfile.mkdtemp(prefix="hiso-flower-sim-bench-"))
     t0 = time.perf_counter()
     s_fl = run_simulation(cfg, work / "flower", state_dir=work / "replicas", num_cpus=args.cpus)
@@ -164,7 +176,8 @@ def sim(args) -> dict:
             "s_per_round_flower_sim": s_fl["s_per_round"], "s_per_round_inproc": s_ip["s_per_round"],
             "total_s_including_ray_start": t_all, "server": _server_timings(work / "flower"),
             "clients": _client_timings(work / "replicas"), "peak_rss_mb_server": s_fl["peak_rss_mb"],
-            "bit_identical_to_inproc": _same(work / "flower", work / "inproc"), "workdir": str(work)}
+            "bit_identical_to_inproc": _same(work / "flower", work / "inproc"), "workdir": str(work),
+            "loadavg_before": load0, "loadavg_after": _load()}
 
 
 def replica_cost(args) -> dict:

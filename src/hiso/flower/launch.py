@@ -219,6 +219,29 @@ class LocalFederation:
             _wait_port(port, p, self.start_timeout, f"flower-supernode {i}")
         return p
 
+    def serverapps(self) -> list[int]:
+        """The pids of the ServerApp processes running now (children of the SuperLink's tree)."""
+        p = self.procs.get("superlink")
+        out = []
+        for pid in _descendants(p.pid) if p else []:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"flwr-serverapp" in f.read():
+                        out.append(pid)
+            except OSError:
+                pass
+        return out
+
+    def kill_serverapp(self, sig: int = signal.SIGKILL) -> list[int]:
+        """Kill the running ServerApp processes (a crashed server, for tests); their pids."""
+        pids = self.serverapps()
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
     def nodes_online(self) -> list[dict]:
         res = self._flwr("supernode", "ls", "local", "--format", "json")
         return [n for n in res.get("nodes", []) if n.get("status") == "online"]
@@ -270,14 +293,15 @@ class LocalFederation:
 
     # -- runs
     def submit(self, cfg: RunConfig, out_dir: str | Path, *, round_timeout: float = 30.0,
-               min_nodes: int | None = None, wait_nodes_s: float = 60.0) -> str:
-        """``flwr run`` the app with ``cfg``; returns the run id (the run goes on in the federation)."""
+               min_nodes: int | None = None, wait_nodes_s: float = 60.0, resume: bool = False) -> str:
+        """``flwr run`` the app with ``cfg``; returns the run id (the run goes on in the federation).
+        ``resume``: ``out_dir`` holds an interrupted run of ``cfg`` (its ServerApp died): continue it."""
         over = self.workdir / f"run-{time.time_ns()}.toml"
         import tomli_w
         over.write_text(tomli_w.dumps({
             "hiso-config": self.config_text(cfg), "out-dir": str(Path(out_dir).resolve()),
             "round-timeout": float(round_timeout), "min-nodes": int(min_nodes if min_nodes is not None else self.nodes),
-            "wait-nodes-s": float(wait_nodes_s)}))
+            "wait-nodes-s": float(wait_nodes_s), "resume": bool(resume)}))
         res = self._flwr("run", str(PROJECT), "local", "--run-config", str(over), "--format", "json", timeout=120)
         if not res.get("success"):
             raise FlowerRunError(f"flwr run failed: {res.get('error-message', res)}")
@@ -347,19 +371,18 @@ def _descendants(pid: int) -> list[int]:
 
 def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False, auth: bool = False,
               round_timeout: float = 30.0, timeout: float = 3600.0, workdir: str | Path | None = None,
-              verbose: bool = False, progress=None) -> dict:
+              verbose: bool = False, progress=None, resume: bool = False) -> dict:
     """Start a loopback federation of ``nodes`` SuperNodes (partitions 0..nodes-1), run ``cfg``
-    into ``out``, stop every process; returns the run's final status (raises unless completed)."""
+    into ``out`` (``resume``: continue the interrupted run there), stop every process; returns
+    the run's final status (raises unless completed)."""
     if nodes < 1:
         raise ValueError(f"need at least one node, got {nodes}")
-    if not cfg.scalar_only:
-        raise ValueError(f"{cfg.algorithm}: the Flower app runs the scalar-only algorithms (hiso, decomfl)")
     if cfg.clients != nodes:
         print(f"hiso flower: {cfg.clients} partitions on {nodes} nodes: partitions without a node never answer",
               file=sys.stderr)
     with LocalFederation(nodes=nodes, workdir=Path(workdir) if workdir else None, tls=tls, auth=auth,
                          verbose=verbose) as fed:
-        run_id = fed.submit(cfg, out, round_timeout=round_timeout)
+        run_id = fed.submit(cfg, out, round_timeout=round_timeout, resume=resume)
         if verbose:
             print(f"run {run_id}; logs in {fed.logs}", file=sys.stderr)
         return fed.wait(run_id, timeout, on_poll=progress)

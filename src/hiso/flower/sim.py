@@ -29,8 +29,6 @@ def run_simulation(cfg: RunConfig, out: str | Path, *, num_nodes: int | None = N
     """Run ``cfg`` on ``num_nodes`` (default ``cfg.clients``) virtual nodes into ``out``."""
     from flwr.simulation import run_simulation as flwr_run_simulation
 
-    if not cfg.scalar_only:
-        raise ValueError(f"{cfg.algorithm}: the Flower app runs the scalar-only algorithms (hiso, decomfl)")
 
     for k, v in {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
                  "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}.items():

@@ -37,6 +37,12 @@ from ..tasks.base import Task
 from .simulate import Comm, metric_rows
 
 
+def fedzo_config(cfg: RunConfig) -> ZOConfig:
+    """The ZO configuration of a FedZO client (no preconditioner; its seeds are private)."""
+    return ZOConfig(lr=cfg.lr, mu=cfg.mu, perturbations=cfg.perturbations, local_steps=cfg.local_steps,
+                    difference=cfg.difference, precond=None)
+
+
 class FullModelSimulation:
     """Runner with the interface of :class:`~hiso.runners.simulate.Simulation`: ``run``, ``comm``, ``state_dict``."""
 
@@ -68,9 +74,7 @@ class FullModelSimulation:
         self._worker_params = self.params if shared else [p for _, p in trainable_params(self.worker)]
         self._load_worker = not shared
         if self.is_zo:
-            zo = ZOConfig(lr=cfg.lr, mu=cfg.mu, perturbations=cfg.perturbations, local_steps=cfg.local_steps,
-                          difference=cfg.difference, precond=None)
-            self._zo_state = ModelState(self.worker, zo)
+            self._zo_state = ModelState(self.worker, fedzo_config(cfg))
             self._perturber = Perturber(self.worker, self._zo_state.params, cfg.perturb_mode)
 
     @torch.no_grad()
@@ -94,11 +98,7 @@ class FullModelSimulation:
         r, dt = self.round, self.dtype
         participants = sample_clients(self._sampler, self.task.num_clients, self.cfg.sampled)
         self.participants = participants
-        if self.weights is None:
-            w = np.full(len(participants), 1.0 / len(participants))
-        else:
-            w = self.weights[list(participants)]
-            w = w / w.sum()
+        w = self.round_weights(participants)
         down = encode_downlink(FullDownlink(r, flatten(self.params)), dt)
         agg = torch.zeros(self.d, dtype=torch.float32)
         losses = []
@@ -113,6 +113,20 @@ class FullModelSimulation:
                 raise MessageError(f"round {r}: answer from client {ans.client}, expected {cid}")
             agg.add_(ans.delta, alpha=float(wi))
             losses.append(ans.loss)
+        self.apply_mean(agg)
+        return float(np.mean(losses))
+
+    def round_weights(self, clients) -> np.ndarray:
+        """Aggregation weights of ``clients`` (those whose updates are averaged), summing to 1."""
+        if self.weights is None:
+            return np.full(len(clients), 1.0 / len(clients))
+        w = self.weights[list(clients)]
+        return w / w.sum()
+
+    def apply_mean(self, agg: torch.Tensor) -> None:
+        """The server's half of a round: its optimiser's step from the weighted mean update
+        ``agg`` (flat, float32), applied to the global model; the round closes."""
+        r = self.round
         step, self.opt_state = self.opt.update(self.opt_state, unflatten(agg, self.params))
         with torch.no_grad():
             # written only if every new value is finite: a diverged run keeps its last finite model
@@ -122,7 +136,6 @@ class FullModelSimulation:
             for p, s in zip(self.params, step):
                 p.add_(s.to(p.dtype))
         self.round += 1
-        return float(np.mean(losses))
 
     def run(self, rounds: int) -> Iterator[dict]:
         """Yield one metrics row per round (plus row 0: the initial evaluation), as Simulation does."""
