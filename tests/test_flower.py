@@ -215,6 +215,68 @@ def test_flower_serve_writes_the_simulators_run_directory(tmp_path, monkeypatch)
     assert all(torch.equal(p, a["model"][n]) for n, p in state.named)
 
 
+class _ServerAppDies(Exception):
+    pass
+
+
+def test_flower_serverapp_resumes_from_its_run_directory(tmp_path, monkeypatch):
+    """A ServerApp that dies after round 3 (its grid fails mid-round 4) leaves a run directory
+    that a new ServerApp continues (``Settings.resume``): the nodes keep their replicas and
+    are asked where they stand; the run ends equal to the uninterrupted in-process run, bit
+    for bit (model, H, history, metrics and bytes), and hiso rebuild reproduces it."""
+    from hiso.flower.app import FlowerFederation, Settings, serve
+    cfg = RunConfig(**{**CFG, "clients": 3, "sampled": 2, "rounds": 7, "seed": 9, "eval_every": 2})
+    monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: _Msg(f, nid, kind, group))
+    out = tmp_path / "flower"
+    st = dict(round_timeout=5, poll_s=0.01)
+    grid = FakeGrid(cfg, tmp_path / "replicas", {11: 0, 12: 1, 13: 2})
+    push, trains = grid.push_messages, []
+
+    def dies_in_round_4(msgs):
+        trains.extend(m for m in msgs if m.kind == "train")
+        if len(trains) > 3 * cfg.sampled:
+            raise _ServerAppDies()
+        return push(msgs)
+
+    grid.push_messages = dies_in_round_4
+    with pytest.raises(_ServerAppDies):
+        serve(grid, cfg, Settings(out_dir=str(out), **st))
+    assert len(read_history(out / "history.bin")[2]) == 3 and not (out / "summary.json").exists()
+    lineage = (out / "flower-lineage").read_text()
+    # a new ServerApp (fresh node ids: the nodes were queried again) continues the run
+    grid2 = FakeGrid(cfg, tmp_path / "replicas", {21: 0, 22: 1, 23: 2})
+    serve(grid2, cfg, Settings(out_dir=str(out), resume=True, **st))
+    run_to_dir(cfg, tmp_path / "sim")
+    a, b = _load(out / "model.pt"), _load(tmp_path / "sim" / "model.pt")
+    assert _same_model(a, b) and a["round"] == 7
+    recs_f, recs_s = read_history(out / "history.bin")[2], read_history(tmp_path / "sim" / "history.bin")[2]
+    assert [(r.participants, r.seeds.tobytes(), r.scalars.tobytes()) for r in recs_f] == \
+           [(r.participants, r.seeds.tobytes(), r.scalars.tobytes()) for r in recs_s]
+    rows_f = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows_s = [json.loads(x) for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
+    for f, s_ in zip(rows_f, rows_s, strict=True):
+        assert {k: v for k, v in f.items() if k != "wall_s"} == {k: v for k, v in s_.items() if k != "wall_s"}
+    state, _ = rebuild(out)
+    assert all(torch.equal(p, a["model"][n]) for n, p in state.named)
+    flower = json.loads((out / "flower.json").read_text())["flower"]
+    assert [t["round"] for t in flower["timings"]] == [3, 4, 5, 6]  # (0-based) the new attempt ran rounds 4-7 only
+    # nodes key their replicas by the run directory's lineage: kept by a resume, new for a new run
+    assert (out / "flower-lineage").read_text() == lineage
+    serve(FakeGrid(cfg, tmp_path / "replicas2", {31: 0, 32: 1, 33: 2}), cfg, Settings(out_dir=str(out), **st))
+    assert (out / "flower-lineage").read_text() != lineage
+    # a full-model run cannot be resumed (nothing logged to rebuild its optimiser from)
+    with pytest.raises(ValueError, match="cannot be resumed"):
+        serve(grid2, RunConfig(**{**CFG, "algorithm": "fedavg", "rounds": 2}),
+              Settings(out_dir=str(tmp_path / "fa"), resume=True, **st))
+
+
+def test_flower_client_keys_its_replica_by_the_lineage_it_is_sent():
+    from hiso.flower.app import _trajectory
+    ctx = SimpleNamespace(run_id=5)
+    assert _trajectory(SimpleNamespace(content={"hiso": {"lineage": "ab12"}}), ctx) == "ab12"
+    assert _trajectory(SimpleNamespace(content={"hiso": {"down": b""}}), ctx) == 5  # an older server: the run id
+
+
 def test_flower_client_asks_for_history_it_lacks(tmp_path):
     """A node whose replica is older than the server thinks answers `behind`, and the server
     resends from there in the same round."""
@@ -274,11 +336,13 @@ def _same_model(a: dict, b: dict) -> bool:
     return ok
 
 
-def _replica(fed: LocalFederation, cfg: RunConfig, run_id: str, partition: int):
+def _replica(fed: LocalFederation, cfg: RunConfig, out: Path, partition: int):
+    """A node's replica: keyed by the run directory's lineage (the ServerApp sends it)."""
     from hiso.flower.app import open_replica
     from hiso.flower.replica import run_key
-    assert (fed.state_dir / run_key(fed.config_text(cfg), run_id) / f"p{partition}" / "meta.json").exists()
-    _, rep = open_replica(cfg, int(run_id), partition, str(fed.state_dir), fed.config_text(cfg))
+    lineage = (out / "flower-lineage").read_text().strip()
+    assert (fed.state_dir / run_key(fed.config_text(cfg), lineage) / f"p{partition}" / "meta.json").exists()
+    _, rep = open_replica(cfg, lineage, partition, str(fed.state_dir), fed.config_text(cfg))
     return rep
 
 
@@ -307,7 +371,7 @@ def test_flower_deployment_matches_the_simulator_bit_for_bit(federation, tmp_pat
     assert all(torch.equal(p, a["model"][n]) for n, p in state.named)
     # each node's replica holds x_2 (the start of the last round) and replays to the server's x_3
     for pid in (0, 1):
-        rep = _replica(fed, cfg, run_id, pid)
+        rep = _replica(fed, cfg, tmp_path / "flower", pid)
         assert rep.state.round == 2
         rep.state.replay(recs_f[2:])
         assert all(torch.equal(p, a["model"][n]) for n, p in rep.state.named)
@@ -345,7 +409,7 @@ def test_flower_run_finishes_with_the_survivor_when_a_node_dies(federation, tmp_
     state, _ = rebuild(out)
     assert all(torch.equal(p, final["model"][n]) for n, p in state.named)
     for pid in (0, 1):  # both replicas hold x_5 and replay to the server's x_6, H included
-        rep = _replica(fed, cfg, run_id, pid)
+        rep = _replica(fed, cfg, out, pid)
         assert rep.state.round == 5
         rep.state.replay(recs[5:])
         assert all(torch.equal(p, final["model"][n]) for n, p in rep.state.named)
@@ -378,3 +442,57 @@ def test_flower_with_tls_and_node_authentication(federation, tmp_path):
     finally:
         conn.close()
     assert status is None or status >= 400
+
+
+@pytest.mark.slow
+@needs_flwr
+def test_flower_run_resumes_after_its_serverapp_is_killed(federation, tmp_path):
+    """The ServerApp is killed (SIGKILL) after round 2; ``flwr run`` with ``resume`` continues
+    the run directory on the same SuperNodes and ends equal to the uninterrupted simulator."""
+    cfg = RunConfig(**CFG, rounds=4, seed=7)
+    fed = federation(nodes=2)
+    out = tmp_path / "flower"
+    run_id = fed.submit(cfg, out, round_timeout=60)
+    _wait_rows(out / "metrics.jsonl", 2, timeout=180)
+    t_end = time.monotonic() + 30
+    while not fed.kill_serverapp():
+        assert time.monotonic() < t_end, "no ServerApp process found"
+        time.sleep(0.2)
+    fed._flwr("stop", run_id, "local", "--format", "json")
+    assert not (out / "summary.json").exists()
+    done = len(read_history(out / "history.bin")[2])
+    assert 2 <= done < 4
+    st = fed.run(cfg, out, timeout=240, round_timeout=60, resume=True)
+    assert st["status"] == "finished:completed"
+    run_to_dir(cfg, tmp_path / "sim")
+    a, b = _load(out / "model.pt"), _load(tmp_path / "sim" / "model.pt")
+    assert a["round"] == 4 and _same_model(a, b)
+    recs_f, recs_s = read_history(out / "history.bin")[2], read_history(tmp_path / "sim" / "history.bin")[2]
+    assert [(r.participants, r.scalars.tobytes()) for r in recs_f] == [(r.participants, r.scalars.tobytes()) for r in recs_s]
+    flower = json.loads((out / "flower.json").read_text())["flower"]
+    assert [t["round"] for t in flower["timings"]] == list(range(done, 4))
+    # the nodes kept their replicas (keyed by the run directory's lineage, not the Flower run):
+    # no catch-up from x_0, so even the bytes per round are the uninterrupted run's
+    rows_f = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows_s = [json.loads(x) for x in (tmp_path / "sim" / "metrics.jsonl").read_text().splitlines()]
+    for f, s in zip(rows_f, rows_s, strict=True):
+        assert {k: v for k, v in f.items() if k != "wall_s"} == {k: v for k, v in s.items() if k != "wall_s"}
+
+
+@pytest.mark.slow
+@needs_flwr
+def test_flower_fullmodel_deployment_matches_the_in_process_runner(federation, tmp_path):
+    """FedAdam and FedZO on a SuperLink and 2 SuperNodes (models and updates in ArrayRecords):
+    the same model and metrics as the in-process runner, bit for bit."""
+    fed = federation(nodes=2)
+    for algorithm in ("fedadam", "fedzo"):
+        cfg = RunConfig(**{**CFG, "algorithm": algorithm, "rounds": 2, "seed": 3})
+        st = fed.run(cfg, tmp_path / algorithm, timeout=240, round_timeout=60)
+        assert st["status"] == "finished:completed"
+        run_to_dir(cfg, tmp_path / f"{algorithm}-sim")
+        a, b = _load(tmp_path / algorithm / "model.pt"), _load(tmp_path / f"{algorithm}-sim" / "model.pt")
+        assert a["round"] == 2 and _same_model(a, b)
+        rows_f = [json.loads(x) for x in (tmp_path / algorithm / "metrics.jsonl").read_text().splitlines()]
+        rows_s = [json.loads(x) for x in (tmp_path / f"{algorithm}-sim" / "metrics.jsonl").read_text().splitlines()]
+        for f, s in zip(rows_f, rows_s, strict=True):
+            assert {k: v for k, v in f.items() if k != "wall_s"} == {k: v for k, v in s.items() if k != "wall_s"}

@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(cmp, exclude=("algorithm", "seed"))
     fl = sub.add_parser("flower", help="run on a Flower federation: a SuperLink and --nodes SuperNodes on 127.0.0.1 "
                         "(or --simulation: Flower's simulation engine)")
-    fl.add_argument("--out", required=True, help="run directory to create (same files as hiso run)")
+    fl.add_argument("--out", help="run directory to create (same files as hiso run)")
+    fl.add_argument("--resume", metavar="DIR", help="continue the run in DIR whose ServerApp died (its config.json; "
+                    "scalar-only algorithms)")
     fl.add_argument("--config", help="TOML file of options (flags override it)")
     fl.add_argument("--nodes", type=int, help="SuperNodes to start, node i serving partition i (default: --clients)")
     fl.add_argument("--simulation", action="store_true", help="Flower's simulation engine (Ray), one virtual node per client")
@@ -232,17 +234,36 @@ def cmd_flower(args: argparse.Namespace) -> int:
         return _fail("Flower is not installed: pip install -e '.[flower]'")
     from .flower.launch import FlowerRunError, run_local
 
-    cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
-    out = Path(args.out)
-    if (out / "config.json").exists() and not args.force:
-        return _fail(f"{out} already holds a run (use --force to overwrite)")
+    if (args.out is None) == (args.resume is None):
+        return _fail("give --out DIR (a new run) or --resume DIR (one whose ServerApp died)")
+    if args.resume is not None:
+        from .runners.rundir import saved_config
+        out = Path(args.resume)
+        cfg, _ = saved_config(out)
+        given = {k: getattr(args, k) for k in RunConfig.model_fields if getattr(args, k) is not None}
+        changed = [k for k, v in given.items() if load_config(None, **{**cfg.model_dump(), k: v}).model_dump()[k]
+                   != cfg.model_dump()[k]]
+        if changed or args.config or args.force:
+            return _fail(f"--resume continues {out} as its config.json says: drop "
+                         f"{'--' + changed[0].replace('_', '-') if changed else '--config/--force'}")
+        if (out / "summary.json").exists():
+            print(f"{out} is a finished run: nothing to resume")
+            return 0
+    else:
+        cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
+        out = Path(args.out)
+        if (out / "config.json").exists() and not args.force:
+            return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
+    if args.resume is not None and args.simulation:
+        return _fail("--resume continues a deployment (SuperLink and SuperNodes); not with --simulation")
     try:
         if args.simulation:
             from .flower.sim import run_simulation
             run_simulation(cfg, out, round_timeout=args.round_timeout)
         else:
             run_local(cfg, out, args.nodes or cfg.clients, tls=args.tls, auth=args.auth,
-                      round_timeout=args.round_timeout, workdir=args.workdir, verbose=args.verbose)
+                      round_timeout=args.round_timeout, workdir=args.workdir, verbose=args.verbose,
+                      resume=args.resume is not None)
     except FlowerRunError as e:
         return _fail(str(e))
     summary = json.loads((out / "summary.json").read_text())

@@ -93,6 +93,7 @@ class FlowerFederation:
     node_of: dict[int, int] = field(default_factory=dict)  # partition -> node id
     part_of: dict[int, int] = field(default_factory=dict)  # node id -> partition
     timings: list[dict] = field(default_factory=list)  # per round: where the time went
+    lineage: str = ""  # the run directory's trajectory id: nodes key their replicas by it (resume)
 
     def __post_init__(self) -> None:
         self.zo = self.cfg.zo()
@@ -110,6 +111,9 @@ class FlowerFederation:
         from flwr.app import Message
         return Message(_records(fields), dst_node_id=node_id, message_type=kind, group_id=group)
 
+    def _lineage_field(self) -> dict:
+        return {"lineage": self.lineage} if self.lineage else {}
+
     # -- nodes
     def refresh_nodes(self) -> None:
         """Ask every node not seen yet for its partition and its replica's round (non-blocking:
@@ -123,7 +127,7 @@ class FlowerFederation:
         self._queries = {m: n for m, n in self._queries.items() if n in ids}
         new = sorted(ids - self._seen - set(self._queries.values()))
         if new:
-            msgs = [self._message({}, nid, "query") for nid in new]
+            msgs = [self._message(self._lineage_field(), nid, "query") for nid in new]
             self._queries.update(zip(self.grid.push_messages(msgs), new))
         if not self._queries:
             return
@@ -171,7 +175,7 @@ class FlowerFederation:
                 continue
             down = encode_downlink(self.server.downlink(pid))
             self.comm.down[pid] += len(down)
-            msgs.append(self._message({"down": down}, nid, "train", str(rnd)))
+            msgs.append(self._message({"down": down, **self._lineage_field()}, nid, "train", str(rnd)))
         out = {}
         for rep in self._exchange(msgs):
             pid = self.part_of.get(rep.metadata.src_node_id)
@@ -308,13 +312,15 @@ def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
     task = _task_for(cfg.model_dump_json())
     holder = {}
 
+    before = _earlier_attempts(settings) if settings.resume else []
+    lineage = _lineage(settings)
+
     def factory(cfg_, task_, on_record=None):
-        holder["fed"] = FlowerFederation(grid, task_, cfg_, settings, on_record)
+        holder["fed"] = FlowerFederation(grid, task_, cfg_, settings, on_record, lineage=lineage)
         return holder["fed"]
 
     from ..runners.rundir import run_to_dir
 
-    before = _earlier_attempts(settings) if settings.resume else []
     summary = run_to_dir(cfg, settings.out_dir, task=task, runner=factory, resume=settings.resume)
     fed = holder["fed"]
     extra = {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
@@ -323,6 +329,22 @@ def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
     if summary.get("diverged"):
         raise RuntimeError(f"run diverged: {summary['diverged']}")
     return summary
+
+
+def _lineage(settings: Settings) -> str:
+    """The run directory's trajectory id (``DIR/flower-lineage``): new for a new run, the same
+    for a resumed one. Nodes key their replicas by it instead of the Flower run id, so a
+    ServerApp that is restarted on the run directory finds every replica where it was (each
+    holds a round the log kept: a round's records reach a node only after its metrics row is
+    written, and resume keeps every round that has one) instead of replaying from x_0."""
+    import secrets
+    path = Path(settings.out_dir, "flower-lineage")
+    if settings.resume and path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    path.write_text(token + "\n")
+    return token
 
 
 def _earlier_attempts(settings: Settings) -> list:
@@ -425,15 +447,22 @@ def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, 
     return {"up": up}
 
 
+def _trajectory(msg, context):
+    """What keys this node's replica: the run directory's lineage the server sent, else the
+    Flower run id."""
+    rec = msg.content[REC] if REC in msg.content else {}
+    return str(rec["lineage"]) if "lineage" in rec else context.run_id
+
+
 def handle_query(msg, context, cfg: RunConfig):
     from flwr.app import Message
-    fields = query_fields(cfg, context.run_id, _partition(context), _state_dir(context), _cfg_json(context))
+    fields = query_fields(cfg, _trajectory(msg, context), _partition(context), _state_dir(context), _cfg_json(context))
     return Message(_records(fields), reply_to=msg)
 
 
 def handle_train(msg, context, cfg: RunConfig):
     from flwr.app import Message
-    fields = train_fields(cfg, context.run_id, _partition(context), _state_dir(context),
+    fields = train_fields(cfg, _trajectory(msg, context), _partition(context), _state_dir(context),
                           msg.content[REC]["down"], _cfg_json(context))
     return Message(_records(fields), reply_to=msg)
 

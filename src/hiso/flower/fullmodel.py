@@ -226,7 +226,7 @@ def serve_full(grid, cfg: RunConfig, settings: Settings) -> dict:
         holder["fed"] = FullModelFederation(grid, task_, cfg_, settings)
         return holder["fed"]
 
-    summary = run_to_dir(cfg, settings.out_dir, task=task, runner=factory)
+    summary = run_to_dir(cfg, settings.out_dir, task=task, runner=factory, resume=settings.resume)  # (refused)
     fed = holder["fed"]
     extra = {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
                         "partitions_seen": sorted(fed.node_of)}}
