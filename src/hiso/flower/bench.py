@@ -135,7 +135,8 @@ def deploy(args) -> dict:
         time.sleep(args.idle_s)  # what idle nodes cost on the wire (polling, heartbeats)
         idle = ((proxy.up - idle0[0]) + (proxy.down - idle0[1])) / max(args.idle_s, 1e-9) / args.nodes
         run0 = (proxy.up, proxy.down)
-        st = fed.run(cfg, work / "flower", timeout=3600, round_timeout=args.round_timeout)
+        st = fed.run(cfg, work / "flower", timeout=3600, round_timeout=args.round_timeout,
+                     wait_nodes_s=args.wait_nodes_s)
         run_bytes = {"up": proxy.up - run0[0], "down": proxy.down - run0[1]}
         state_dir = fed.state_dir
         t_all = time.perf_counter() - t0
@@ -239,6 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--cpus", type=int, default=None, help="Ray CPUs (sim)")
     p.add_argument("--round-timeout", type=float, default=120.0)
+    p.add_argument("--wait-nodes-s", type=float, default=300.0, help="how long the ServerApp waits for every node")
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle federation measured on the wire")
     for k, t in (("task", str), ("algorithm", str), ("clients", int), ("sampled", int), ("rounds", int), ("dim", int),
                  ("local_steps", int), ("perturbations", int), ("batch_size", int), ("seed", int), ("lr", float),
