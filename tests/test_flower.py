@@ -496,3 +496,20 @@ def test_flower_fullmodel_deployment_matches_the_in_process_runner(federation, t
         rows_s = [json.loads(x) for x in (tmp_path / f"{algorithm}-sim" / "metrics.jsonl").read_text().splitlines()]
         for f, s in zip(rows_f, rows_s, strict=True):
             assert {k: v for k, v in f.items() if k != "wall_s"} == {k: v for k, v in s.items() if k != "wall_s"}
+
+
+@needs_flwr
+def test_flower_cli_resume_checks_its_arguments(tmp_path, capsys):
+    """`hiso flower --resume DIR` continues DIR as configured: no --out with it, no option that
+    would change its config.json, nothing to do for a finished run (no Flower process starts)."""
+    from cli_helpers import run_cli
+    run = tmp_path / "r"
+    run_to_dir(RunConfig(**CFG, rounds=2), run)
+    code, _, err = run_cli(["flower", "--nodes", "2"], capsys)
+    assert code == 2 and "--out DIR" in err
+    code, _, err = run_cli(["flower", "--resume", str(run), "--out", str(tmp_path / "x")], capsys)
+    assert code == 2 and "--resume" in err
+    code, _, err = run_cli(["flower", "--resume", str(run), "--lr", "0.5"], capsys)
+    assert code == 2 and "drop --lr" in err
+    code, out, _ = run_cli(["flower", "--resume", str(run), "--lr", "0.05", "--threads", "1"], capsys)
+    assert code == 0 and "nothing to resume" in out  # same values as its config: allowed
