@@ -135,8 +135,10 @@ def deploy(args) -> dict:
         time.sleep(args.idle_s)  # what idle nodes cost on the wire (polling, heartbeats)
         idle = ((proxy.up - idle0[0]) + (proxy.down - idle0[1])) / max(args.idle_s, 1e-9) / args.nodes
         run0 = (proxy.up, proxy.down)
+        t_run = time.perf_counter()
         st = fed.run(cfg, work / "flower", timeout=3600, round_timeout=args.round_timeout,
                      wait_nodes_s=args.wait_nodes_s)
+        run_s = time.perf_counter() - t_run
         run_bytes = {"up": proxy.up - run0[0], "down": proxy.down - run0[1]}
         state_dir = fed.state_dir
         t_all = time.perf_counter() - t0
@@ -158,7 +160,10 @@ def deploy(args) -> dict:
         "superlink_counted_bytes": traffic, "superlink_counted_bytes_per_sampled_client_round": per_client_round,
         "tcp_bytes_nodes_superlink_during_run": run_bytes,
         "tcp_bytes_per_sampled_client_round": (run_bytes["up"] + run_bytes["down"]) / max(cfg.rounds * cfg.sampled, 1),
-        "tcp_bytes_per_idle_node_per_s": idle,
+        "tcp_bytes_per_idle_node_per_s": idle, "run_s": run_s,
+        # the same less what the nodes would have sent idle for as long (polling, heartbeats)
+        "tcp_bytes_per_sampled_client_round_less_idle":
+            (run_bytes["up"] + run_bytes["down"] - idle * args.nodes * run_s) / max(cfg.rounds * cfg.sampled, 1),
         "bit_identical_to_inproc": _same(work / "flower", work / "inproc"),
         "flower_status": st["status"], "workdir": str(work), "loadavg_before": load0, "loadavg_after": _load(),
     }
