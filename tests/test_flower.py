@@ -515,3 +515,19 @@ def test_flower_cli_resume_checks_its_arguments(tmp_path, capsys):
     assert code == 2 and "drop --lr" in err
     code, out, _ = run_cli(["flower", "--resume", str(run), "--lr", "0.05", "--threads", "1"], capsys)
     assert code == 0 and "nothing to resume" in out  # same values as its config: allowed
+
+
+@pytest.mark.slow
+@needs_flwr
+def test_flower_deployment_with_per_node_workers_matches_the_simulator(federation, tmp_path):
+    """SuperNodes whose ClientApp is the thin relay to a long-lived worker: bit-identical to
+    the simulator, and every train message answered by the worker (no per-message build)."""
+    cfg = RunConfig(**CFG, rounds=2, seed=5)
+    fed = federation(nodes=2, worker=True)
+    st = fed.run(cfg, tmp_path / "flower", timeout=240, round_timeout=60)
+    assert st["status"] == "finished:completed"
+    run_to_dir(cfg, tmp_path / "sim")
+    assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
+    rows = [json.loads(x) for f in fed.state_dir.glob("*/p*/timings.jsonl") for x in f.read_text().splitlines()]
+    assert len(rows) == 4 and all(r.get("worker") for r in rows)
+    assert {n for n in fed.procs if n.startswith("worker")} == {"worker0", "worker1"}

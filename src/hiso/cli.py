@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     fl.add_argument("--tls", action="store_true", help="TLS with a CA and certificate made for 127.0.0.1")
     fl.add_argument("--auth", action="store_true", help="SuperNode authentication (a registered key per node)")
     fl.add_argument("--workdir", help="keep Flower's home, logs, keys and the nodes' replicas here")
+    fl.add_argument("--worker", action="store_true", help="a long-lived worker per node holding its model in memory, "
+                    "behind a thin relay ClientApp (scalar-only algorithms)")
     fl.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     fl.add_argument("--verbose", action="store_true", help="print the Flower commands and where their logs are")
     _add_run_flags(fl)
@@ -263,8 +265,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
         else:
             run_local(cfg, out, args.nodes or cfg.clients, tls=args.tls, auth=args.auth,
                       round_timeout=args.round_timeout, workdir=args.workdir, verbose=args.verbose,
-                      resume=args.resume is not None)
-    except FlowerRunError as e:
+                      resume=args.resume is not None, worker=args.worker)
+    except (FlowerRunError, ValueError) as e:
         return _fail(str(e))
     summary = json.loads((out / "summary.json").read_text())
     final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items())

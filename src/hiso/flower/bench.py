@@ -47,7 +47,10 @@ def _client_timings(state_dir: Path) -> dict:
         rows += [json.loads(x) for x in f.read_text().splitlines()]
     if not rows:
         return {}
-    med = lambda k: float(np.median([r[k] for r in rows]))  # noqa: E731
+    med = lambda k: float(np.median([r[k] for r in rows if r.get(k) is not None]))  # noqa: E731
+    if all(r.get("worker") for r in rows):  # a long-lived worker: no process per message
+        return {"messages": len(rows), "median_open_s": med("open_s"), "median_handle_s": med("handle_s"),
+                "median_relay_cpu_before_send_s": med("relay_cpu_before_send_s")}
     out = {"messages": len(rows), "median_process_start_to_handler_s": med("since_process_start_s"),
            "median_open_replica_s": med("open_s"), "median_handle_s": med("handle_s")}
     if all("cpu_handler_s" in r for r in rows):  # CPU seconds: comparable whatever the load
@@ -129,7 +132,8 @@ def deploy(args) -> dict:
     t0 = time.perf_counter()
     link, relay = free_port(), free_port()
     proxy = CountingProxy(relay, link)
-    with LocalFederation(nodes=args.nodes, workdir=work / "fed", port=link, node_link_port=relay) as fed:
+    with LocalFederation(nodes=args.nodes, workdir=work / "fed", port=link, node_link_port=relay,
+                         worker=args.worker) as fed:
         t_up = time.perf_counter() - t0
         idle0 = (proxy.up, proxy.down)
         time.sleep(args.idle_s)  # what idle nodes cost on the wire (polling, heartbeats)
@@ -149,7 +153,7 @@ def deploy(args) -> dict:
     traffic = st.get("network-traffic", {})
     per_client_round = traffic.get("total-bytes", 0) / max(cfg.rounds * cfg.sampled, 1)
     return {
-        "what": "deployment", "nodes": args.nodes, "config": {k: getattr(cfg, k) for k in
+        "what": "deployment" + (" with per-node workers" if args.worker else ""), "nodes": args.nodes, "config": {k: getattr(cfg, k) for k in
                                                               ("task", "algorithm", "clients", "sampled", "rounds",
                                                                "local_steps", "perturbations")},
         "s_per_round_flower": s_fl["s_per_round"], "s_per_round_inproc": s_ip["s_per_round"],
@@ -245,6 +249,7 @@ def main(argv=None) -> int:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--cpus", type=int, default=None, help="Ray CPUs (sim)")
     p.add_argument("--round-timeout", type=float, default=120.0)
+    p.add_argument("--worker", action="store_true", help="deploy: a long-lived worker per node behind the relay ClientApp")
     p.add_argument("--wait-nodes-s", type=float, default=300.0, help="how long the ServerApp waits for every node")
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle federation measured on the wire")
     for k, t in (("task", str), ("algorithm", str), ("clients", int), ("sampled", int), ("rounds", int), ("dim", int),

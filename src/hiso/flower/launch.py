@@ -33,6 +33,7 @@ from pathlib import Path
 from ..config import RunConfig
 
 PROJECT = Path(__file__).parent / "project"
+PROJECT_WORKER = Path(__file__).parent / "project_worker"  # the relay ClientApp (per-node workers)
 QUIET_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
              "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 HOST = "127.0.0.1"
@@ -124,6 +125,7 @@ class LocalFederation:
     start_timeout: float = 120.0
     port: int = 0  # the SuperLink's port (0: a free one)
     node_link_port: int | None = None  # where SuperNodes reach the SuperLink (a byte-counting proxy)
+    worker: bool = False  # a long-lived worker per node (hiso.flower.worker) behind the relay ClientApp
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -208,6 +210,17 @@ class LocalFederation:
         port = self.node_ports.setdefault(i, free_port())
         part = self.partitions[i] if i < len(self.partitions) else i
         nc = f"partition-id={part} state-dir='{self.state_dir}'"
+        if self.worker:  # the node's worker, (re)started with it
+            sock = self.workdir / "workers" / f"node{i}.sock"
+            sock.parent.mkdir(exist_ok=True)
+            self._stop(f"worker{i}")
+            w = self._spawn(f"worker{i}", [sys.executable, "-m", "hiso.flower.worker", "--socket", str(sock)])
+            t_end = time.monotonic() + self.start_timeout
+            while not sock.exists():
+                if w.poll() is not None or time.monotonic() > t_end:
+                    raise FlowerRunError(f"the worker of node {i} did not start (see {self.logs}/worker{i}.log)")
+                time.sleep(0.1)
+            nc += f" worker-socket='{sock}'"
         argv = [str(self.bin / "flower-supernode"), "--superlink", f"{HOST}:{self.node_link_port or self.port}",
                 "--port", str(port),
                 "--node-config", nc]
@@ -247,8 +260,9 @@ class LocalFederation:
         return [n for n in res.get("nodes", []) if n.get("status") == "online"]
 
     def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:
-        """Kill SuperNode ``i`` (and the ClientApp it may be running) at once."""
+        """Kill SuperNode ``i`` (and the ClientApp it may be running, and its worker) at once."""
         self._stop(f"supernode{i}", sig)
+        self._stop(f"worker{i}", sig)
 
     def _stop(self, name: str, sig: int = signal.SIGTERM) -> None:
         p = self.procs.pop(name, None)
@@ -276,7 +290,7 @@ class LocalFederation:
             p.wait(timeout=10)
 
     def stop(self) -> None:
-        for name in [n for n in self.procs if n.startswith("supernode")] + ["superlink"]:
+        for name in [n for n in self.procs if n.startswith(("supernode", "worker"))] + ["superlink"]:
             self._stop(name)
 
     def __enter__(self) -> "LocalFederation":
@@ -302,7 +316,7 @@ class LocalFederation:
             "hiso-config": self.config_text(cfg), "out-dir": str(Path(out_dir).resolve()),
             "round-timeout": float(round_timeout), "min-nodes": int(min_nodes if min_nodes is not None else self.nodes),
             "wait-nodes-s": float(wait_nodes_s), "resume": bool(resume)}))
-        res = self._flwr("run", str(PROJECT), "local", "--run-config", str(over), "--format", "json", timeout=120)
+        res = self._flwr("run", str(PROJECT_WORKER if self.worker else PROJECT), "local", "--run-config", str(over), "--format", "json", timeout=120)
         if not res.get("success"):
             raise FlowerRunError(f"flwr run failed: {res.get('error-message', res)}")
         return str(res["run-id"])
@@ -371,17 +385,19 @@ def _descendants(pid: int) -> list[int]:
 
 def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False, auth: bool = False,
               round_timeout: float = 30.0, timeout: float = 3600.0, workdir: str | Path | None = None,
-              verbose: bool = False, progress=None, resume: bool = False) -> dict:
+              verbose: bool = False, progress=None, resume: bool = False, worker: bool = False) -> dict:
     """Start a loopback federation of ``nodes`` SuperNodes (partitions 0..nodes-1), run ``cfg``
     into ``out`` (``resume``: continue the interrupted run there), stop every process; returns
     the run's final status (raises unless completed)."""
     if nodes < 1:
         raise ValueError(f"need at least one node, got {nodes}")
+    if worker and not cfg.scalar_only:
+        raise ValueError(f"{cfg.algorithm}: per-node workers serve the scalar-only algorithms (hiso, decomfl)")
     if cfg.clients != nodes:
         print(f"hiso flower: {cfg.clients} partitions on {nodes} nodes: partitions without a node never answer",
               file=sys.stderr)
     with LocalFederation(nodes=nodes, workdir=Path(workdir) if workdir else None, tls=tls, auth=auth,
-                         verbose=verbose) as fed:
+                         verbose=verbose, worker=worker) as fed:
         run_id = fed.submit(cfg, out, round_timeout=round_timeout, resume=resume)
         if verbose:
             print(f"run {run_id}; logs in {fed.logs}", file=sys.stderr)
