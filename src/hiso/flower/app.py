@@ -21,7 +21,10 @@ If the history starts after the replica's round (its disk copy was lost or reset
 ``behind=<round>`` instead and the server resends from there in the same round.
 
 Message content (a ``ConfigRecord`` named ``hiso``): ``down`` (bytes) to a client;
-``up`` (bytes) or ``behind`` (int) back; ``partition`` and ``round`` (ints) for a query.
+``up`` (bytes) or ``behind`` (int) back; ``partition`` and ``round`` (ints) for a query;
+``lineage`` (str, in every query and train) names the run directory's trajectory, which keys
+the node's replica, so a ServerApp resumed on the same directory finds the replicas in place.
+The full-model baselines are in :mod:`hiso.flower.fullmodel` (ArrayRecords).
 """
 
 from __future__ import annotations
