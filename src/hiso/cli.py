@@ -233,6 +233,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
     from .flower.launch import FlowerRunError, run_local
 
     cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
+    if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate or cfg.byzantine:
+        return _fail("simulated faults and attackers (--drop-rate, ..., --byzantine) are for hiso run, not flower")
     out = Path(args.out)
     if (out / "config.json").exists() and not args.force:
         return _fail(f"{out} already holds a run (use --force to overwrite)")
