@@ -131,6 +131,9 @@ class RunConfig(BaseModel):
         "simulator: probability that an answer's bytes are damaged in transit (1-3 bits flipped)"))
     byzantine: int = Field(0, ge=0, description=(
         "simulator: number of Byzantine clients (drawn from the seed; listed in summary.json)"))
+    byzantine_per_round: bool = Field(False, description=(
+        "simulator: the Byzantine clients are K of each round's sampled clients, drawn per round (exactly K per "
+        "round), instead of K fixed clients"))
     attack: str = Field("scale", description=(
         "what Byzantine clients send: scale, sign-flip, random or nan; a comma list is given to them in turn"))
     attack_scale: float = Field(1e3, gt=0, description=(
@@ -188,8 +191,9 @@ class RunConfig(BaseModel):
         faults = self.drop_rate + self.late_rate + self.duplicate_rate + self.corrupt_rate
         if faults >= 1:
             raise ValueError(f"drop, late, duplicate and corrupt rates sum to {faults:g}: they must be < 1")
-        if self.byzantine > self.clients:
-            raise ValueError(f"byzantine ({self.byzantine}) cannot exceed clients ({self.clients})")
+        if self.byzantine > (self.sampled if self.byzantine_per_round else self.clients):
+            raise ValueError(f"byzantine ({self.byzantine}) cannot exceed "
+                             + (f"sampled ({self.sampled})" if self.byzantine_per_round else f"clients ({self.clients})"))
         from .runners.faults import parse_attacks
         parse_attacks(self.attack)
         if not self.scalar_only and (faults or self.byzantine or self.aggregate != "mean"):

@@ -21,9 +21,11 @@ Faults (each answer gets at most one; the rates are probabilities per answer, su
   non-finite values). Faults on or off, the protocol's own messages are the same bytes; the
   frame adds 4 bytes per uplink, counted, only in runs with faults.
 
-Byzantine clients (``--byzantine K``) are K clients drawn once from their own seeded stream;
-each computes its honest answer and then lies about it (attacks are given to the attackers
-in turn, from a comma list):
+Byzantine clients (``--byzantine K``) are K clients drawn once from their own seeded stream
+(so a round holds as many of them as its sample happens to: sometimes a majority); or, with
+``per_round``, K of each round's sampled clients, drawn per round (exactly K attackers in
+every round). Each computes its honest answer and then lies about it (attacks are given to
+the attackers in turn, from a comma list):
 
 * ``scale``: scalars times ``attack_scale`` (default 1e3);
 * ``sign-flip``: scalars negated;
@@ -115,21 +117,32 @@ def parse_attacks(spec: str) -> tuple[str, ...]:
 class Attackers:
     """K Byzantine clients of M, drawn from their own seeded stream, each with its attack."""
 
-    def __init__(self, num_clients: int, k: int, attacks: str = "scale", scale: float = 1e3, seed: int = 0):
+    def __init__(self, num_clients: int, k: int, attacks: str = "scale", scale: float = 1e3, seed: int = 0,
+                 per_round: bool = False):
         if not 0 <= k <= num_clients:
             raise ValueError(f"byzantine must be in [0, {num_clients}], got {k}")
-        names = parse_attacks(attacks)
-        self.seed, self.scale = seed, float(scale)
-        chosen = np.sort(np.random.default_rng([seed, _SALT_BYZ]).choice(num_clients, size=k, replace=False))
-        self.attack = {int(c): names[i % len(names)] for i, c in enumerate(chosen)}  # client -> attack
+        self.names = parse_attacks(attacks)
+        self.seed, self.scale, self.k, self.per_round = seed, float(scale), k, per_round
+        chosen = [] if per_round else np.sort(np.random.default_rng([seed, _SALT_BYZ]).choice(num_clients, k, replace=False))
+        self.attack = {int(c): self.names[i % len(self.names)] for i, c in enumerate(chosen)}  # client -> attack
 
-    def __contains__(self, client: int) -> bool:
-        return client in self.attack
+    @property
+    def active(self) -> bool:
+        return self.k > 0
 
-    def lie(self, client: int, scalars: np.ndarray, plan: int) -> np.ndarray:
-        """What Byzantine ``client`` sends instead of its honest ``scalars`` (float32)."""
+    def of_round(self, plan: int, participants: tuple[int, ...]) -> dict[int, str]:
+        """The attackers among a round's ``participants`` (client -> attack)."""
+        if not self.per_round:
+            return {c: self.attack[c] for c in participants if c in self.attack}
+        rng = np.random.default_rng([self.seed, _SALT_BYZ, plan])
+        chosen = np.sort(rng.choice(len(participants), size=min(self.k, len(participants)), replace=False))
+        return {int(participants[j]): self.names[i % len(self.names)] for i, j in enumerate(chosen)}
+
+    def lie(self, client: int, scalars: np.ndarray, plan: int, attack: str | None = None) -> np.ndarray:
+        """What Byzantine ``client`` sends instead of its honest ``scalars`` (float32), by
+        ``attack`` (default: the client's own)."""
         g = np.asarray(scalars, dtype=np.float32)
-        a = self.attack[client]
+        a = attack or self.attack[client]
         if a == "scale":
             return (g * np.float32(self.scale)).astype(np.float32)
         if a == "sign-flip":

@@ -61,8 +61,8 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
     if cfg.scalar_only:
         from .faults import Attackers, Faults
         faults = Faults(cfg.drop_rate, cfg.late_rate, cfg.duplicate_rate, cfg.corrupt_rate, seed=cfg.seed)
-        attackers = (Attackers(task.num_clients, cfg.byzantine, cfg.attack, cfg.attack_scale, seed=cfg.seed)
-                     if cfg.byzantine else None)
+        attackers = (Attackers(task.num_clients, cfg.byzantine, cfg.attack, cfg.attack_scale, seed=cfg.seed,
+                               per_round=cfg.byzantine_per_round) if cfg.byzantine else None)
         return Simulation(task, cfg.zo(), clients_per_round=cfg.sampled, seed=cfg.seed,
                           batch_size=cfg.batch_size, mode=cfg.mode, perturb_mode=cfg.perturb_mode,
                           weighted=cfg.weighted, eval_every=cfg.eval_every, on_record=on_record,

@@ -95,7 +95,7 @@ class Simulation:
         self.perturber = Perturber(self.state.model, self.state.params, self.perturb_mode)
         self.comm = Comm.zeros(M)
         # unreliable mode: partial rounds, counted rejections (off: the exact old path)
-        self.unreliable = bool((self.faults and self.faults.active) or (self.attackers and self.attackers.attack))
+        self.unreliable = bool((self.faults and self.faults.active) or (self.attackers and self.attackers.active))
         self.sealed = bool(self.faults and self.faults.active)  # CRC-32 frame on uplinks
         self.plans = 0  # rounds planned so far (re-planned ones included): keys the fault streams
         self.pending: list[tuple[int, bytes]] = []  # late answers (round, bytes), delivered in a later round
@@ -143,7 +143,7 @@ class Simulation:
             self.on_record(rec)
         return rec, float(np.mean([u.loss for u in uplinks]))
 
-    def _answer(self, cid: int, down: bytes, plan) -> Uplink:
+    def _answer(self, cid: int, down: bytes, plan, attack: str | None = None) -> Uplink:
         """Client ``cid``'s answer to its downlink bytes (an attacker's lie included)."""
         if self.mode == "faithful":
             client = self.client(cid)
@@ -153,9 +153,9 @@ class Simulation:
             batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
             scalars, loss = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
             up = Uplink(cid, plan.round, scalars, loss)
-        if self.attackers is not None and cid in self.attackers:
+        if attack is not None:
             self.totals["attacked"] += 1
-            up = Uplink(cid, up.round, self.attackers.lie(cid, up.scalars, self.plans), up.loss)
+            up = Uplink(cid, up.round, self.attackers.lie(cid, up.scalars, self.plans, attack), up.loss)
         return up
 
     def _receive(self, data: bytes, rejected: Counter, rnd: int) -> Uplink | None:
@@ -194,6 +194,7 @@ class Simulation:
             arrivals = [d for r, d in self.pending if r < plan.round]
             self.pending = [(r, d) for r, d in self.pending if r >= plan.round]
             up_size = uplink_size(*self.zo.shape) + (4 if self.sealed else 0)
+            liars = self.attackers.of_round(self.plans, plan.participants) if self.attackers is not None else {}
             for cid in plan.participants:
                 fate = self.faults.fate(self.plans, cid) if self.faults is not None else "ok"
                 down = encode_downlink(self.server.downlink(cid))
@@ -203,7 +204,7 @@ class Simulation:
                 if fate == "drop" and self.mode == "fast":  # lost anyway; a faithful client computes it
                     self.comm.up[cid] += up_size
                     continue
-                data = encode_uplink(self._answer(cid, down, plan))
+                data = encode_uplink(self._answer(cid, down, plan, liars.get(cid)))
                 if self.sealed:
                     data = seal(data)
                 self.comm.up[cid] += len(data) * (2 if fate == "duplicate" else 1)
@@ -256,7 +257,8 @@ class Simulation:
                "corrupt_decodable_without_crc": int(t["corrupt_decodable"])}
         out["rejected_total"] = sum(out["rejected"].values())
         if self.attackers is not None:
-            out["byzantine"] = {str(c): a for c, a in self.attackers.attack.items()}
+            out["byzantine"] = ({"per_round": self.attackers.k, "attacks": list(self.attackers.names)}
+                                if self.attackers.per_round else {str(c): a for c, a in self.attackers.attack.items()})
         if self.mode == "faithful":
             self.sync_all()
             end = sum(not self._in_sync(c) for c in self.clients)
