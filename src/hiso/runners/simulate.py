@@ -166,7 +166,7 @@ class Simulation:
             why = ("checksum" if isinstance(e, ChecksumError) else
                    "non_finite" if "non-finite" in str(e) else "malformed")
             rejected[why] += 1
-            log.info("round %d: rejected (%s): %s", rnd + 1, why, e)
+            log.info("row %d (round %d): rejected (%s): %s", rnd + 1, rnd, why, e)
             if why == "checksum":  # would the decoder alone have let the damage through?
                 try:
                     decode_uplink(bytes(data[:-4]), expect_shape=self.zo.shape)
@@ -212,7 +212,7 @@ class Simulation:
                     self.sync_checks += 1
                     if not self._in_sync(cid):
                         self.out_of_sync += 1
-                        log.error("round %d: client %d's replica differs from the server's", plan.round + 1, cid)
+                        log.error("row %d (round %d): client %d's replica differs from the server's", plan.round + 1, plan.round, cid)
                 if fate == "drop":
                     continue
                 if fate == "late":
@@ -226,11 +226,11 @@ class Simulation:
             rec = self.server.aggregate(ups, partial=True)
             for code, why in zip(self.server.rejected_reasons, self.server.rejected):
                 rejected[code] += 1
-                log.info("round %d: rejected (%s): %s", plan.round + 1, code, why)
+                log.info("row %d (round %d): rejected (%s): %s", plan.round + 1, plan.round, code, why)
             if rec is not None:
                 break
             replanned += 1
-            log.info("round %d: no valid answer, planned again", plan.round + 1)
+            log.info("row %d (round %d): no valid answer, planned again", plan.round + 1, plan.round)
             if replanned >= 1000:
                 raise RuntimeError(f"round {plan.round}: no valid answer in 1000 attempts")
         self.state.apply(rec)
