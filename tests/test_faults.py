@@ -99,7 +99,8 @@ def test_the_unreliable_path_without_faults_equals_the_strict_one():
     c.unreliable = True  # force the unreliable path with nothing going wrong
     for _ in range(10):
         a.step(), b.step(), c.step()
-    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a.state.params, b.state.params, c.state.params))
+    assert all(torch.equal(x, y) and torch.equal(x, z)
+               for x, y, z in zip(a.state.params, b.state.params, c.state.params))
 
 
 def test_nothing_is_applied_when_no_answer_is_valid():

@@ -193,7 +193,8 @@ class RunConfig(BaseModel):
             raise ValueError(f"drop, late, duplicate and corrupt rates sum to {faults:g}: they must be < 1")
         if self.byzantine > (self.sampled if self.byzantine_per_round else self.clients):
             raise ValueError(f"byzantine ({self.byzantine}) cannot exceed "
-                             + (f"sampled ({self.sampled})" if self.byzantine_per_round else f"clients ({self.clients})"))
+                             + (f"sampled ({self.sampled})" if self.byzantine_per_round
+                                else f"clients ({self.clients})"))
         from .runners.faults import parse_attacks
         parse_attacks(self.attack)
         if not self.scalar_only and (faults or self.byzantine or self.aggregate != "mean"):

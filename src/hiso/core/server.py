@@ -71,7 +71,8 @@ class Server:
         self.synced = np.zeros(num_clients, dtype=np.int64)  # round whose start state each client holds
         self.plan_: RoundPlan | None = None
         self.rejected: list[str] = []  # why the last partial aggregate dropped answers
-        self.rejected_reasons: list[str] = []  # the same as codes: wrong_round, not_sampled, duplicate, shape, non_finite
+        # the same as codes: wrong_round, not_sampled, duplicate, shape, non_finite
+        self.rejected_reasons: list[str] = []
         self.replanned = 0  # rounds closed with no valid answer (and planned again)
 
     @property
@@ -125,7 +126,8 @@ class Server:
             elif up.client in by_client:
                 why, code = f"client {up.client} answered twice in round {plan.round}", "duplicate"
             elif up.scalars.shape != self.shape:
-                why, code = f"client {up.client} sent scalars of shape {up.scalars.shape}, expected {self.shape}", "shape"
+                why = f"client {up.client} sent scalars of shape {up.scalars.shape}, expected {self.shape}"
+                code = "shape"
             elif not np.all(np.isfinite(up.scalars)):
                 why, code = f"client {up.client} sent a non-finite scalar in round {plan.round}", "non_finite"
             if why is None:

@@ -123,7 +123,8 @@ class Attackers:
             raise ValueError(f"byzantine must be in [0, {num_clients}], got {k}")
         self.names = parse_attacks(attacks)
         self.seed, self.scale, self.k, self.per_round = seed, float(scale), k, per_round
-        chosen = [] if per_round else np.sort(np.random.default_rng([seed, _SALT_BYZ]).choice(num_clients, k, replace=False))
+        rng = np.random.default_rng([seed, _SALT_BYZ])
+        chosen = [] if per_round else np.sort(rng.choice(num_clients, k, replace=False))
         self.attack = {int(c): self.names[i % len(self.names)] for i, c in enumerate(chosen)}  # client -> attack
 
     @property

@@ -212,7 +212,8 @@ class Simulation:
                     self.sync_checks += 1
                     if not self._in_sync(cid):
                         self.out_of_sync += 1
-                        log.error("row %d (round %d): client %d's replica differs from the server's", plan.round + 1, plan.round, cid)
+                        log.error("row %d (round %d): client %d's replica differs from the server's",
+                                  plan.round + 1, plan.round, cid)
                 if fate == "drop":
                     continue
                 if fate == "late":
