@@ -258,6 +258,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
     if args.resume is not None and args.simulation:
         return _fail("--resume continues a deployment (SuperLink and SuperNodes); not with --simulation")
+    if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate or cfg.byzantine:
+        return _fail("simulated faults and attackers (--drop-rate, ..., --byzantine) are for hiso run, not flower")
     try:
         if args.simulation:
             from .flower.sim import run_simulation

@@ -116,6 +116,28 @@ class RunConfig(BaseModel):
     wire_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
         "number format of full-model baselines' messages"))
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's own)")
+    # reliability (hiso, decomfl): how the server combines answers, simulated faults and attackers
+    aggregate: Literal["mean", "median", "trimmed-mean"] = Field("mean", description=(
+        "how the server combines the clients' scalars, per (step, perturbation) entry: (weighted) mean, weighted "
+        "median, or trimmed mean (see hiso.core.aggregate)"))
+    trim: float = Field(0.25, ge=0, lt=0.5, description=(
+        "trimmed-mean: fraction of answers dropped at each end, per entry (floor(trim x answers))"))
+    drop_rate: float = Field(0.0, ge=0, le=1, description=(
+        "simulator: probability that a client's answer is lost (the client computed it)"))
+    late_rate: float = Field(0.0, ge=0, le=1, description=(
+        "simulator: probability that an answer arrives after its round closed (rejected as wrong-round)"))
+    duplicate_rate: float = Field(0.0, ge=0, le=1, description="simulator: probability that an answer is sent twice")
+    corrupt_rate: float = Field(0.0, ge=0, le=1, description=(
+        "simulator: probability that an answer's bytes are damaged in transit (1-3 bits flipped)"))
+    byzantine: int = Field(0, ge=0, description=(
+        "simulator: number of Byzantine clients (drawn from the seed; listed in summary.json)"))
+    byzantine_per_round: bool = Field(False, description=(
+        "simulator: the Byzantine clients are K of each round's sampled clients, drawn per round (exactly K per "
+        "round), instead of K fixed clients"))
+    attack: str = Field("scale", description=(
+        "what Byzantine clients send: scale, sign-flip, random or nan; a comma list is given to them in turn"))
+    attack_scale: float = Field(1e3, gt=0, description=(
+        "Byzantine 'scale': factor on the scalars; 'random': noise std relative to the honest scalars' RMS"))
     # quadratic task
     dim: int = Field(1000, gt=0, description="quadratic: dimension d")
     sigma: float = Field(1.0, ge=0, description="quadratic: spread of log curvatures (0: isotropic)")
@@ -166,6 +188,18 @@ class RunConfig(BaseModel):
             raise ValueError(f"unknown direction family {self.directions!r} (choose from {', '.join(FAMILIES)})")
         if self.h_min is not None and self.h_max is not None and self.h_max < self.h_min:
             raise ValueError(f"h_max ({self.h_max}) must be >= h_min ({self.h_min})")
+        faults = self.drop_rate + self.late_rate + self.duplicate_rate + self.corrupt_rate
+        if faults >= 1:
+            raise ValueError(f"drop, late, duplicate and corrupt rates sum to {faults:g}: they must be < 1")
+        if self.byzantine > (self.sampled if self.byzantine_per_round else self.clients):
+            raise ValueError(f"byzantine ({self.byzantine}) cannot exceed "
+                             + (f"sampled ({self.sampled})" if self.byzantine_per_round
+                                else f"clients ({self.clients})"))
+        from .runners.faults import parse_attacks
+        parse_attacks(self.attack)
+        if not self.scalar_only and (faults or self.byzantine or self.aggregate != "mean"):
+            raise ValueError(f"faults, attackers and robust aggregation are simulated for hiso and decomfl only, "
+                             f"not {self.algorithm}")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .aggregate import check_rule, combine
 from .history import RoundRecord
 from .messages import Downlink, MessageError, Uplink
 
@@ -48,14 +49,17 @@ class Server:
     """
 
     def __init__(self, num_clients: int, clients_per_round: int, local_steps: int,
-                 perturbations: int, seed: int = 0, weights: list[float] | None = None):
+                 perturbations: int, seed: int = 0, weights: list[float] | None = None,
+                 rule: str = "mean", trim: float = 0.25):
         if num_clients < 1:
             raise ValueError(f"need at least one client, got {num_clients}")
         if not 1 <= clients_per_round <= num_clients:
             raise ValueError(f"clients per round must be in [1, {num_clients}], got {clients_per_round}")
         if weights is not None and (len(weights) != num_clients or min(weights) <= 0):
             raise ValueError("weights must be one positive number per client")
+        check_rule(rule, trim)
         self.M, self.m = num_clients, clients_per_round
+        self.rule, self.trim = rule, trim  # how answers are combined (see hiso.core.aggregate)
         self.shape = (local_steps, perturbations)
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         # separate streams: who is sampled does not depend on how many seeds a round draws,
@@ -67,6 +71,8 @@ class Server:
         self.synced = np.zeros(num_clients, dtype=np.int64)  # round whose start state each client holds
         self.plan_: RoundPlan | None = None
         self.rejected: list[str] = []  # why the last partial aggregate dropped answers
+        # the same as codes: wrong_round, not_sampled, duplicate, shape, non_finite
+        self.rejected_reasons: list[str] = []
         self.replanned = 0  # rounds closed with no valid answer (and planned again)
 
     @property
@@ -99,7 +105,8 @@ class Server:
         return Downlink(plan.round, plan.seeds, since, tuple(self.history[since:]))
 
     def aggregate(self, uplinks: list[Uplink], *, partial: bool = False) -> RoundRecord | None:
-        """Average the answers' scalars (optionally weighted), log and close the round.
+        """Combine the answers' scalars (by ``rule``: the weighted mean by default; see
+        :mod:`hiso.core.aggregate`), log and close the round.
 
         Strict (default): every participant must answer exactly once; otherwise nothing
         changes. ``partial=True``: the valid answers are averaged and the others dropped (the
@@ -109,28 +116,31 @@ class Server:
         plan = self._current()
         by_client: dict[int, Uplink] = {}
         rejected: list[str] = []
+        reasons: list[str] = []
         for up in uplinks:
-            why = None
+            why = code = None
             if up.round != plan.round:
-                why = f"uplink from client {up.client} is for round {up.round}, not {plan.round}"
+                why, code = f"uplink from client {up.client} is for round {up.round}, not {plan.round}", "wrong_round"
             elif up.client not in plan.participants:
-                why = f"client {up.client} was not sampled in round {plan.round}"
+                why, code = f"client {up.client} was not sampled in round {plan.round}", "not_sampled"
             elif up.client in by_client:
-                why = f"client {up.client} answered twice in round {plan.round}"
+                why, code = f"client {up.client} answered twice in round {plan.round}", "duplicate"
             elif up.scalars.shape != self.shape:
                 why = f"client {up.client} sent scalars of shape {up.scalars.shape}, expected {self.shape}"
+                code = "shape"
             elif not np.all(np.isfinite(up.scalars)):
-                why = f"client {up.client} sent a non-finite scalar in round {plan.round}"
+                why, code = f"client {up.client} sent a non-finite scalar in round {plan.round}", "non_finite"
             if why is None:
                 by_client[up.client] = up
             elif partial:
                 rejected.append(why)
+                reasons.append(code)
             else:
                 raise MessageError(why)
         missing = set(plan.participants) - set(by_client)
         if missing and not partial:
             raise MessageError(f"round {plan.round}: no answer from clients {sorted(missing)}")
-        self.rejected = rejected
+        self.rejected, self.rejected_reasons = rejected, reasons
         if not by_client:  # nobody computed this round: plan it again, log nothing
             self.plan_ = None
             self.replanned += 1
@@ -138,8 +148,8 @@ class Server:
         answered = tuple(c for c in plan.participants if c in by_client)
         g = np.stack([by_client[c].scalars.astype(np.float64) for c in answered])
         w = np.ones(len(g)) if self.weights is None else self.weights[list(answered)]
-        mean = np.tensordot(w / w.sum(), g, axes=1).astype(np.float32)
-        rec = RoundRecord(plan.round, plan.seeds, mean, answered)
+        agg = combine(g, w, self.rule, self.trim).astype(np.float32)
+        rec = RoundRecord(plan.round, plan.seeds, agg, answered)
         self.history.append(rec)
         self.synced[list(answered)] = plan.round
         self.plan_ = None

@@ -103,7 +103,7 @@ class FlowerFederation:
         M = self.task.num_clients
         weights = self.task.client_sizes() if self.cfg.weighted else None
         self.server = Server(M, self.cfg.sampled, self.zo.local_steps, self.zo.perturbations,
-                             seed=self.cfg.seed, weights=weights)
+                             seed=self.cfg.seed, weights=weights, rule=self.cfg.aggregate, trim=self.cfg.trim)
         self.state = ModelState(self.task.build_model(), self.zo)
         self.comm = Comm.zeros(M)
         self._seen: set[int] = set()

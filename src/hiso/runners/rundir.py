@@ -25,6 +25,7 @@ bit for bit (``wall_s`` apart: it adds the time of both attempts' kept rounds).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -58,9 +59,15 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
     ``state_dict()`` (the final model).
     """
     if cfg.scalar_only:
+        from .faults import Attackers, Faults
+        faults = Faults(cfg.drop_rate, cfg.late_rate, cfg.duplicate_rate, cfg.corrupt_rate, seed=cfg.seed)
+        attackers = (Attackers(task.num_clients, cfg.byzantine, cfg.attack, cfg.attack_scale, seed=cfg.seed,
+                               per_round=cfg.byzantine_per_round) if cfg.byzantine else None)
         return Simulation(task, cfg.zo(), clients_per_round=cfg.sampled, seed=cfg.seed,
                           batch_size=cfg.batch_size, mode=cfg.mode, perturb_mode=cfg.perturb_mode,
-                          weighted=cfg.weighted, eval_every=cfg.eval_every, on_record=on_record)
+                          weighted=cfg.weighted, eval_every=cfg.eval_every, on_record=on_record,
+                          rule=cfg.aggregate, trim=cfg.trim, faults=faults if faults.active else None,
+                          attackers=attackers)
     from .fullmodel import FullModelSimulation
     return FullModelSimulation(task, cfg)
 
@@ -148,6 +155,10 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     if resume and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          f"their state from (start again with --force)")
+    unreliable = bool(cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate or cfg.byzantine)
+    if resume and unreliable:
+        raise ValueError("runs with simulated faults or attackers cannot be resumed (their messages in flight and "
+                         "fault counts are not logged): start again with --force")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     task = task or build_task(cfg)
@@ -174,6 +185,14 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             hist.write(rec)
 
         sim = (runner or build_simulation)(cfg, task, log if hist else None)
+        if getattr(sim, "unreliable", False):  # every rejected message, with its reason
+            handler = logging.FileHandler(out / "rejections.log", mode="w")
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            flog = logging.getLogger("hiso.faults")
+            flog.setLevel(logging.INFO)
+            flog.addHandler(handler)
+            stack.callback(flog.removeHandler, handler)
+            stack.callback(handler.close)
         row = {}
         diverged = None
         first_loss = None
@@ -229,6 +248,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         "s_per_round": (row.get("wall_s") or 0.0) / max(row.get("round", 0), 1), "peak_rss_mb": peak_rss_mb(),
         "parameters": sum(p.numel() for p in sim.model.parameters() if p.requires_grad),
     }
+    if getattr(sim, "unreliable", False):
+        summary["reliability"] = sim.reliability()
     _write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 

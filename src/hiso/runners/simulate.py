@@ -10,25 +10,40 @@ Two modes run the identical arithmetic:
   messages are still encoded so communication is counted the same way.
 
 Clients that are not sampled cost nothing in either mode.
+
+With ``faults`` (lost, late, repeated, damaged answers) or ``attackers`` (Byzantine clients;
+see :mod:`hiso.runners.faults`) a round closes with the valid answers it got
+(``Server.aggregate(partial=True)``; a round with none is planned again); every rejected
+message is counted by reason and logged (logger ``hiso.faults``), and each metrics row
+carries the round's participants and rejections. In faithful mode every client that computed
+is then checked against the server's model and H, bit for bit (``out_of_sync`` counts
+failures: it must stay 0).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal
 
 import numpy as np
+import torch
 
 from ..core.client import Client
 from ..core.config import ZOConfig
 from ..core.estimator import local_update
 from ..core.history import RoundRecord
-from ..core.messages import (decode_downlink, decode_uplink, encode_downlink, encode_uplink, Uplink)
+from ..core.messages import (MessageError, decode_downlink, decode_uplink, encode_downlink, encode_uplink,
+                             uplink_size, Uplink)
 from ..core.perturb import Mode, Perturber
 from ..core.server import Server
 from ..core.state import ModelState
 from ..tasks.base import Task
+from .faults import Attackers, ChecksumError, Faults, seal, unseal
+
+log = logging.getLogger("hiso.faults")
 
 SimMode = Literal["fast", "faithful"]
 
@@ -63,6 +78,10 @@ class Simulation:
     weighted: bool = False
     eval_every: int = 10
     on_record: Callable[[RoundRecord], None] | None = None
+    rule: str = "mean"  # how the server combines answers (hiso.core.aggregate)
+    trim: float = 0.25
+    faults: Faults | None = None
+    attackers: Attackers | None = None
     clients: dict[int, Client] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -71,10 +90,19 @@ class Simulation:
         M = self.task.num_clients
         weights = self.task.client_sizes() if self.weighted else None
         self.server = Server(M, self.clients_per_round, self.zo.local_steps, self.zo.perturbations,
-                             seed=self.seed, weights=weights)
+                             seed=self.seed, weights=weights, rule=self.rule, trim=self.trim)
         self.state = ModelState(self.task.build_model(), self.zo)  # the server's x_r, for evaluation
         self.perturber = Perturber(self.state.model, self.state.params, self.perturb_mode)
         self.comm = Comm.zeros(M)
+        # unreliable mode: partial rounds, counted rejections (off: the exact old path)
+        self.unreliable = bool((self.faults and self.faults.active) or (self.attackers and self.attackers.active))
+        self.sealed = bool(self.faults and self.faults.active)  # CRC-32 frame on uplinks
+        self.plans = 0  # rounds planned so far (re-planned ones included): keys the fault streams
+        self.pending: list[tuple[int, bytes]] = []  # late answers (round, bytes), delivered in a later round
+        self.totals: Counter = Counter()  # injected faults and rejections (by reason), whole run
+        self.round_stats: dict = {}
+        self.out_of_sync = 0  # faithful mode: (round, client) replica checks that failed
+        self.sync_checks = 0
 
     @property
     def model(self):
@@ -93,6 +121,8 @@ class Simulation:
 
     def step(self) -> tuple[RoundRecord, float]:
         """One round; returns its record and the participants' mean training loss."""
+        if self.unreliable:
+            return self._step_unreliable()
         plan = self.server.plan()
         uplinks: list[Uplink] = []
         for cid in plan.participants:
@@ -113,11 +143,135 @@ class Simulation:
             self.on_record(rec)
         return rec, float(np.mean([u.loss for u in uplinks]))
 
+    def _answer(self, cid: int, down: bytes, plan, attack: str | None = None) -> Uplink:
+        """Client ``cid``'s answer to its downlink bytes (an attacker's lie included)."""
+        if self.mode == "faithful":
+            client = self.client(cid)
+            up = client.train(decode_downlink(down, expect_shape=self.zo.shape))
+        else:
+            msg = decode_downlink(down, expect_shape=self.zo.shape)
+            batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
+            scalars, loss = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
+            up = Uplink(cid, plan.round, scalars, loss)
+        if attack is not None:
+            self.totals["attacked"] += 1
+            up = Uplink(cid, up.round, self.attackers.lie(cid, up.scalars, self.plans, attack), up.loss)
+        return up
+
+    def _receive(self, data: bytes, rejected: Counter, rnd: int) -> Uplink | None:
+        """Check and decode one arriving message; a bad one is counted, logged and dropped."""
+        try:
+            return decode_uplink(unseal(data) if self.sealed else data, expect_shape=self.zo.shape)
+        except MessageError as e:
+            why = ("checksum" if isinstance(e, ChecksumError) else
+                   "non_finite" if "non-finite" in str(e) else "malformed")
+            rejected[why] += 1
+            log.info("row %d (round %d): rejected (%s): %s", rnd + 1, rnd, why, e)
+            if why == "checksum":  # would the decoder alone have let the damage through?
+                try:
+                    decode_uplink(bytes(data[:-4]), expect_shape=self.zo.shape)
+                    self.totals["corrupt_decodable"] += 1
+                except MessageError:
+                    pass
+            return None
+
+    def _in_sync(self, cid: int) -> bool:
+        st = self.clients[cid].state
+        same = st.round == self.server.round and all(torch.equal(a, b) for a, b in zip(st.params, self.state.params))
+        if st.h is not None:
+            same = same and all(torch.equal(a, b) for a, b in zip(st.h, self.state.h))
+        return same
+
+    def _step_unreliable(self) -> tuple[RoundRecord, float]:
+        """One round over an unreliable network (faults, attackers): see the module docstring."""
+        rejected: Counter = Counter()
+        replanned = 0
+        while True:
+            plan = self.server.plan()
+            # late answers arrive once their round has closed. (Not in a re-planned attempt of the
+            # same round: an uplink names its round by number only, so an answer to the earlier
+            # attempt's seeds would pass for a valid one; Flower matches replies to messages.)
+            arrivals = [d for r, d in self.pending if r < plan.round]
+            self.pending = [(r, d) for r, d in self.pending if r >= plan.round]
+            up_size = uplink_size(*self.zo.shape) + (4 if self.sealed else 0)
+            liars = self.attackers.of_round(self.plans, plan.participants) if self.attackers is not None else {}
+            for cid in plan.participants:
+                fate = self.faults.fate(self.plans, cid) if self.faults is not None else "ok"
+                down = encode_downlink(self.server.downlink(cid))
+                self.comm.down[cid] += len(down)
+                if fate != "ok":
+                    self.totals[fate] += 1
+                if fate == "drop" and self.mode == "fast":  # lost anyway; a faithful client computes it
+                    self.comm.up[cid] += up_size
+                    continue
+                data = encode_uplink(self._answer(cid, down, plan, liars.get(cid)))
+                if self.sealed:
+                    data = seal(data)
+                self.comm.up[cid] += len(data) * (2 if fate == "duplicate" else 1)
+                if self.mode == "faithful":
+                    self.sync_checks += 1
+                    if not self._in_sync(cid):
+                        self.out_of_sync += 1
+                        log.error("row %d (round %d): client %d's replica differs from the server's",
+                                  plan.round + 1, plan.round, cid)
+                if fate == "drop":
+                    continue
+                if fate == "late":
+                    self.pending.append((plan.round, data))
+                    continue
+                if fate == "corrupt":
+                    data = self.faults.damage(data, self.plans, cid)
+                arrivals += [data, data] if fate == "duplicate" else [data]
+            ups = [u for u in (self._receive(d, rejected, plan.round) for d in arrivals) if u is not None]
+            self.plans += 1
+            rec = self.server.aggregate(ups, partial=True)
+            for code, why in zip(self.server.rejected_reasons, self.server.rejected):
+                rejected[code] += 1
+                log.info("row %d (round %d): rejected (%s): %s", plan.round + 1, plan.round, code, why)
+            if rec is not None:
+                break
+            replanned += 1
+            log.info("row %d (round %d): no valid answer, planned again", plan.round + 1, plan.round)
+            if replanned >= 1000:
+                raise RuntimeError(f"round {plan.round}: no valid answer in 1000 attempts")
+        self.state.apply(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+        for code, n in rejected.items():
+            self.totals["rejected_" + code] += n
+        self.round_stats = {"participants": len(rec.participants), "rejected": dict(sorted(rejected.items())),
+                            "replanned": replanned}
+        kept = {u.client: u.loss for u in reversed(ups) if u.client in rec.participants and u.round == rec.round}
+        return rec, float(np.mean(list(kept.values())))
+
+    def reliability(self) -> dict:
+        """Totals of an unreliable run (for ``summary.json``): faults injected, messages
+        rejected by reason, re-planned rounds and, in faithful mode, replicas out of sync
+        (checked every round for every client that computed, and for all at the end)."""
+        t = self.totals
+        out = {"injected": {k: int(t[k]) for k in ("drop", "late", "duplicate", "corrupt", "attacked")},
+               "rejected": {k.removeprefix("rejected_"): int(v) for k, v in sorted(t.items())
+                            if k.startswith("rejected_")},
+               "rounds_completed": self.server.round, "rounds_replanned": self.server.replanned,
+               "late_in_flight_at_end": len(self.pending),
+               # damaged answers the decoder alone would have accepted (the CRC-32 frame caught them)
+               "corrupt_decodable_without_crc": int(t["corrupt_decodable"])}
+        out["rejected_total"] = sum(out["rejected"].values())
+        if self.attackers is not None:
+            out["byzantine"] = ({"per_round": self.attackers.k, "attacks": list(self.attackers.names)}
+                                if self.attackers.per_round else {str(c): a for c, a in self.attackers.attack.items()})
+        if self.mode == "faithful":
+            self.sync_all()
+            end = sum(not self._in_sync(c) for c in self.clients)
+            out["replica_checks"] = self.sync_checks + len(self.clients)
+            out["replicas_out_of_sync"] = self.out_of_sync + end
+        return out
+
     def run(self, rounds: int, start: int = 0, wall: float = 0.0) -> Iterator[dict]:
         """Yield one metrics row per round (plus row 0: the initial evaluation). ``start`` > 0
         continues after round ``start`` (see :meth:`resume`), ``wall`` its rows' ``wall_s``."""
         return metric_rows(self.task, self.state.model, self.comm, lambda: self.step()[1], rounds, self.eval_every,
-                           start=start, wall=wall)
+                           start=start, wall=wall, extra=(lambda: self.round_stats) if self.unreliable else None)
 
     def resume(self, records: list[RoundRecord]) -> None:
         """Bring a new simulation to the end of an interrupted run's logged rounds, exactly as
@@ -156,12 +310,14 @@ class Simulation:
 
 
 def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds: int,
-                eval_every: int, start: int = 0, wall: float = 0.0) -> Iterator[dict]:
+                eval_every: int, start: int = 0, wall: float = 0.0,
+                extra: Callable[[], dict] | None = None) -> Iterator[dict]:
     """The rows of ``metrics.jsonl`` for any runner whose ``step()`` returns the mean train loss.
 
     Row 0 is the initial evaluation; ``wall_s`` counts training time only (evaluation is not
     part of an algorithm's cost); evaluation every ``eval_every`` rounds and at the last.
     ``start`` > 0: a resumed run, rows from round ``start + 1`` on, ``wall_s`` from ``wall``.
+    ``extra()``, if given, is merged into each round's row after its step.
     """
     if start == 0:
         yield {"round": 0, "train_loss": None, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, **task.evaluate(model)}
@@ -171,6 +327,8 @@ def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds
         wall += time.perf_counter() - t0
         row = {"round": r, "train_loss": loss, "bytes_up": int(comm.up.sum()),
                "bytes_down": int(comm.down.sum()), "wall_s": wall}
+        if extra is not None:
+            row.update(extra())
         if r % eval_every == 0 or r == rounds:
             row.update(task.evaluate(model))
         yield row
