@@ -9,7 +9,8 @@ Two modes run the identical arithmetic:
   exactly the server's model, the local update runs on the shared copy and replay is skipped;
   messages are still encoded so communication is counted the same way.
 
-Clients that are not sampled cost nothing in either mode.
+Clients that are not sampled cost nothing in either mode. Every client joins once, before
+round 1 (its hello up, the server's welcome down: counted in its bytes).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ..core.client import Client
 from ..core.config import ZOConfig
 from ..core.estimator import local_update
 from ..core.history import RoundRecord
-from ..core.messages import (decode_downlink, decode_uplink, encode_downlink, encode_uplink, Uplink)
+from ..core.messages import (Hello, Uplink, decode_downlink, decode_uplink, encode_downlink, encode_hello,
+                             encode_uplink, encode_welcome, welcome_for)
 from ..core.perturb import Mode, Perturber
 from ..core.server import Server
 from ..core.state import ModelState
@@ -43,6 +45,11 @@ class Comm:
     @classmethod
     def zeros(cls, n: int) -> "Comm":
         return cls(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+
+    def join(self, client: int, hello: bytes, welcome: bytes) -> None:
+        """Count a client's join: its hello up, the server's welcome down."""
+        self.up[client] += len(hello)
+        self.down[client] += len(welcome)
 
     def summary(self) -> dict[str, float]:
         tot = self.up + self.down
@@ -63,18 +70,22 @@ class Simulation:
     weighted: bool = False
     eval_every: int = 10
     on_record: Callable[[RoundRecord], None] | None = None
+    snapshot_after: int | None = None
+    bandwidth: float | None = None
     clients: dict[int, Client] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("fast", "faithful"):
             raise ValueError(f"mode must be 'fast' or 'faithful', got {self.mode!r}")
         M = self.task.num_clients
-        weights = self.task.client_sizes() if self.weighted else None
-        self.server = Server(M, self.clients_per_round, self.zo.local_steps, self.zo.perturbations,
-                             seed=self.seed, weights=weights)
         self.state = ModelState(self.task.build_model(), self.zo)  # the server's x_r, for evaluation
+        self.server = protocol_server(self.task, self.zo, self.clients_per_round, self.seed, self.weighted,
+                                      self.state, self.snapshot_after, self.bandwidth)
+        self.welcome = encode_welcome(welcome_for(self.zo, self.seed, self.state.params))
         self.perturber = Perturber(self.state.model, self.state.params, self.perturb_mode)
         self.comm = Comm.zeros(M)
+        for c in range(M):  # every client joins once, at x_0
+            self.comm.join(c, encode_hello(Hello(c, 0)), self.welcome)
 
     @property
     def model(self):
@@ -89,24 +100,26 @@ class Simulation:
         if cid not in self.clients:
             st = ModelState(self.task.build_model(), self.zo)
             self.clients[cid] = Client(cid, st, self.task.loss, self._batch_fn(cid), self.perturb_mode)
+            self.clients[cid].join(self.welcome)
         return self.clients[cid]
 
     def step(self) -> tuple[RoundRecord, float]:
         """One round; returns its record and the participants' mean training loss."""
         plan = self.server.plan()
+        wire = self.server.wire
         uplinks: list[Uplink] = []
         for cid in plan.participants:
-            down = encode_downlink(self.server.downlink(cid))
+            down = encode_downlink(self.server.downlink(cid), wire)
             self.comm.down[cid] += len(down)
             if self.mode == "faithful":
                 up = self.client(cid).handle(down)
             else:
-                msg = decode_downlink(down, expect_shape=self.zo.shape)
+                msg = decode_downlink(down, wire)
                 batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
                 scalars, loss = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
-                up = encode_uplink(Uplink(cid, plan.round, scalars, loss))
+                up = encode_uplink(Uplink(cid, plan.round, scalars, loss, plan.attempt), wire)
             self.comm.up[cid] += len(up)
-            uplinks.append(decode_uplink(up, expect_round=plan.round, expect_shape=self.zo.shape))
+            uplinks.append(decode_uplink(up, wire, expect_round=plan.round))
         rec = self.server.aggregate(uplinks)
         self.state.apply(rec)
         if self.on_record is not None:
@@ -129,12 +142,13 @@ class Simulation:
         if self.server.round or self.clients:
             raise RuntimeError("resume() needs a simulation that has not run yet")
         last = {c: rec.round for rec in records for c in rec.participants}
+        wire = self.server.wire
         for rec in records:
             plan = self.server.plan_logged(rec)
             for cid in plan.participants:
-                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid)))
+                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
                 if cid in rec.participants:
-                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0)))
+                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire))
                 if self.mode == "faithful" and last.get(cid) == rec.round:
                     st = self.client(cid).state
                     for dst, src in zip(st.params, self.state.params):
@@ -150,9 +164,24 @@ class Simulation:
         return self.state.state_dict()
 
     def sync_all(self) -> None:
-        """Bring every faithful client up to the server's round (test and audit helper)."""
+        """Bring every faithful client up to the server's round (test and audit helper): by
+        replay, or from a snapshot for a client further behind than the server keeps records."""
+        from ..core.messages import encode_state, load_state
         for c in self.clients.values():
-            c.state.replay(self.server.history[c.state.round:])
+            if c.state.round < self.server.first:
+                load_state(c.state, encode_state(self.state), self.state.round)
+            else:
+                c.state.replay(self.server.records_since(c.state.round))
+
+
+def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int, weighted: bool,
+                    replica: ModelState, snapshot_after: int | None = None, bandwidth: float | None = None) -> Server:
+    """The core Server a runner (this simulator, the Flower ServerApp) drives for ``zo``: the
+    task's clients, the run seed, the scalar dtype, and snapshots of ``replica`` (the runner's
+    x_r) for clients more than ``snapshot_after`` rounds behind (None: when cheaper)."""
+    weights = task.client_sizes() if weighted else None
+    return Server(task.num_clients, clients_per_round, zo.local_steps, zo.perturbations, seed=seed, weights=weights,
+                  scalar_dtype=zo.scalar_dtype, replica=replica, snapshot_after=snapshot_after, bandwidth=bandwidth)
 
 
 def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds: int,
@@ -174,3 +203,42 @@ def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds
         if r % eval_every == 0 or r == rounds:
             row.update(task.evaluate(model))
         yield row
+
+
+class _Blob:
+    """A stand-in replica of ``n`` float32 values (sizes snapshots without a model)."""
+
+    def __init__(self, n: int):
+        import torch
+        self.params, self.h, self.round = [torch.zeros(n)], None, 0
+
+
+def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int, perturbations: int, rounds: int,
+                     *, scalar_dtype: str = "float32", seed: int = 0, state_values: int | None = None,
+                     snapshot_after: int | None = None, bandwidth: float | None = None) -> Comm:
+    """Bytes per client of a schedule, from the encoded messages, without a model: joins, each
+    round's downlinks (history or snapshot) and uplinks with their loss. The bytes of a run do
+    not depend on what it learns, so this is what a run of the schedule counts (with the same
+    ``seed``: the same sampling). ``state_values``: the trainable values plus H's (HiSo) of the
+    model, for the snapshot choice (None: no snapshots, e.g. a model too large to ever send)."""
+    blob = None if state_values is None else _Blob(state_values)
+    server = Server(num_clients, clients_per_round, local_steps, perturbations, seed=seed, scalar_dtype=scalar_dtype,
+                    replica=blob, snapshot_after=snapshot_after, bandwidth=bandwidth)
+    wire, comm = server.wire, Comm.zeros(num_clients)
+    welcome = encode_welcome(welcome_for(ZOConfig(lr=1.0, perturbations=perturbations, local_steps=local_steps,
+                                                  scalar_dtype=scalar_dtype), seed, []))
+    for c in range(num_clients):
+        comm.join(c, encode_hello(Hello(c, 0)), welcome)
+    zeros = np.zeros(wire.shape, np.float32)
+    for _ in range(rounds):
+        plan = server.plan()
+        ups = []
+        for c in plan.participants:
+            comm.down[c] += len(encode_downlink(server.downlink(c), wire))
+            up = encode_uplink(Uplink(c, plan.round, zeros, 0.0, plan.attempt), wire)
+            comm.up[c] += len(up)
+            ups.append(decode_uplink(up, wire))
+        server.aggregate(ups)
+        if blob is not None:
+            blob.round += 1
+    return comm
