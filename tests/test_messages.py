@@ -342,3 +342,19 @@ def test_faithful_clients_stay_bit_identical_with_snapshots(K):
     for c in sim.clients.values():
         assert all(torch.equal(x, y) for x, y in zip(c.state.params, sim.state.params))
         assert all(torch.equal(x, y) for x, y in zip(c.state.h, sim.state.h))
+
+
+def test_a_flower_node_checks_the_welcome_before_it_joins(tmp_path):
+    """The Flower ClientApp's join (no flwr needed): a matching welcome is kept and answered
+    with a hello; another configuration's is refused in one clear error."""
+    from hiso.config import RunConfig
+    from hiso.flower.app import query_fields
+    from hiso.tasks.registry import build_task
+    cfg = RunConfig(task="quadratic", dim=8, clients=2, sampled=1, rounds=3)
+    x0 = ModelState(build_task(cfg).build_model(), cfg.zo())
+    good = encode_welcome(welcome_for(cfg.zo(), cfg.seed, x0.params))
+    f = query_fields(cfg, 1, 1, str(tmp_path), welcome=good)
+    assert decode_hello(f["hello"]) == Hello(1, 0)
+    other = RunConfig(task="quadratic", dim=8, clients=2, sampled=1, rounds=3, scalar_dtype="float16")
+    with pytest.raises(JoinError, match="another algorithm configuration"):
+        query_fields(cfg, 1, 1, str(tmp_path), welcome=encode_welcome(welcome_for(other.zo(), cfg.seed, x0.params)))

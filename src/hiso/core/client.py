@@ -31,8 +31,6 @@ class Client:
         self.perturber = Perturber(state.model, state.params, perturb_mode)
         self.report_loss = report_loss
         self.wire = wire  # set by join()
-        # x_0's fingerprint, taken now if the replica still is x_0 (else join() needs it given)
-        self._init = tensors_fingerprint(state.params) if state.round == 0 else None
 
     def hello(self) -> bytes:
         """The join request: who this client is and the round its replica holds."""
@@ -42,10 +40,12 @@ class Client:
         """Check the server's welcome against this client (nothing else changes); raises
         :class:`~hiso.core.messages.JoinError` on any mismatch."""
         msg = decode_welcome(welcome)
-        init = init_fingerprint or self._init
+        init = init_fingerprint
         if init is None:
-            raise MessageError(f"client {self.cid} holds round {self.state.round}: give the fingerprint of its "
-                               f"initial tensors to join")
+            if self.state.round != 0:
+                raise MessageError(f"client {self.cid} holds round {self.state.round}: give the fingerprint of its "
+                                   f"initial tensors to join")
+            init = tensors_fingerprint(self.state.params)  # the replica still is x_0
         self.wire = check_welcome(msg, self.state.cfg, init)
         return self.wire
 

@@ -21,7 +21,9 @@ If the history starts after the replica's round (its disk copy was lost or reset
 ``behind=<round>`` instead and the server resends from there in the same round.
 
 Message content (a ``ConfigRecord`` named ``hiso``): ``down`` (bytes) to a client;
-``up`` (bytes) or ``behind`` (int) back; ``partition`` and ``round`` (ints) for a query.
+``up`` (bytes) or ``behind`` (int) back; a query carries the server's ``welcome`` (bytes) and
+its reply the node's ``hello`` (bytes), plus ``partition`` and ``round`` (ints): the protocol's
+join, counted in the bytes; a node whose configuration or x_0 differs refuses it.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ import numpy as np
 from ..config import RunConfig
 from ..core.client import Client
 from ..core.history import RoundRecord
-from ..core.messages import MessageError, decode_uplink, encode_downlink
-from ..core.server import Server
+from ..core.messages import (Hello, MessageError, Wire, check_welcome, decode_hello, decode_uplink, decode_welcome,
+                             encode_downlink, encode_hello, encode_welcome, tensors_fingerprint, welcome_for)
 from ..core.state import ModelState
-from ..runners.simulate import Comm, metric_rows
+from ..runners.simulate import Comm, metric_rows, protocol_server
 from ..tasks.base import Task
 
 log = logging.getLogger("hiso.flower")
@@ -96,10 +98,10 @@ class FlowerFederation:
     def __post_init__(self) -> None:
         self.zo = self.cfg.zo()
         M = self.task.num_clients
-        weights = self.task.client_sizes() if self.cfg.weighted else None
-        self.server = Server(M, self.cfg.sampled, self.zo.local_steps, self.zo.perturbations,
-                             seed=self.cfg.seed, weights=weights)
         self.state = ModelState(self.task.build_model(), self.zo)
+        self.server = protocol_server(self.task, self.zo, self.cfg.sampled, self.cfg.seed, self.cfg.weighted,
+                                      self.state, self.cfg.snapshot_after, self.cfg.bandwidth)
+        self.welcome = encode_welcome(welcome_for(self.zo, self.cfg.seed, self.state.params))
         self.comm = Comm.zeros(M)
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
@@ -122,7 +124,7 @@ class FlowerFederation:
         self._queries = {m: n for m, n in self._queries.items() if n in ids}
         new = sorted(ids - self._seen - set(self._queries.values()))
         if new:
-            msgs = [self._message({}, nid, "query") for nid in new]
+            msgs = [self._message({"welcome": self.welcome}, nid, "query") for nid in new]
             self._queries.update(zip(self.grid.push_messages(msgs), new))
         if not self._queries:
             return
@@ -135,7 +137,12 @@ class FlowerFederation:
                 log.warning("node %s failed the query: %s", nid, rep.error.reason)
                 continue
             rec = rep.content[REC]
-            pid, held = int(rec["partition"]), int(rec["round"])
+            try:  # the node's join: its hello (it checked our welcome before answering)
+                hello = decode_hello(rec["hello"])
+            except (KeyError, MessageError) as e:
+                log.warning("node %s: no valid hello (%s): ignored", nid, e)
+                continue
+            pid, held = hello.client, hello.round
             if not 0 <= pid < self.task.num_clients:
                 log.warning("node %s names partition %s, outside 0..%s: ignored", nid, pid, self.task.num_clients - 1)
                 continue
@@ -144,6 +151,7 @@ class FlowerFederation:
                 log.warning("partition %s moves from node %s to node %s", pid, old, nid)
                 self.part_of.pop(old, None)
             self.node_of[pid], self.part_of[nid] = nid, pid
+            self.comm.join(pid, rec["hello"], self.welcome)
             self.server.client_holds(pid, min(held, self.server.round))
 
     def wait_for_nodes(self) -> None:
@@ -168,7 +176,7 @@ class FlowerFederation:
             nid = self.node_of.get(pid)
             if nid is None:
                 continue
-            down = encode_downlink(self.server.downlink(pid))
+            down = encode_downlink(self.server.downlink(pid), self.server.wire)
             self.comm.down[pid] += len(down)
             msgs.append(self._message({"down": down}, nid, "train", str(rnd)))
         out = {}
@@ -242,7 +250,7 @@ class FlowerFederation:
                 data = r["up"]
                 self.comm.up[pid] += len(data)
                 try:
-                    up = decode_uplink(data, expect_round=plan.round, expect_shape=self.zo.shape)
+                    up = decode_uplink(data, self.server.wire, expect_round=plan.round)
                 except MessageError as e:
                     log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
                     continue
@@ -356,12 +364,31 @@ def _cfg_json(context) -> str | None:
     return context.run_config.get("hiso-config") if context.run_config else None
 
 
-def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None) -> dict:
-    """A node's answer to ``query``: its partition and the round its replica holds."""
-    _, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
+def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None,
+                 welcome: bytes | None = None) -> dict:
+    """A node's answer to ``query`` (its join): its hello (partition and the round its replica
+    holds), once it has checked the server's ``welcome`` against its own configuration and x_0
+    (a mismatch raises :class:`~hiso.core.messages.JoinError`: the node refuses to mix). The
+    welcome is kept beside the replica: it gives the run's seed to every later message."""
+    task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
     held = rep.state.round
-    rep.close()
-    return {"partition": pid, "round": held}
+    try:
+        if welcome is not None:
+            x0 = ModelState(task.build_model(), cfg.zo())
+            check_welcome(decode_welcome(welcome), cfg.zo(), tensors_fingerprint(x0.params))
+            tmp = rep.path / "welcome.bin.tmp"
+            tmp.write_bytes(bytes(welcome))
+            os.replace(tmp, rep.path / "welcome.bin")
+    finally:
+        rep.close()
+    return {"partition": pid, "round": held, "hello": encode_hello(Hello(pid, held))}
+
+
+def _wire(cfg: RunConfig, rep) -> Wire:
+    """The run's wire: from the welcome the node accepted (else its own configuration's)."""
+    path = rep.path / "welcome.bin"
+    seed = decode_welcome(path.read_bytes()).seed if path.exists() else cfg.seed
+    return Wire.of(cfg.zo(), seed)
 
 
 def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, cfg_json: str | None = None) -> dict:
@@ -369,7 +396,8 @@ def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, 
     t0, c0 = time.perf_counter(), time.process_time()
     task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
     t1 = time.perf_counter()
-    client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode)
+    client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode,
+                    wire=_wire(cfg, rep))
     rep.begin()
     try:
         up = client.handle(down)
@@ -392,7 +420,9 @@ def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, 
 
 def handle_query(msg, context, cfg: RunConfig):
     from flwr.app import Message
-    fields = query_fields(cfg, context.run_id, _partition(context), _state_dir(context), _cfg_json(context))
+    rec = msg.content[REC]
+    fields = query_fields(cfg, context.run_id, _partition(context), _state_dir(context), _cfg_json(context),
+                          rec["welcome"] if "welcome" in rec else None)
     return Message(_records(fields), reply_to=msg)
 
 
