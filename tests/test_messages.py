@@ -358,3 +358,18 @@ def test_a_flower_node_checks_the_welcome_before_it_joins(tmp_path):
     other = RunConfig(task="quadratic", dim=8, clients=2, sampled=1, rounds=3, scalar_dtype="float16")
     with pytest.raises(JoinError, match="another algorithm configuration"):
         query_fields(cfg, 1, 1, str(tmp_path), welcome=encode_welcome(welcome_for(other.zo(), cfg.seed, x0.params)))
+
+
+def test_automatic_snapshot_point_is_where_a_snapshot_gets_cheaper():
+    from hiso.core.server import auto_snapshot_after
+    assert auto_snapshot_after(1000, 20) == 50  # bytes: 50 records weigh a snapshot
+    # at 1 MB/s a round's replay of 1 ms weighs 1000 bytes more: snapshots come much sooner
+    assert auto_snapshot_after(1000, 20, bandwidth=1e6, replay_s=1e-3) == 0
+    assert auto_snapshot_after(10**6, 20, bandwidth=1e6, replay_s=1e-3) == 980
+    task = TinyTask()
+    zo = hiso(lr=0.02, perturbations=5, scalar_dtype="float16")
+    rep = ModelState(task.build_model(), zo)
+    srv = Server(20, 3, 1, 5, scalar_dtype="float16", replica=rep)
+    assert srv.snapshot_after == srv.snapshot_bytes() // 10  # 5 float16 scalars a missed round
+    fast = Server(20, 3, 1, 5, scalar_dtype="float16", replica=rep, bandwidth=1e7)  # a fast link: replay dominates
+    assert fast.snapshot_after < srv.snapshot_after
