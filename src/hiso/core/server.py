@@ -66,8 +66,12 @@ class Server:
     downlink starts there; the client skips the records it already holds (it may have caught
     up before its reply was lost). A round with no valid answer at all is *re-planned*:
     nothing is logged, the round number stays, and the next ``plan()`` draws a fresh sample
-    and fresh (never reused) seeds. So the log only ever holds rounds somebody computed, and
-    an empty round never moves x or H.
+    and derives fresh (never reused) seeds from the round's next attempt; the record keeps its
+    attempt, so any replica derives the same seeds. So the log only ever holds rounds somebody
+    computed, and an empty round never moves x or H.
+
+    ``history`` holds the kept records, rounds ``first`` .. ``round - 1`` (all of them
+    without a replica; the last ``snapshot_after`` with one): see :meth:`records_since`.
     """
 
     def __init__(self, num_clients: int, clients_per_round: int, local_steps: int,
