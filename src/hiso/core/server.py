@@ -127,6 +127,7 @@ class Server:
 
     def _log(self, rec: RoundRecord) -> None:
         self.history.append(rec)
+        self._snap = None  # the next round's snapshot is another state
         if self.snapshot_after is not None and len(self.history) > self.snapshot_after:
             drop = len(self.history) - self.snapshot_after
             del self.history[:drop]
