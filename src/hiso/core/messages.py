@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .history import RoundRecord
-from .seeds import MAX_ATTEMPT, round_seeds, seeds_of
+from .seeds import MAX_ATTEMPT, MAX_ROUND, round_seeds, seeds_of
 
 VERSION = 2
 HELLO, WELCOME, DOWN, SNAPSHOT, UP = 1, 2, 3, 4, 5
@@ -279,11 +279,6 @@ def _end(data, off: int, what: str) -> None:
         raise MessageError(f"{what}: {len(data)} bytes, expected {off} (truncated or padded)")
 
 
-def _need(data, off: int, n: int, what: str) -> None:
-    if off + n > len(data):
-        raise MessageError(f"{what}: {len(data)} bytes, expected at least {off + n} (truncated)")
-
-
 def encode_hello(msg: Hello) -> bytes:
     out = _start(HELLO)
     put_varint(out, msg.client)
@@ -410,7 +405,6 @@ def decode_downlink(data, wire: Wire, *, expect_since: int | None = None) -> Dow
 
 
 def _check_round(rnd: int, att: int, what: str) -> None:
-    from .seeds import MAX_ROUND
     if rnd >= MAX_ROUND or att >= MAX_ATTEMPT:
         raise MessageError(f"{what}: round {rnd} / attempt {att} out of range")
 

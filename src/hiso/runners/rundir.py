@@ -16,8 +16,9 @@ Crash safety (scalar-only algorithms): a round counts as done once its record is
 ``run_to_dir(..., resume=True)`` (``hiso run --resume DIR``) continues a run killed at any
 point: it keeps the rounds done (a torn history record or metrics line is dropped; each
 file is cut back to the rounds both hold), rebuilds the server's model and H by replaying
-the log, the server's sampling and seed streams by drawing them again for the logged rounds
-(checked against the log), the bytes counted per client by re-encoding the messages, and
+the log, the server's client sampling by drawing it again for the logged rounds (each
+record's attempt says how often; seeds derive from the run seed; all checked against the
+log), the bytes counted per client by re-encoding the messages, and
 goes on. The result is the uninterrupted run's ``model.pt``, ``history.bin`` and metrics,
 bit for bit (``wall_s`` apart: it adds the time of both attempts' kept rounds).
 """
