@@ -191,3 +191,27 @@ def test_server_learns_an_older_client_round():
     assert srv.synced[2] == 0
     with pytest.raises(MessageError):
         srv.client_holds(2, 7)
+
+
+def test_resume_replays_replanned_rounds_from_their_logged_attempt():
+    """A round planned three times is logged with attempt 2: a fresh server re-draws the two
+    abandoned samples, derives the logged seeds and continues exactly where the run was."""
+    srv = Server(6, 2, 1, 3, seed=2)
+    for r in range(6):
+        for _ in range(3 if r == 2 else 1 if r == 4 else 0):  # rounds 2 and 4: nobody answered
+            srv.plan()
+            srv.aggregate([], partial=True)
+        p = srv.plan()
+        srv.aggregate([Uplink(c, p.round, np.ones((1, 3)), attempt=p.attempt) for c in p.participants])
+    assert [r.attempt for r in srv.history] == [0, 0, 3, 0, 1, 0] and srv.replanned == 4
+    again = Server(6, 2, 1, 3, seed=2)
+    for rec in srv.history:
+        plan = again.plan_logged(rec)
+        assert np.array_equal(plan.seeds, rec.seeds)
+        again.close_logged(rec)
+    assert again.replanned == 4
+    a, b = srv.plan(), again.plan()
+    assert a.participants == b.participants and np.array_equal(a.seeds, b.seeds)
+    other = Server(6, 2, 1, 3, seed=3)  # another run's log is refused
+    with pytest.raises(ValueError, match="not the ones this run derives"):
+        other.plan_logged(srv.history[0])
