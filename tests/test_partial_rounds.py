@@ -194,7 +194,7 @@ def test_server_learns_an_older_client_round():
 
 
 def test_resume_replays_replanned_rounds_from_their_logged_attempt():
-    """A round planned three times is logged with attempt 2: a fresh server re-draws the two
+    """A round planned four times is logged with attempt 3: a fresh server re-draws the three
     abandoned samples, derives the logged seeds and continues exactly where the run was."""
     srv = Server(6, 2, 1, 3, seed=2)
     for r in range(6):
