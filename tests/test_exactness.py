@@ -25,7 +25,8 @@ def _same(a: ModelState, b: ModelState) -> bool:
 ], ids=["hiso-every", "hiso-last", "decomfl"])
 def test_faithful_clients_match_server_bit_for_bit(zo):
     task = TinyTask(num_clients=20)
-    sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000)
+    sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,
+                     snapshot_after=1000)  # keep the whole history, so the late client below can replay it
     rows = list(sim.run(110))
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]  # it is learning, not standing still
     if zo.precond is not None:  # H really moved away from 1, so H must be replayed too
@@ -41,14 +42,15 @@ def test_faithful_clients_match_server_bit_for_bit(zo):
 
     # a client that skipped every one of the 110 rounds rebuilds x_R from one downlink's bytes
     late = Client(99, ModelState(task.build_model(), zo), task.loss, lambda r, k: None)
-    seeds = np.zeros(zo.shape, dtype=np.uint64)
-    data = encode_downlink(Downlink(110, seeds, 0, tuple(sim.server.history)))
-    late.catch_up(decode_downlink(data, expect_shape=zo.shape, expect_since=0))
+    wire = late.join(sim.welcome)
+    data = encode_downlink(Downlink(110, wire.seeds(110), 0, tuple(sim.server.history)), wire)
+    late.catch_up(decode_downlink(data, wire, expect_since=0))
     assert late.state.round == 110 and _same(late.state, sim.state)
 
 
-def test_fast_and_faithful_modes_agree():
-    zo = hiso(lr=0.02, perturbations=3, local_steps=2)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fast_and_faithful_modes_agree(dtype):
+    zo = hiso(lr=0.02, perturbations=3, local_steps=2, scalar_dtype=dtype)
     a = Simulation(TinyTask(), zo, clients_per_round=3, seed=2, batch_size=8, mode="fast")
     b = Simulation(TinyTask(), zo, clients_per_round=3, seed=2, batch_size=8, mode="faithful")
     for _ in range(30):
@@ -76,3 +78,22 @@ def test_decomfl_is_hiso_with_h_frozen_at_one():
     for _ in range(25):
         c.step()
     assert not torch.equal(c.state.params[0], b.state.params[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_rebuild_is_bit_exact_for_every_scalar_dtype_with_snapshots(tmp_path, dtype):
+    from hiso.config import load_config
+    from hiso.core.history import parse_history
+    from hiso.runners.rundir import rebuild, run_to_dir
+    cfg = load_config(None, task="quadratic", dim=40, clients=6, sampled=2, rounds=30, eval_every=30,
+                      scalar_dtype=dtype, snapshot_after=3, mode="faithful")
+    summary = run_to_dir(cfg, tmp_path)
+    state, _ = rebuild(tmp_path)
+    saved = torch.load(tmp_path / "model.pt")
+    assert state.round == saved["round"] == 30
+    assert all(torch.equal(p, saved["model"][n]) for n, p in state.named)
+    assert all(torch.equal(h, saved["h"][n]) for (n, _), h in zip(state.named, state.h))
+    log = parse_history(tmp_path / "history.bin")
+    assert log.scalar_dtype == dtype and log.seed == cfg.seed
+    # clients more than 3 rounds behind got a snapshot (40 values and H): the max is more than the history
+    assert summary["communication_per_client"]["bytes_down_max"] > 2 * 40 * 4

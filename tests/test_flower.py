@@ -58,13 +58,14 @@ def test_flower_replica_survives_processes_and_stays_bit_identical(tmp_path):
         ups = []
         for pid in plan.participants:
             rep = _open(tmp_path, cfg_json, 7, pid)  # a fresh process: nothing but the file
-            client = Client(pid, rep.state, task.loss, lambda rr, k, pid=pid: task.batch(pid, rr, k, cfg.batch_size))
+            client = Client(pid, rep.state, task.loss, lambda rr, k, pid=pid: task.batch(pid, rr, k, cfg.batch_size),
+                            wire=server.wire)
             rep.begin()
-            up = client.handle(encode_downlink(server.downlink(pid)))
+            up = client.handle(encode_downlink(server.downlink(pid), server.wire))
             rep.commit()
             rep.close()
             if not (pid == 1 and r % 3 == 0):  # partition 1's answer is lost now and then
-                ups.append(decode_uplink(up))
+                ups.append(decode_uplink(up, server.wire))
         rec = server.aggregate(ups, partial=True)
         if rec is not None:
             ref.apply(rec)
@@ -139,7 +140,7 @@ class FakeGrid:
                 continue
             pid = self.nodes[nid]
             if m.kind == "query":
-                f = query_fields(self.cfg, 1, pid, self.state_dir)
+                f = query_fields(self.cfg, 1, pid, self.state_dir, welcome=m.fields.get("welcome"))
             else:
                 f = train_fields(self.cfg, 1, pid, self.state_dir, m.fields["down"])
                 if nid in self.garbled:

@@ -45,12 +45,12 @@ def test_flower_worker_keeps_replicas_open_and_in_step(tmp_path):
         plan = server.plan()
         ups = []
         for pid in plan.participants:
-            down = encode_downlink(server.downlink(pid))
+            down = encode_downlink(server.downlink(pid), server.wire)
             got = forward(nc(pid), {"hiso-config": cfg_json}, 1, {"down": down, "lineage": "L"}, "train")
             plain = train_fields(cfg, "L", pid, str(tmp_path / "plain"), down, cfg_json)  # a fresh process's answer
             assert got == plain
             if not (pid == 2 and r % 3 == 1):  # partition 2's answer is lost now and then
-                ups.append(decode_uplink(got["up"]))
+                ups.append(decode_uplink(got["up"], server.wire))
         rec = server.aggregate(ups, partial=True)
         ref.apply(rec)
     assert len(worker.open) == 3  # one open state per partition, built once

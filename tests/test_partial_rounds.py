@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hiso.core import (Client, Downlink, MessageError, ModelState, PreconditionerConfig, RoundRecord,
-                       Server, Uplink, decode_uplink, encode_downlink, hiso, decomfl)
+                       Server, Uplink, Wire, decode_uplink, encode_downlink, hiso, decomfl)
 
 from conftest import TinyTask
 
@@ -32,7 +32,7 @@ class Fed:
         self.server = Server(M, m, zo.local_steps, zo.perturbations, seed=seed)
         self.ref = ModelState(self.task.build_model(), zo)  # the server's x_r
         self.clients = {c: Client(c, ModelState(self.task.build_model(), zo), self.task.loss,
-                                  self._batches(c)) for c in range(M)}
+                                  self._batches(c), wire=self.server.wire) for c in range(M)}
 
     def _batches(self, c):
         return lambda r, k: self.task.batch(c, r, k, 8)
@@ -44,9 +44,9 @@ class Fed:
         for c in plan.participants:
             if c in unreached:
                 continue
-            up = self.clients[c].handle(encode_downlink(self.server.downlink(c)))
+            up = self.clients[c].handle(encode_downlink(self.server.downlink(c), self.server.wire))
             if c not in lost:
-                ups.append(decode_uplink(up, expect_round=plan.round))
+                ups.append(decode_uplink(up, self.server.wire, expect_round=plan.round))
         rec = self.server.aggregate(ups, partial=True)
         if rec is not None:
             self.ref.apply(rec)
@@ -65,7 +65,7 @@ def test_round_closes_with_whoever_answered(zo):
     dead = plan.participants[0]
     ups = []
     for c in plan.participants[1:]:
-        ups.append(decode_uplink(fed.clients[c].handle(encode_downlink(fed.server.downlink(c)))))
+        ups.append(decode_uplink(fed.clients[c].handle(encode_downlink(fed.server.downlink(c))), fed.server.wire))
     rec = fed.server.aggregate(ups, partial=True)
     assert rec.participants == plan.participants[1:]
     # the mean is over the answers received, nothing else
@@ -166,14 +166,15 @@ def test_a_reached_client_that_did_not_answer_catches_up_from_an_older_history()
 def test_a_client_refuses_a_history_it_cannot_follow_without_changing():
     zo = ZOS[1]
     task = TinyTask()
-    c = Client(0, ModelState(task.build_model(), zo), task.loss, lambda r, k: task.batch(0, r, k, 8))
-    recs = tuple(RoundRecord(j, np.full(zo.shape, j + 1, np.uint64), np.ones(zo.shape, np.float32)) for j in range(4))
+    wire = Wire(*zo.shape, seed=0)
+    c = Client(0, ModelState(task.build_model(), zo), task.loss, lambda r, k: task.batch(0, r, k, 8), wire=wire)
+    recs = tuple(RoundRecord(j, wire.seeds(j), np.ones(zo.shape, np.float32)) for j in range(4))
     before = [p.clone() for p in c.state.params]
     with pytest.raises(MessageError, match="history starts at 2"):  # a gap: records 0, 1 missing
-        c.handle(encode_downlink(Downlink(4, np.ones(zo.shape, np.uint64), 2, recs[2:])))
+        c.handle(encode_downlink(Downlink(4, wire.seeds(4), 2, recs[2:]), wire))
     c.state.replay(recs[:3])
     with pytest.raises(MessageError, match="ahead of the server"):  # client ahead: another run
-        c.handle(encode_downlink(Downlink(2, np.ones(zo.shape, np.uint64), 0, recs[:2])))
+        c.handle(encode_downlink(Downlink(2, wire.seeds(2), 0, recs[:2]), wire))
     assert c.state.round == 3
 
 
@@ -190,3 +191,27 @@ def test_server_learns_an_older_client_round():
     assert srv.synced[2] == 0
     with pytest.raises(MessageError):
         srv.client_holds(2, 7)
+
+
+def test_resume_replays_replanned_rounds_from_their_logged_attempt():
+    """A round planned four times is logged with attempt 3: a fresh server re-draws the three
+    abandoned samples, derives the logged seeds and continues exactly where the run was."""
+    srv = Server(6, 2, 1, 3, seed=2)
+    for r in range(6):
+        for _ in range(3 if r == 2 else 1 if r == 4 else 0):  # rounds 2 and 4: nobody answered
+            srv.plan()
+            srv.aggregate([], partial=True)
+        p = srv.plan()
+        srv.aggregate([Uplink(c, p.round, np.ones((1, 3)), attempt=p.attempt) for c in p.participants])
+    assert [r.attempt for r in srv.history] == [0, 0, 3, 0, 1, 0] and srv.replanned == 4
+    again = Server(6, 2, 1, 3, seed=2)
+    for rec in srv.history:
+        plan = again.plan_logged(rec)
+        assert np.array_equal(plan.seeds, rec.seeds)
+        again.close_logged(rec)
+    assert again.replanned == 4
+    a, b = srv.plan(), again.plan()
+    assert a.participants == b.participants and np.array_equal(a.seeds, b.seeds)
+    other = Server(6, 2, 1, 3, seed=3)  # another run's log is refused
+    with pytest.raises(ValueError, match="not the ones this run derives"):
+        other.plan_logged(srv.history[0])

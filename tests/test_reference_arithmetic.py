@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hiso.core import (Client, Downlink, MessageError, ModelState, Perturber, PreconditionerConfig, RoundRecord,
-                       Uplink, decode_downlink, decomfl, direction, encode_downlink, hiso, local_update)
+                       Uplink, Wire, decode_downlink, decomfl, direction, encode_downlink, hiso, local_update)
 from hiso.core.server import Server
 
 SHAPES = [(2, 3), (2,), (2, 2)]
@@ -274,24 +274,26 @@ def test_server_mean_is_weighted_by_the_client_weights(partial):
 
 
 def _nan_history_downlink(zo, bad=float("nan")):
+    """A downlink whose history scalar [0, 1] of round 1 is ``bad`` (our encoder refuses to
+    write one, so the bytes are patched: a faulty or hostile sender)."""
     recs = [_record(zo.local_steps, rnd=r, seed=20 + r) for r in range(3)]
-    s = recs[1].scalars.copy()
-    s[0, 1] = bad
-    recs[1] = RoundRecord(1, recs[1].seeds, s)
-    return encode_downlink(Downlink(3, np.arange(1, 1 + zo.local_steps * P, dtype=np.uint64).reshape(zo.shape), 0,
-                                    tuple(recs)))
+    data = bytearray(encode_downlink(Downlink(3, np.arange(1, 1 + zo.local_steps * P, dtype=np.uint64).reshape(zo.shape),
+                                              0, tuple(recs))))
+    at = 6 + 4 * (zo.local_steps * P + 1)  # header (6 varints), record 0, then [0, 1] of record 1
+    data[at:at + 4] = np.array([bad], "<f4").tobytes()
+    return bytes(data)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_decode_downlink_rejects_a_non_finite_history_scalar(bad):
     zo = _config(PRECONDS["last"], 1, "forward")
     with pytest.raises(MessageError, match="non-finite"):
-        decode_downlink(_nan_history_downlink(zo, bad), expect_shape=zo.shape)
+        decode_downlink(_nan_history_downlink(zo, bad), Wire(*zo.shape))
 
 
 def test_a_client_refuses_a_nan_history_and_keeps_its_model():
     zo = _config(PRECONDS["last"], 1, "forward")
-    client = Client(0, ModelState(Net(), zo), loss_fn, lambda r, k: batch(0, r, k))
+    client = Client(0, ModelState(Net(), zo), loss_fn, lambda r, k: batch(0, r, k), wire=Wire(*zo.shape))
     before = [p.detach().clone() for p in client.state.params]
     with pytest.raises(MessageError):
         client.handle(_nan_history_downlink(zo))

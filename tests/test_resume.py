@@ -25,6 +25,7 @@ import torch
 from cli_helpers import run_cli
 from hiso.config import load_config
 from hiso.core.history import HistoryWriter, RoundRecord, parse_history, read_history
+from hiso.core.seeds import round_seeds
 from hiso.runners.rundir import run_to_dir
 
 QUAD = ["--task", "quadratic", "--dim", "40", "--clients", "6", "--sampled", "3", "--eval-every", "4"]
@@ -66,9 +67,19 @@ def assert_same_run(a: Path, b: Path) -> None:
 
 def _records(n, tau=2, P=3, m=2):
     rng = np.random.default_rng(0)
-    return [RoundRecord(r, rng.integers(0, 2**63, (tau, P), dtype=np.uint64),
+    return [RoundRecord(r, round_seeds(0, r, 0, tau, P),
                         rng.standard_normal((tau, P)).astype(np.float32), tuple(range(r % 3, r % 3 + m)))
             for r in range(n)]
+
+
+def _old_log(recs, tau, P, version):
+    """A history file as hiso before protocol v2 wrote it (version 1, or 2 with CRCs)."""
+    out = struct.pack("<4sBHH", b"HSOH", version, tau, P)
+    for r in recs:
+        body = (struct.pack("<IH", r.round, len(r.participants)) + np.asarray(r.participants, "<u4").tobytes()
+                + r.seeds.astype("<u8").tobytes() + r.scalars.astype("<f4").tobytes())
+        out += body + (struct.pack("<I", zlib.crc32(body)) if version == 2 else b"")
+    return out
 
 
 def _equal_records(a, b):
@@ -85,7 +96,7 @@ def test_a_torn_last_record_is_dropped_and_damage_before_the_end_is_an_error(tmp
             w.write(r)
     data = path.read_bytes()
     log = parse_history(path)
-    assert log.version == 2 and log.torn == 0 and _equal_records(log.records, recs)
+    assert log.version == 3 and log.torn == 0 and _equal_records(log.records, recs)
     last = log.ends[4]
     for cut in range(last, len(data)):  # every length a write of the last record can be cut to
         path.write_bytes(data[:cut])
@@ -103,21 +114,39 @@ def test_a_torn_last_record_is_dropped_and_damage_before_the_end_is_an_error(tmp
         read_history(path)
 
 
-def test_version_1_logs_are_still_read_and_resumed_ones_are_rewritten(tmp_path):
-    recs = _records(3)
-    v1 = struct.pack("<4sBHH", b"HSOH", 1, 2, 3) + b"".join(
-        struct.pack("<IH", r.round, len(r.participants)) + np.asarray(r.participants, "<u4").tobytes()
-        + r.seeds.astype("<u8").tobytes() + r.scalars.astype("<f4").tobytes() for r in recs)
+def test_older_logs_are_still_read_but_not_continued(tmp_path):
+    rng = np.random.default_rng(1)
+    recs = [RoundRecord(r, rng.integers(0, 2**63, (2, 3), dtype=np.uint64), rng.standard_normal((2, 3)), (r % 3,))
+            for r in range(3)]  # drawn seeds, as before protocol v2
     path = tmp_path / "h.bin"
-    path.write_bytes(v1)
-    assert _equal_records(read_history(path)[2], recs)
-    with HistoryWriter(path, 2, 3, keep=2) as w:  # a resumed run on a version 1 log
-        w.write(recs[2])
-    log = parse_history(path)
-    assert log.version == 2 and _equal_records(log.records, recs)
-    path.write_bytes(v1[:-3])
+    for version in (1, 2):
+        path.write_bytes(_old_log(recs, 2, 3, version))
+        assert parse_history(path).version == version and _equal_records(read_history(path)[2], recs)
+        with pytest.raises(ValueError, match="cannot be continued"):
+            HistoryWriter(path, 2, 3, keep=2)
+    path.write_bytes(_old_log(recs, 2, 3, 1)[:-3])
     with pytest.raises(ValueError, match="truncated"):  # version 1 has no checksum to tell torn from damaged
         read_history(path)
+
+
+def test_the_header_names_seed_dtype_and_directions_and_records_carry_no_seeds(tmp_path):
+    path = tmp_path / "h.bin"
+    recs = [RoundRecord(r, round_seeds(5, r, r % 2, 1, 5), np.full((1, 5), 0.5 + r, np.float32), (0, 2), r % 2)
+            for r in range(4)]
+    with HistoryWriter(path, 1, 5, seed=5, scalar_dtype="float16", directions="torch-normal") as w:
+        for r in recs:
+            w.write(r)
+        with pytest.raises(ValueError, match="derived seeds"):  # seeds drawn by someone else: not this run's
+            w.write(RoundRecord(4, np.ones((1, 5), np.uint64), np.zeros((1, 5)), (0,)))
+        with pytest.raises(ValueError, match="float16 values"):  # not what the wire carried
+            w.write(RoundRecord(4, round_seeds(5, 4, 0, 1, 5), np.full((1, 5), 0.1, np.float32), (0,)))
+    log = parse_history(path)
+    assert (log.seed, log.scalar_dtype, log.directions) == (5, "float16", "torch-normal")
+    assert _equal_records(log.records, recs) and [r.attempt for r in log.records] == [0, 1, 0, 1]
+    # a record is round, attempt, participants, 5 float16 scalars and a CRC: 1 + 1 + 3 + 10 + 4 bytes
+    assert np.diff(log.ends).tolist() == [19] * 4
+    with pytest.raises(ValueError, match="run seed 5"):  # continuing it as another run
+        HistoryWriter(path, 1, 5, keep=2, seed=6, scalar_dtype="float16")
 
 
 def test_the_writer_continues_after_the_records_it_keeps(tmp_path):
@@ -137,7 +166,7 @@ def test_the_writer_continues_after_the_records_it_keeps(tmp_path):
 
 # ----------------------------------------------------------- resume from every kind of cut
 
-def _cut(full: Path, to: Path, rows: int, records: int, *, torn_history=0, torn_line=False, v1=False):
+def _cut(full: Path, to: Path, rows: int, records: int, *, torn_history=0, torn_line=False):
     """``to``: what a kill leaves of ``full`` with ``rows`` metrics rows and ``records`` log
     records written, plus optionally a torn record / half a metrics line after them."""
     shutil.copytree(full, to)
@@ -153,11 +182,6 @@ def _cut(full: Path, to: Path, rows: int, records: int, *, torn_history=0, torn_
     end = log.ends[records]
     if torn_history:
         end += min(torn_history, log.ends[records + 1] - end - 1)
-    if v1:
-        data = struct.pack("<4sBHH", b"HSOH", 1, log.tau, log.P) + b"".join(
-            struct.pack("<IH", r.round, len(r.participants)) + np.asarray(r.participants, "<u4").tobytes()
-            + r.seeds.astype("<u8").tobytes() + r.scalars.astype("<f4").tobytes() for r in log.records[:records])
-        end = len(data)
     (to / "history.bin").write_bytes(data[:end])
 
 
@@ -167,7 +191,6 @@ CUTS = {  # name: (metrics rows, history records, options)
     "record-logged-row-not": (4, 4, {}),
     "torn-record-and-line": (6, 5, {"torn_history": 7, "torn_line": True}),
     "metrics-ahead-of-a-torn-log": (8, 5, {"torn_history": 30}),
-    "version-1-log": (5, 4, {"v1": True}),
     "all-rounds-no-model": (11, 10, {}),
 }
 
@@ -311,3 +334,21 @@ def test_a_run_killed_with_sigkill_and_resumed_is_the_uninterrupted_run(tmp_path
                 q.kill()
                 q.wait()
     assert_same_run(ref, d)
+
+
+def test_a_run_logged_before_protocol_v2_still_rebuilds_but_is_not_resumed(tmp_path, capsys):
+    """history.bin version 2 (drawn seeds stored in each record): `hiso rebuild` replays it bit
+    for bit; `hiso run --resume` refuses it in one line and changes nothing."""
+    d = tmp_path / "run"
+    run_to_dir(_cfg([*QUAD, "--rounds", "6"]), d)
+    log = parse_history(d / "history.bin")
+    (d / "history.bin").write_bytes(_old_log(log.records, log.tau, log.P, 2))
+    code, _, err = _cli(["rebuild", str(d), "--out", str(tmp_path / "rb.pt")], capsys)
+    assert code == 0, err
+    a, b = torch.load(tmp_path / "rb.pt"), torch.load(d / "model.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+    before = (d / "history.bin").read_bytes()
+    (d / "summary.json").unlink()
+    code, _, err = _cli(["run", "--resume", str(d), "--quiet"], capsys)
+    assert code == 2 and "before protocol v2" in err and len(err.strip().splitlines()) == 1
+    assert (d / "history.bin").read_bytes() == before

@@ -93,6 +93,15 @@ class RunConfig(BaseModel):
         "loss always stops)"))
     directions: str = Field("torch-normal", description=(
         "direction family: how a seed becomes a random direction (see hiso.core.directions.FAMILIES)"))
+    scalar_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
+        "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
+        "float16/bfloat16)"))
+    snapshot_after: int | None = Field(None, ge=0, description=(
+        "send a client that missed more than this many rounds the server's model (and H) instead of the history "
+        "(default: automatic, when the snapshot is fewer bytes, or with --bandwidth faster)"))
+    bandwidth: float | None = Field(None, gt=0, description=(
+        "a client's downlink in bytes/s, for the automatic snapshot choice: snapshot when sending it is faster "
+        "than sending and replaying the history (default: compare bytes only)"))
     weighted: bool = Field(False, description="weight clients' contributions by their data size (default: plain mean)")
     mode: Literal["fast", "faithful"] = Field("fast", description=(
         "fast: one shared model copy; faithful: a model (and H) per client, rebuilt from its downlink bytes"))
@@ -221,7 +230,7 @@ class RunConfig(BaseModel):
                                            h_max=self.h_max, source=self.h_source)
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
-                        directions=self.directions)
+                        directions=self.directions, scalar_dtype=self.scalar_dtype)
 
 
 def _one_line(err: ValidationError) -> str:

@@ -6,8 +6,8 @@ from .config import ZOConfig, decomfl, hiso
 from .directions import DirectionGenerator, direction, tensor_seed
 from .estimator import local_update
 from .history import HistoryWriter, RoundRecord, read_history
-from .messages import (Downlink, MessageError, Uplink, decode_downlink, decode_uplink,
-                       encode_downlink, encode_uplink)
+from .messages import (Downlink, Hello, JoinError, MessageError, Uplink, Welcome, Wire, decode_downlink,
+                       decode_uplink, encode_downlink, encode_uplink)
 from .perturb import Perturber, Shift
 from .preconditioner import PreconditionerConfig
 from .server import RoundPlan, Server
@@ -16,7 +16,7 @@ from .state import ModelState, trainable_params
 __all__ = [
     "Client", "ZOConfig", "decomfl", "hiso", "DirectionGenerator", "direction", "tensor_seed",
     "local_update", "HistoryWriter", "RoundRecord", "read_history", "Downlink", "MessageError",
-    "Uplink", "decode_downlink", "decode_uplink", "encode_downlink", "encode_uplink",
+    "Uplink", "Hello", "Welcome", "Wire", "JoinError", "decode_downlink", "decode_uplink", "encode_downlink", "encode_uplink",
     "Perturber", "Shift", "PreconditionerConfig", "RoundPlan", "Server", "ModelState",
     "trainable_params",
 ]

@@ -1,8 +1,14 @@
-"""The client's side: catch up by replaying what it missed, run the local update, answer.
+"""The client's side: join, catch up (replay what it missed, or load a snapshot), run the
+local update, answer.
 
 A client's whole state is its replica (x and H as of the round it last took part in). It
 never keeps the local iterates: after answering it still holds x_r exactly, and the next
-downlink brings the records that move it on.
+downlink brings the records (or the snapshot) that move it on.
+
+Joining: the client answers the server's welcome only if the server's configuration (every
+field of its ZOConfig, scalar dtype and direction family included) and initial trainable
+tensors are its own (:func:`~hiso.core.messages.check_welcome`); from the welcome it learns
+the run's seed, from which every round's seeds derive.
 """
 
 from __future__ import annotations
@@ -10,7 +16,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .estimator import LossFn, local_update
-from .messages import Downlink, MessageError, Uplink, decode_downlink, encode_uplink
+from .messages import (Downlink, Hello, MessageError, Uplink, Wire, check_welcome, decode_downlink,
+                       decode_welcome, encode_hello, encode_uplink, load_state, tensors_fingerprint)
 from .perturb import Mode, Perturber
 from .state import ModelState
 
@@ -19,13 +26,32 @@ BatchFn = Callable[[int, int], Any]  # (round, local step) -> minibatch
 
 class Client:
     def __init__(self, cid: int, state: ModelState, loss_fn: LossFn, batch_fn: BatchFn,
-                 perturb_mode: Mode = "hooks", report_loss: bool = True):
+                 perturb_mode: Mode = "hooks", report_loss: bool = True, wire: Wire | None = None):
         self.cid, self.state, self.loss_fn, self.batch_fn = cid, state, loss_fn, batch_fn
         self.perturber = Perturber(state.model, state.params, perturb_mode)
         self.report_loss = report_loss
+        self.wire = wire  # set by join()
+
+    def hello(self) -> bytes:
+        """The join request: who this client is and the round its replica holds."""
+        return encode_hello(Hello(self.cid, self.state.round))
+
+    def join(self, welcome: bytes, init_fingerprint: bytes | None = None) -> Wire:
+        """Check the server's welcome against this client (nothing else changes); raises
+        :class:`~hiso.core.messages.JoinError` on any mismatch."""
+        msg = decode_welcome(welcome)
+        init = init_fingerprint
+        if init is None:
+            if self.state.round != 0:
+                raise MessageError(f"client {self.cid} holds round {self.state.round}: give the fingerprint of its "
+                                   f"initial tensors to join")
+            init = tensors_fingerprint(self.state.params)  # the replica still is x_0
+        self.wire = check_welcome(msg, self.state.cfg, init)
+        return self.wire
 
     def catch_up(self, msg: Downlink) -> None:
-        """Replay the records the client missed (checked against its state first).
+        """Replay the records the client missed (checked against its state first), or load
+        the snapshot the downlink carries.
 
         The history may start before the client's round (the server did not get its last
         answer, so it does not know the client caught up): the records it already holds are
@@ -33,10 +59,13 @@ class Client:
         client's, cannot be followed and is refused before anything changes.
         """
         have = self.state.round
-        if msg.since > have:
-            raise MessageError(f"client {self.cid} holds round {have}, history starts at {msg.since}")
         if have > msg.round:
             raise MessageError(f"client {self.cid} holds round {have}, ahead of the server's round {msg.round}")
+        if msg.snapshot is not None:
+            load_state(self.state, msg.snapshot, msg.round)
+            return
+        if msg.since > have:
+            raise MessageError(f"client {self.cid} holds round {have}, history starts at {msg.since}")
         self.state.replay(msg.missed[have - msg.since:])
 
     def train(self, msg: Downlink) -> Uplink:
@@ -44,9 +73,11 @@ class Client:
         tau = self.state.cfg.local_steps
         batches = [self.batch_fn(msg.round, k) for k in range(tau)]
         scalars, loss = local_update(self.state, self.perturber, self.loss_fn, batches, msg.seeds)
-        return Uplink(self.cid, msg.round, scalars, loss if self.report_loss else None)
+        return Uplink(self.cid, msg.round, scalars, loss if self.report_loss else None, msg.attempt)
 
     def handle(self, data: bytes) -> bytes:
         """Bytes in, bytes out: what a transport (Flower, a socket) calls."""
-        msg = decode_downlink(data, expect_shape=self.state.cfg.shape)
-        return encode_uplink(self.train(msg))
+        if self.wire is None:
+            raise MessageError(f"client {self.cid} has not joined the run (no welcome yet)")
+        msg = decode_downlink(data, self.wire)
+        return encode_uplink(self.train(msg), self.wire)

@@ -19,6 +19,7 @@ class ZOConfig:
     difference: Literal["forward", "central"] = "forward"
     precond: PreconditionerConfig | None = None
     directions: str = "torch-normal"  # the direction family (see hiso.core.directions.FAMILIES)
+    scalar_dtype: str = "float32"  # the scalars' number format on the wire and in the log (float16, bfloat16)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -32,6 +33,8 @@ class ZOConfig:
         from .directions import FAMILIES
         if self.directions not in FAMILIES:
             raise ValueError(f"unknown direction family {self.directions!r} (choose from {', '.join(FAMILIES)})")
+        if self.scalar_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"scalar_dtype must be float32, float16 or bfloat16, got {self.scalar_dtype!r}")
         if self.difference not in ("forward", "central"):
             raise ValueError(f"difference must be 'forward' or 'central', got {self.difference!r}")
 

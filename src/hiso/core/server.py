@@ -1,9 +1,18 @@
 """The server's side of the protocol: sampling, seeds, aggregation and the history log.
 
-The server needs no model: it decides who trains and with which seeds, averages the scalars
-it receives and remembers, per client, which round's state that client holds, so the
-downlink can carry exactly the history the client missed. (A runner may keep a
-:class:`~hiso.core.state.ModelState` beside it for evaluation.)
+The server decides who trains, derives each round's seeds from the run's seed, the round and
+the round's attempt (:mod:`hiso.core.seeds`: nothing to draw, store or send), averages the
+scalars it receives and remembers, per client, which round's state that client holds, so the
+downlink can carry exactly the history the client missed.
+
+Bounded catch-up: given the runner's replica of the model (``replica``, the
+:class:`~hiso.core.state.ModelState` it keeps for evaluation anyway), a client that missed
+more than ``snapshot_after`` rounds gets a *snapshot* (the replica's trainable tensors, H and
+round) instead of the history. Without an explicit K the server picks the K where a snapshot
+becomes cheaper: in bytes, or, given a ``bandwidth`` (bytes/s), in transfer plus replay time.
+The server then keeps only the last K records (what a client within K rounds still needs):
+memory K x (tau*P scalars + participants), whatever the run's length. Without a replica it
+keeps the whole history and never sends snapshots.
 """
 
 from __future__ import annotations
@@ -14,7 +23,11 @@ import numpy as np
 
 from .aggregate import check_rule, combine
 from .history import RoundRecord
-from .messages import Downlink, MessageError, Uplink
+from .messages import Downlink, MessageError, Uplink, Wire, encode_state, quantize, state_size, varint_size
+
+# parameter-directions replayed per second, for the automatic snapshot choice with a bandwidth
+# (one direction of one parameter: a Gaussian draw and a multiply-add; measured order on a CPU)
+REPLAY_RATE = 1e8
 
 
 def client_sampler(seed: int) -> np.random.Generator:
@@ -32,6 +45,16 @@ class RoundPlan:
     round: int
     participants: tuple[int, ...]
     seeds: np.ndarray  # (tau, P) uint64
+    attempt: int = 0
+
+
+def auto_snapshot_after(state_bytes: int, record_bytes: int, *, bandwidth: float | None = None,
+                        replay_s: float = 0.0) -> int:
+    """The K beyond which a snapshot (``state_bytes``) is cheaper than K missed records of
+    ``record_bytes`` each: in bytes, or with ``bandwidth`` (bytes/s) in time, each missed round
+    also costing ``replay_s`` seconds of replay."""
+    per_round = record_bytes + (bandwidth * replay_s if bandwidth is not None else 0.0)
+    return int(state_bytes // max(per_round, 1e-12))
 
 
 class Server:
@@ -44,13 +67,19 @@ class Server:
     downlink starts there; the client skips the records it already holds (it may have caught
     up before its reply was lost). A round with no valid answer at all is *re-planned*:
     nothing is logged, the round number stays, and the next ``plan()`` draws a fresh sample
-    and fresh (never reused) seeds. So the log only ever holds rounds somebody computed, and
-    an empty round never moves x or H.
+    and derives fresh (never reused) seeds from the round's next attempt; the record keeps its
+    attempt, so any replica derives the same seeds. So the log only ever holds rounds somebody
+    computed, and an empty round never moves x or H.
+
+    ``history`` holds the kept records, rounds ``first`` .. ``round - 1`` (all of them
+    without a replica; the last ``snapshot_after`` with one): see :meth:`records_since`.
     """
 
     def __init__(self, num_clients: int, clients_per_round: int, local_steps: int,
-                 perturbations: int, seed: int = 0, weights: list[float] | None = None,
-                 rule: str = "mean", trim: float = 0.25):
+                 perturbations: int, seed: int = 0, weights: list[float] | None = None, *,
+                 rule: str = "mean", trim: float = 0.25,
+                 scalar_dtype: str = "float32", replica=None, snapshot_after: int | None = None,
+                 bandwidth: float | None = None, replay_rate: float = REPLAY_RATE):
         if num_clients < 1:
             raise ValueError(f"need at least one client, got {num_clients}")
         if not 1 <= clients_per_round <= num_clients:
@@ -65,9 +94,20 @@ class Server:
         # separate streams: who is sampled does not depend on how many seeds a round draws,
         # so every algorithm (scalar-only or full-model) sees the same participants for a seed
         self._sample_rng = client_sampler(seed)
-        self._rng = np.random.default_rng([seed, 1])
-        self._used: set[int] = set()
-        self.history: list[RoundRecord] = []
+        self.wire = Wire(local_steps, perturbations, scalar_dtype, seed)
+        self.attempt = 0  # how often the current round was planned and abandoned
+        self.history: list[RoundRecord] = []  # the kept records: rounds first .. round-1
+        self.first = 0
+        self.replica = replica
+        self.snapshot_after: int | None = None
+        if replica is not None:
+            if snapshot_after is not None and snapshot_after < 0:
+                raise ValueError(f"snapshot_after must be >= 0, got {snapshot_after}")
+            d = sum(p.numel() for p in replica.params)
+            self.snapshot_after = snapshot_after if snapshot_after is not None else auto_snapshot_after(
+                self.snapshot_bytes(), self.wire.n * self.wire.scalar_bytes, bandwidth=bandwidth,
+                replay_s=self.wire.n * d / replay_rate)
+        self._snap: tuple[int, bytes] | None = None  # (round, encoded state) of the current round
         self.synced = np.zeros(num_clients, dtype=np.int64)  # round whose start state each client holds
         self.plan_: RoundPlan | None = None
         self.rejected: list[str] = []  # why the last partial aggregate dropped answers
@@ -77,32 +117,55 @@ class Server:
 
     @property
     def round(self) -> int:
-        return len(self.history)
+        return self.first + len(self.history)
 
-    def _fresh_seeds(self) -> np.ndarray:
-        n = self.shape[0] * self.shape[1]
-        out = []
-        while len(out) < n:
-            s = int(self._rng.integers(0, 2**64, dtype=np.uint64))
-            if s not in self._used:
-                self._used.add(s)
-                out.append(s)
-        return np.array(out, dtype=np.uint64).reshape(self.shape)
+    def snapshot_bytes(self) -> int:
+        """Bytes of a snapshot downlink now (header and state), 0 without a replica."""
+        if self.replica is None:
+            return 0
+        return 2 + varint_size(self.round) + varint_size(self.attempt) + state_size(self.replica)
+
+    def records_since(self, r: int) -> tuple[RoundRecord, ...]:
+        """The kept records of rounds r .. round-1 (r must not be before ``first``)."""
+        if r < self.first:
+            raise ValueError(f"round {r} is no longer kept (the server keeps rounds {self.first}..{self.round - 1})")
+        return tuple(self.history[r - self.first:])
+
+    def _log(self, rec: RoundRecord) -> None:
+        self.history.append(rec)
+        self._snap = None  # the next round's snapshot is another state
+        if self.snapshot_after is not None and len(self.history) > self.snapshot_after:
+            drop = len(self.history) - self.snapshot_after
+            del self.history[:drop]
+            self.first += drop
 
     def plan(self) -> RoundPlan:
-        """Sample this round's clients (uniformly, without replacement) and draw its seeds."""
+        """Sample this round's clients (uniformly, without replacement); its seeds derive from
+        the run seed, the round and the attempt (a re-planned round gets fresh ones)."""
         if self.plan_ is not None:
             raise RuntimeError(f"round {self.round} is already planned; aggregate it first")
-        self.plan_ = RoundPlan(self.round, sample_clients(self._sample_rng, self.M, self.m), self._fresh_seeds())
+        self.plan_ = RoundPlan(self.round, sample_clients(self._sample_rng, self.M, self.m),
+                               self.wire.seeds(self.round, self.attempt), self.attempt)
         return self.plan_
 
     def downlink(self, client: int) -> Downlink:
-        """The message for a sampled client: the round's seeds and every record it missed."""
+        """The message for a sampled client: the round's seeds and every record it missed, or
+        the replica's state if it missed more than ``snapshot_after`` rounds."""
         plan = self._current()
         if client not in plan.participants:
             raise ValueError(f"client {client} is not sampled in round {plan.round}")
         since = int(self.synced[client])
-        return Downlink(plan.round, plan.seeds, since, tuple(self.history[since:]))
+        if self.snapshot_after is not None and plan.round - since > self.snapshot_after:
+            return Downlink(plan.round, plan.seeds, plan.round, (), plan.attempt, self._snapshot())
+        return Downlink(plan.round, plan.seeds, since, self.records_since(since), plan.attempt)
+
+    def _snapshot(self) -> bytes:
+        if self.replica.round != self.round:
+            raise RuntimeError(f"the replica is at round {self.replica.round}, the server at {self.round}: apply "
+                               f"every record to the replica before the next round's downlinks")
+        if self._snap is None or self._snap[0] != self.round:
+            self._snap = (self.round, encode_state(self.replica))
+        return self._snap[1]
 
     def aggregate(self, uplinks: list[Uplink], *, partial: bool = False) -> RoundRecord | None:
         """Combine the answers' scalars (by ``rule``: the weighted mean by default; see
@@ -121,6 +184,9 @@ class Server:
             why = code = None
             if up.round != plan.round:
                 why, code = f"uplink from client {up.client} is for round {up.round}, not {plan.round}", "wrong_round"
+            elif up.attempt != plan.attempt:
+                why = f"uplink from client {up.client} answers an abandoned plan of round {plan.round}"
+                code = "abandoned_attempt"
             elif up.client not in plan.participants:
                 why, code = f"client {up.client} was not sampled in round {plan.round}", "not_sampled"
             elif up.client in by_client:
@@ -144,44 +210,54 @@ class Server:
         if not by_client:  # nobody computed this round: plan it again, log nothing
             self.plan_ = None
             self.replanned += 1
+            self.attempt += 1
             return None
         answered = tuple(c for c in plan.participants if c in by_client)
         g = np.stack([by_client[c].scalars.astype(np.float64) for c in answered])
         w = np.ones(len(g)) if self.weights is None else self.weights[list(answered)]
         agg = combine(g, w, self.rule, self.trim).astype(np.float32)
-        rec = RoundRecord(plan.round, plan.seeds, agg, answered)
-        self.history.append(rec)
+        # logged (and so applied by every replica) as the wire carries it: exact by construction
+        rec = RoundRecord(plan.round, plan.seeds, quantize(agg, self.wire.dtype), answered, plan.attempt)
+        self._log(rec)
         self.synced[list(answered)] = plan.round
         self.plan_ = None
+        self.attempt = 0
         return rec
 
     def plan_logged(self, rec: RoundRecord, max_draws: int = 1000) -> RoundPlan:
-        """Resume: plan round ``rec.round`` again, as the interrupted run did. The server's
-        draws are seeded, so planning again draws the same clients and seeds; a draw whose
-        seeds are not the logged ones is a round the run re-planned (nobody answered): it is
-        dropped and counted in ``replanned``, as it was. Close it with :meth:`close_logged`."""
+        """Resume: plan round ``rec.round`` again, as the interrupted run did: ``rec.attempt``
+        abandoned plans (each draws its sample, counted in ``replanned`` as it was), then the
+        logged one, whose seeds must be the logged ones and whose sample must hold the logged
+        participants. Close it with :meth:`close_logged`."""
         if rec.round != self.round:
             raise ValueError(f"the server is at round {self.round}, cannot replay record {rec.round}")
-        for _ in range(max_draws):
-            plan = self.plan()
-            if np.array_equal(plan.seeds, rec.seeds):
-                if not set(rec.participants) <= set(plan.participants):
-                    raise ValueError(f"round {rec.round}: logged participants {list(rec.participants)} were not "
-                                     f"sampled ({list(plan.participants)}): the log is not this run's")
-                return plan
+        if not 0 <= rec.attempt < max_draws:
+            raise ValueError(f"round {rec.round}: attempt {rec.attempt} is out of range")
+        for _ in range(rec.attempt - self.attempt):
+            self.plan()
             self.plan_ = None
             self.replanned += 1
-        raise ValueError(f"round {rec.round}: the logged seeds are not among the next {max_draws} this server "
-                         f"draws: the log was written with another seed or configuration")
+            self.attempt += 1
+        plan = self.plan()
+        if not np.array_equal(plan.seeds, rec.seeds) or plan.attempt != rec.attempt:
+            self.plan_ = None
+            raise ValueError(f"round {rec.round}: the logged seeds are not the ones this run derives: the log was "
+                             f"written with another seed or by hiso before protocol v2")
+        if not set(rec.participants) <= set(plan.participants):
+            self.plan_ = None
+            raise ValueError(f"round {rec.round}: logged participants {list(rec.participants)} were not "
+                             f"sampled ({list(plan.participants)}): the log is not this run's")
+        return plan
 
     def close_logged(self, rec: RoundRecord) -> None:
         """Resume: close the round planned by :meth:`plan_logged` with its logged record."""
         plan = self._current()
         if rec.round != plan.round or not np.array_equal(rec.seeds, plan.seeds):
             raise ValueError(f"record {rec.round} does not match the planned round {plan.round}")
-        self.history.append(rec)
+        self._log(rec)
         self.synced[list(rec.participants)] = plan.round
         self.plan_ = None
+        self.attempt = 0
 
     def client_holds(self, client: int, round: int) -> None:
         """A client told us which round's state it holds (e.g. it restarted from an older

@@ -21,7 +21,9 @@ If the history starts after the replica's round (its disk copy was lost or reset
 ``behind=<round>`` instead and the server resends from there in the same round.
 
 Message content (a ``ConfigRecord`` named ``hiso``): ``down`` (bytes) to a client;
-``up`` (bytes) or ``behind`` (int) back; ``partition`` and ``round`` (ints) for a query;
+``up`` (bytes) or ``behind`` (int) back; a query carries the server's ``welcome`` (bytes) and
+its reply the node's ``hello`` (bytes), plus ``partition`` and ``round`` (ints): the protocol's
+join, counted in the bytes; a node whose configuration or x_0 differs refuses it.
 ``lineage`` (str, in every query and train) names the run directory's trajectory, which keys
 the node's replica, so a ServerApp resumed on the same directory finds the replicas in place.
 The full-model baselines are in :mod:`hiso.flower.fullmodel` (ArrayRecords).
@@ -44,10 +46,10 @@ import numpy as np
 from ..config import RunConfig
 from ..core.client import Client
 from ..core.history import RoundRecord
-from ..core.messages import MessageError, decode_uplink, encode_downlink
-from ..core.server import Server
+from ..core.messages import (Hello, MessageError, Wire, check_welcome, decode_hello, decode_uplink, decode_welcome,
+                             encode_downlink, encode_hello, encode_welcome, tensors_fingerprint, welcome_for)
 from ..core.state import ModelState
-from ..runners.simulate import Comm, metric_rows
+from ..runners.simulate import Comm, metric_rows, protocol_server
 from ..tasks.base import Task
 
 log = logging.getLogger("hiso.flower")
@@ -101,10 +103,11 @@ class FlowerFederation:
     def __post_init__(self) -> None:
         self.zo = self.cfg.zo()
         M = self.task.num_clients
-        weights = self.task.client_sizes() if self.cfg.weighted else None
-        self.server = Server(M, self.cfg.sampled, self.zo.local_steps, self.zo.perturbations,
-                             seed=self.cfg.seed, weights=weights, rule=self.cfg.aggregate, trim=self.cfg.trim)
         self.state = ModelState(self.task.build_model(), self.zo)
+        self.server = protocol_server(self.task, self.zo, self.cfg.sampled, self.cfg.seed, self.cfg.weighted,
+                                      self.state, self.cfg.snapshot_after, self.cfg.bandwidth,
+                                      self.cfg.aggregate, self.cfg.trim)
+        self.welcome = encode_welcome(welcome_for(self.zo, self.cfg.seed, self.state.params))
         self.comm = Comm.zeros(M)
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
@@ -130,7 +133,8 @@ class FlowerFederation:
         self._queries = {m: n for m, n in self._queries.items() if n in ids}
         new = sorted(ids - self._seen - set(self._queries.values()))
         if new:
-            msgs = [self._message(self._lineage_field(), nid, "query") for nid in new]
+            join = {"welcome": self.welcome} if getattr(self, "welcome", None) is not None else {}
+            msgs = [self._message({**join, **self._lineage_field()}, nid, "query") for nid in new]
             self._queries.update(zip(self.grid.push_messages(msgs), new))
         if not self._queries:
             return
@@ -143,7 +147,15 @@ class FlowerFederation:
                 log.warning("node %s failed the query: %s", nid, rep.error.reason)
                 continue
             rec = rep.content[REC]
-            pid, held = int(rec["partition"]), int(rec["round"])
+            try:  # the node's join: its hello (it checked our welcome before answering)
+                if getattr(self, "welcome", None) is not None:
+                    hello = decode_hello(rec["hello"])
+                    pid, held = hello.client, hello.round
+                else:  # full-model baselines: no join, the node names its partition
+                    pid, held = int(rec["partition"]), int(rec["round"])
+            except (KeyError, ValueError, MessageError) as e:
+                log.warning("node %s: no valid hello (%s): ignored", nid, e)
+                continue
             if not 0 <= pid < self.task.num_clients:
                 log.warning("node %s names partition %s, outside 0..%s: ignored", nid, pid, self.task.num_clients - 1)
                 continue
@@ -152,6 +164,8 @@ class FlowerFederation:
                 log.warning("partition %s moves from node %s to node %s", pid, old, nid)
                 self.part_of.pop(old, None)
             self.node_of[pid], self.part_of[nid] = nid, pid
+            if getattr(self, "welcome", None) is not None:
+                self.comm.join(pid, rec["hello"], self.welcome)
             self.server.client_holds(pid, min(held, self.server.round))
 
     def wait_for_nodes(self) -> None:
@@ -176,7 +190,7 @@ class FlowerFederation:
             nid = self.node_of.get(pid)
             if nid is None:
                 continue
-            down = encode_downlink(self.server.downlink(pid))
+            down = encode_downlink(self.server.downlink(pid), self.server.wire)
             self.comm.down[pid] += len(down)
             msgs.append(self._message({"down": down, **self._lineage_field()}, nid, "train", str(rnd)))
         out = {}
@@ -250,7 +264,7 @@ class FlowerFederation:
                 data = r["up"]
                 self.comm.up[pid] += len(data)
                 try:
-                    up = decode_uplink(data, expect_round=plan.round, expect_shape=self.zo.shape)
+                    up = decode_uplink(data, self.server.wire, expect_round=plan.round)
                 except MessageError as e:
                     log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
                     continue
@@ -288,14 +302,15 @@ class FlowerFederation:
         partition had a node (what the log can tell). Nodes report the round their replica
         holds when they are queried, so each one's next downlink starts there."""
         from ..core.messages import Uplink, encode_uplink
+        wire = self.server.wire
         if self.server.round:
             raise RuntimeError("resume() needs a federation that has not run yet")
         for rec in records:
             plan = self.server.plan_logged(rec)
             for cid in plan.participants:
-                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid)))
+                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
                 if cid in rec.participants:
-                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0)))
+                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire))
             self.server.close_logged(rec)
             self.state.apply(rec)
 
@@ -414,14 +429,41 @@ def _cfg_json(context) -> str | None:
     return context.run_config.get("hiso-config") if context.run_config else None
 
 
-def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None) -> dict:
-    """A node's answer to ``query``: its partition and the round its replica holds."""
-    if not cfg.scalar_only:  # full-model clients keep no replica
+def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None,
+                 welcome: bytes | None = None) -> dict:
+    """A node's answer to ``query`` (its join): its hello (partition and the round its replica
+    holds), once it has checked the server's ``welcome`` against its own configuration and x_0
+    (a mismatch raises :class:`~hiso.core.messages.JoinError`: the node refuses to mix). The
+    welcome is kept beside the replica: it gives the run's seed to every later message.
+    Full-model clients keep no replica: they answer their partition and round 0."""
+    if not cfg.scalar_only:
         return {"partition": pid, "round": 0}
-    _, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
+    task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
     held = rep.state.round
-    rep.close()
-    return {"partition": pid, "round": held}
+    try:
+        if welcome is not None:
+            accept_welcome(cfg, task, rep, welcome, pid)
+    finally:
+        rep.close()
+    return {"partition": pid, "round": held, "hello": encode_hello(Hello(pid, held))}
+
+
+def accept_welcome(cfg: RunConfig, task, rep, welcome: bytes, pid: int) -> bytes:
+    """Check the server's welcome against this node's configuration and x_0 (JoinError on a
+    mismatch), keep it beside the replica, and return the node's hello."""
+    x0 = ModelState(task.build_model(), cfg.zo())
+    check_welcome(decode_welcome(welcome), cfg.zo(), tensors_fingerprint(x0.params))
+    tmp = rep.path / "welcome.bin.tmp"
+    tmp.write_bytes(bytes(welcome))
+    os.replace(tmp, rep.path / "welcome.bin")
+    return encode_hello(Hello(pid, rep.state.round))
+
+
+def _wire(cfg: RunConfig, rep) -> Wire:
+    """The run's wire: from the welcome the node accepted (else its own configuration's)."""
+    path = rep.path / "welcome.bin"
+    seed = decode_welcome(path.read_bytes()).seed if path.exists() else cfg.seed
+    return Wire.of(cfg.zo(), seed)
 
 
 def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, cfg_json: str | None = None) -> dict:
@@ -429,7 +471,8 @@ def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, 
     t0, c0 = time.perf_counter(), time.process_time()
     task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
     t1 = time.perf_counter()
-    client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode)
+    client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode,
+                    wire=_wire(cfg, rep))
     rep.begin()
     try:
         up = client.handle(down)
@@ -459,7 +502,9 @@ def _trajectory(msg, context):
 
 def handle_query(msg, context, cfg: RunConfig):
     from flwr.app import Message
-    fields = query_fields(cfg, _trajectory(msg, context), _partition(context), _state_dir(context), _cfg_json(context))
+    rec = msg.content[REC]
+    fields = query_fields(cfg, _trajectory(msg, context), _partition(context), _state_dir(context), _cfg_json(context),
+                          rec["welcome"] if "welcome" in rec else None)
     return Message(_records(fields), reply_to=msg)
 
 

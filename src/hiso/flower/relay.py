@@ -35,11 +35,14 @@ def forward(node_config: dict, run_config: dict, run_id, msg_fields: dict, kind:
            "relay_cpu_s": time.process_time()}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(node_config["worker-socket"]))
-        send_frame(s, req, bytes(msg_fields["down"]) if kind == "train" else b"")
+        # a train carries the downlink; a query the server's welcome (the join)
+        send_frame(s, req, bytes(msg_fields["down"] if kind == "train" else msg_fields.get("welcome", b"")))
         header, payload = recv_frame(s)
     if "error" in header:
         raise RuntimeError(f"worker: {header['error']}")
-    return {**header, "up": payload} if kind == "train" and "behind" not in header else header
+    if kind == "query":
+        return {**header, "hello": payload} if payload else header
+    return {**header, "up": payload} if "behind" not in header else header
 
 
 def _reply(msg, context, kind: str):

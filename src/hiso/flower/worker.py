@@ -78,10 +78,14 @@ class Worker:
         t0 = time.perf_counter()
         task, rep, cfg = self._entry(req["cfg"], req["trajectory"], int(req["partition"]), req["state_dir"])
         pid = int(req["partition"])
-        if req["kind"] == "query":
-            return {"partition": pid, "round": rep.state.round}, b""
+        if req["kind"] == "query":  # the join: check the welcome, keep it, answer a hello
+            from .app import accept_welcome
+            hello = accept_welcome(cfg, task, rep, payload, pid) if payload else b""
+            return {"partition": pid, "round": rep.state.round}, hello
         t1 = time.perf_counter()
-        client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode)
+        from .app import _wire
+        client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode,
+                        wire=_wire(cfg, rep))
         rep.begin()
         try:
             up = client.handle(payload)

@@ -2,7 +2,7 @@
 
 DIR/config.json     the resolved configuration
 DIR/metrics.jsonl   one row per round (row 0: the initial evaluation), flushed as it goes
-DIR/history.bin     the server's log (seeds, aggregated scalars, participants per round)
+DIR/history.bin     the server's log (aggregated scalars, attempt and participants per round)
 DIR/summary.json    final and best metrics, communication per client, time and memory
 DIR/model.pt        the final server model (state dict) and, for HiSo, H
 
@@ -16,8 +16,9 @@ Crash safety (scalar-only algorithms): a round counts as done once its record is
 ``run_to_dir(..., resume=True)`` (``hiso run --resume DIR``) continues a run killed at any
 point: it keeps the rounds done (a torn history record or metrics line is dropped; each
 file is cut back to the rounds both hold), rebuilds the server's model and H by replaying
-the log, the server's sampling and seed streams by drawing them again for the logged rounds
-(checked against the log), the bytes counted per client by re-encoding the messages, and
+the log, the server's client sampling by drawing it again for the logged rounds (each
+record's attempt says how often; seeds derive from the run seed; all checked against the
+log), the bytes counted per client by re-encoding the messages, and
 goes on. The result is the uninterrupted run's ``model.pt``, ``history.bin`` and metrics,
 bit for bit (``wall_s`` apart: it adds the time of both attempts' kept rounds).
 """
@@ -67,7 +68,7 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
                           batch_size=cfg.batch_size, mode=cfg.mode, perturb_mode=cfg.perturb_mode,
                           weighted=cfg.weighted, eval_every=cfg.eval_every, on_record=on_record,
                           rule=cfg.aggregate, trim=cfg.trim, faults=faults if faults.active else None,
-                          attackers=attackers)
+                          attackers=attackers, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth)
     from .fullmodel import FullModelSimulation
     return FullModelSimulation(task, cfg)
 
@@ -113,7 +114,7 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     return RunConfig(**raw), info
 
 
-def resume_point(out: Path, shape: tuple[int, int]) -> tuple[list[str], list]:
+def resume_point(out: Path, shape: tuple[int, int], cfg: RunConfig | None = None) -> tuple[list[str], list]:
     """The rounds an interrupted run finished: (metrics lines of rows 0..R, history records
     0..R-1), R the last round both files hold. No row at all: ([], []), start over."""
     lines = []
@@ -135,6 +136,12 @@ def resume_point(out: Path, shape: tuple[int, int]) -> tuple[list[str], list]:
     log = parse_history(path)
     if (log.tau, log.P) != shape:
         raise ValueError(f"{path} has (tau, P) = {(log.tau, log.P)} but config.json says {shape}")
+    if log.version < 3:
+        raise ValueError(f"{path} was written by hiso before protocol v2 (history version {log.version}): "
+                         f"`hiso rebuild` still reads it, but the run cannot be continued")
+    if cfg is not None and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.directions):
+        raise ValueError(f"{path} is of run seed {log.seed}, {log.scalar_dtype} scalars, directions {log.directions!r}, "
+                         f"but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.directions!r}")
     R = min(len(lines) - 1, len(log.records))
     return lines[:R + 1], log.records[:R]
 
@@ -163,7 +170,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         torch.set_num_threads(cfg.threads)
     task = task or build_task(cfg)
     info = task.describe()
-    kept, records = resume_point(out, cfg.zo().shape) if resume else ([], [])
+    kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
     if not resume or not (out / "config.json").exists():
         _write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
     best: dict[str, float] = {}
@@ -176,7 +183,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         hist = None
         if cfg.scalar_only:  # full-model baselines have no seed/scalar log to rebuild from
             hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape,
-                                                     keep=len(records) if resume else None))
+                                                     keep=len(records) if resume else None, seed=cfg.seed,
+                                                     scalar_dtype=cfg.scalar_dtype, directions=cfg.directions))
 
         def log(rec):  # a round that left x or H non-finite is not logged (and not counted)
             st = sim.state
@@ -236,7 +244,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                                                          (sim.state.h is None or finite(sim.state.h))):
         # x_0 plus the logged rounds: exactly the state before the bad round (as `hiso rebuild`)
         last = ModelState(task.build_model(), sim.state.cfg)
-        last.replay(sim.server.history[:row.get("round", 0)])
+        last.replay(read_history(out / "history.bin")[2][:row.get("round", 0)])
         state = last.state_dict()
     torch.save(checkpoint(state, info), out / "model.pt")
     summary = {
@@ -272,10 +280,14 @@ def rebuild(run_dir: str | Path) -> tuple[ModelState, dict]:
     cfg, info = saved_config(run_dir)
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
-    tau, P, records = read_history(run_dir / "history.bin")
+    log = parse_history(run_dir / "history.bin")
+    tau, P, records = log.tau, log.P, log.records
     zo = cfg.zo()
     if (tau, P) != zo.shape:
         raise ValueError(f"history has (tau, P) = {(tau, P)} but config.json says {zo.shape}")
+    if log.version >= 3 and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.directions):
+        raise ValueError(f"history is of run seed {log.seed}, {log.scalar_dtype} scalars, directions "
+                         f"{log.directions!r}, but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.directions!r}")
     task = build_task(cfg)
     if "base_fingerprint" in info:
         found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None

@@ -9,7 +9,8 @@ Two modes run the identical arithmetic:
   exactly the server's model, the local update runs on the shared copy and replay is skipped;
   messages are still encoded so communication is counted the same way.
 
-Clients that are not sampled cost nothing in either mode.
+Clients that are not sampled cost nothing in either mode. Every client joins once, before
+round 1 (its hello up, the server's welcome down: counted in its bytes).
 
 With ``faults`` (lost, late, repeated, damaged answers) or ``attackers`` (Byzantine clients;
 see :mod:`hiso.runners.faults`) a round closes with the valid answers it got
@@ -35,8 +36,8 @@ from ..core.client import Client
 from ..core.config import ZOConfig
 from ..core.estimator import local_update
 from ..core.history import RoundRecord
-from ..core.messages import (MessageError, decode_downlink, decode_uplink, encode_downlink, encode_uplink,
-                             uplink_size, Uplink)
+from ..core.messages import (Hello, MessageError, Uplink, decode_downlink, decode_uplink, encode_downlink,
+                             encode_hello, encode_uplink, encode_welcome, welcome_for)
 from ..core.perturb import Mode, Perturber
 from ..core.server import Server
 from ..core.state import ModelState
@@ -58,6 +59,11 @@ class Comm:
     @classmethod
     def zeros(cls, n: int) -> "Comm":
         return cls(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+
+    def join(self, client: int, hello: bytes, welcome: bytes) -> None:
+        """Count a client's join: its hello up, the server's welcome down."""
+        self.up[client] += len(hello)
+        self.down[client] += len(welcome)
 
     def summary(self) -> dict[str, float]:
         tot = self.up + self.down
@@ -82,16 +88,18 @@ class Simulation:
     trim: float = 0.25
     faults: Faults | None = None
     attackers: Attackers | None = None
+    snapshot_after: int | None = None
+    bandwidth: float | None = None
     clients: dict[int, Client] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.mode not in ("fast", "faithful"):
             raise ValueError(f"mode must be 'fast' or 'faithful', got {self.mode!r}")
         M = self.task.num_clients
-        weights = self.task.client_sizes() if self.weighted else None
-        self.server = Server(M, self.clients_per_round, self.zo.local_steps, self.zo.perturbations,
-                             seed=self.seed, weights=weights, rule=self.rule, trim=self.trim)
         self.state = ModelState(self.task.build_model(), self.zo)  # the server's x_r, for evaluation
+        self.server = protocol_server(self.task, self.zo, self.clients_per_round, self.seed, self.weighted,
+                                      self.state, self.snapshot_after, self.bandwidth, self.rule, self.trim)
+        self.welcome = encode_welcome(welcome_for(self.zo, self.seed, self.state.params))
         self.perturber = Perturber(self.state.model, self.state.params, self.perturb_mode)
         self.comm = Comm.zeros(M)
         # unreliable mode: partial rounds, counted rejections (off: the exact old path)
@@ -103,6 +111,8 @@ class Simulation:
         self.round_stats: dict = {}
         self.out_of_sync = 0  # faithful mode: (round, client) replica checks that failed
         self.sync_checks = 0
+        for c in range(M):  # every client joins once, at x_0
+            self.comm.join(c, encode_hello(Hello(c, 0)), self.welcome)
 
     @property
     def model(self):
@@ -117,6 +127,7 @@ class Simulation:
         if cid not in self.clients:
             st = ModelState(self.task.build_model(), self.zo)
             self.clients[cid] = Client(cid, st, self.task.loss, self._batch_fn(cid), self.perturb_mode)
+            self.clients[cid].join(self.welcome)
         return self.clients[cid]
 
     def step(self) -> tuple[RoundRecord, float]:
@@ -124,19 +135,20 @@ class Simulation:
         if self.unreliable:
             return self._step_unreliable()
         plan = self.server.plan()
+        wire = self.server.wire
         uplinks: list[Uplink] = []
         for cid in plan.participants:
-            down = encode_downlink(self.server.downlink(cid))
+            down = encode_downlink(self.server.downlink(cid), wire)
             self.comm.down[cid] += len(down)
             if self.mode == "faithful":
                 up = self.client(cid).handle(down)
             else:
-                msg = decode_downlink(down, expect_shape=self.zo.shape)
+                msg = decode_downlink(down, wire)
                 batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
                 scalars, loss = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
-                up = encode_uplink(Uplink(cid, plan.round, scalars, loss))
+                up = encode_uplink(Uplink(cid, plan.round, scalars, loss, plan.attempt), wire)
             self.comm.up[cid] += len(up)
-            uplinks.append(decode_uplink(up, expect_round=plan.round, expect_shape=self.zo.shape))
+            uplinks.append(decode_uplink(up, wire, expect_round=plan.round))
         rec = self.server.aggregate(uplinks)
         self.state.apply(rec)
         if self.on_record is not None:
@@ -147,21 +159,21 @@ class Simulation:
         """Client ``cid``'s answer to its downlink bytes (an attacker's lie included)."""
         if self.mode == "faithful":
             client = self.client(cid)
-            up = client.train(decode_downlink(down, expect_shape=self.zo.shape))
+            up = client.train(decode_downlink(down, client.wire))
         else:
-            msg = decode_downlink(down, expect_shape=self.zo.shape)
+            msg = decode_downlink(down, self.server.wire)
             batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
             scalars, loss = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
-            up = Uplink(cid, plan.round, scalars, loss)
+            up = Uplink(cid, plan.round, scalars, loss, plan.attempt)
         if attack is not None:
             self.totals["attacked"] += 1
-            up = Uplink(cid, up.round, self.attackers.lie(cid, up.scalars, self.plans, attack), up.loss)
+            up = Uplink(cid, up.round, self.attackers.lie(cid, up.scalars, self.plans, attack), up.loss, up.attempt)
         return up
 
     def _receive(self, data: bytes, rejected: Counter, rnd: int) -> Uplink | None:
         """Check and decode one arriving message; a bad one is counted, logged and dropped."""
         try:
-            return decode_uplink(unseal(data) if self.sealed else data, expect_shape=self.zo.shape)
+            return decode_uplink(unseal(data) if self.sealed else data, self.server.wire)
         except MessageError as e:
             why = ("checksum" if isinstance(e, ChecksumError) else
                    "non_finite" if "non-finite" in str(e) else "malformed")
@@ -169,7 +181,7 @@ class Simulation:
             log.info("row %d (round %d): rejected (%s): %s", rnd + 1, rnd, why, e)
             if why == "checksum":  # would the decoder alone have let the damage through?
                 try:
-                    decode_uplink(bytes(data[:-4]), expect_shape=self.zo.shape)
+                    decode_uplink(bytes(data[:-4]), self.server.wire)
                     self.totals["corrupt_decodable"] += 1
                 except MessageError:
                     pass
@@ -193,18 +205,19 @@ class Simulation:
             # attempt's seeds would pass for a valid one; Flower matches replies to messages.)
             arrivals = [d for r, d in self.pending if r < plan.round]
             self.pending = [(r, d) for r, d in self.pending if r >= plan.round]
-            up_size = uplink_size(*self.zo.shape) + (4 if self.sealed else 0)
+            wire = self.server.wire
             liars = self.attackers.of_round(self.plans, plan.participants) if self.attackers is not None else {}
             for cid in plan.participants:
                 fate = self.faults.fate(self.plans, cid) if self.faults is not None else "ok"
-                down = encode_downlink(self.server.downlink(cid))
+                down = encode_downlink(self.server.downlink(cid), wire)
                 self.comm.down[cid] += len(down)
                 if fate != "ok":
                     self.totals[fate] += 1
                 if fate == "drop" and self.mode == "fast":  # lost anyway; a faithful client computes it
-                    self.comm.up[cid] += up_size
+                    lost = Uplink(cid, plan.round, np.zeros(wire.shape, np.float32), 0.0, plan.attempt)
+                    self.comm.up[cid] += len(encode_uplink(lost, wire)) + (4 if self.sealed else 0)
                     continue
-                data = encode_uplink(self._answer(cid, down, plan, liars.get(cid)))
+                data = encode_uplink(self._answer(cid, down, plan, liars.get(cid)), wire, check=cid not in liars)
                 if self.sealed:
                     data = seal(data)
                 self.comm.up[cid] += len(data) * (2 if fate == "duplicate" else 1)
@@ -283,12 +296,13 @@ class Simulation:
         if self.server.round or self.clients:
             raise RuntimeError("resume() needs a simulation that has not run yet")
         last = {c: rec.round for rec in records for c in rec.participants}
+        wire = self.server.wire
         for rec in records:
             plan = self.server.plan_logged(rec)
             for cid in plan.participants:
-                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid)))
+                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
                 if cid in rec.participants:
-                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0)))
+                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire))
                 if self.mode == "faithful" and last.get(cid) == rec.round:
                     st = self.client(cid).state
                     for dst, src in zip(st.params, self.state.params):
@@ -304,9 +318,26 @@ class Simulation:
         return self.state.state_dict()
 
     def sync_all(self) -> None:
-        """Bring every faithful client up to the server's round (test and audit helper)."""
+        """Bring every faithful client up to the server's round (test and audit helper): by
+        replay, or from a snapshot for a client further behind than the server keeps records."""
+        from ..core.messages import encode_state, load_state
         for c in self.clients.values():
-            c.state.replay(self.server.history[c.state.round:])
+            if c.state.round < self.server.first:
+                load_state(c.state, encode_state(self.state), self.state.round)
+            else:
+                c.state.replay(self.server.records_since(c.state.round))
+
+
+def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int, weighted: bool,
+                    replica: ModelState, snapshot_after: int | None = None, bandwidth: float | None = None,
+                    rule: str = "mean", trim: float = 0.25) -> Server:
+    """The core Server a runner (this simulator, the Flower ServerApp) drives for ``zo``: the
+    task's clients, the run seed, the scalar dtype, and snapshots of ``replica`` (the runner's
+    x_r) for clients more than ``snapshot_after`` rounds behind (None: when cheaper)."""
+    weights = task.client_sizes() if weighted else None
+    return Server(task.num_clients, clients_per_round, zo.local_steps, zo.perturbations, seed=seed, weights=weights,
+                  scalar_dtype=zo.scalar_dtype, replica=replica, snapshot_after=snapshot_after, bandwidth=bandwidth,
+                  rule=rule, trim=trim)
 
 
 def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds: int,
@@ -332,3 +363,42 @@ def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds
         if r % eval_every == 0 or r == rounds:
             row.update(task.evaluate(model))
         yield row
+
+
+class _Blob:
+    """A stand-in replica of ``n`` float32 values (sizes snapshots without a model)."""
+
+    def __init__(self, n: int):
+        import torch
+        self.params, self.h, self.round = [torch.zeros(n)], None, 0
+
+
+def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int, perturbations: int, rounds: int,
+                     *, scalar_dtype: str = "float32", seed: int = 0, state_values: int | None = None,
+                     snapshot_after: int | None = None, bandwidth: float | None = None) -> Comm:
+    """Bytes per client of a schedule, from the encoded messages, without a model: joins, each
+    round's downlinks (history or snapshot) and uplinks with their loss. The bytes of a run do
+    not depend on what it learns, so this is what a run of the schedule counts (with the same
+    ``seed``: the same sampling). ``state_values``: the trainable values plus H's (HiSo) of the
+    model, for the snapshot choice (None: no snapshots, e.g. a model too large to ever send)."""
+    blob = None if state_values is None else _Blob(state_values)
+    server = Server(num_clients, clients_per_round, local_steps, perturbations, seed=seed, scalar_dtype=scalar_dtype,
+                    replica=blob, snapshot_after=snapshot_after, bandwidth=bandwidth)
+    wire, comm = server.wire, Comm.zeros(num_clients)
+    welcome = encode_welcome(welcome_for(ZOConfig(lr=1.0, perturbations=perturbations, local_steps=local_steps,
+                                                  scalar_dtype=scalar_dtype), seed, []))
+    for c in range(num_clients):
+        comm.join(c, encode_hello(Hello(c, 0)), welcome)
+    zeros = np.zeros(wire.shape, np.float32)
+    for _ in range(rounds):
+        plan = server.plan()
+        ups = []
+        for c in plan.participants:
+            comm.down[c] += len(encode_downlink(server.downlink(c), wire))
+            up = encode_uplink(Uplink(c, plan.round, zeros, 0.0, plan.attempt), wire)
+            comm.up[c] += len(up)
+            ups.append(decode_uplink(up, wire))
+        server.aggregate(ups)
+        if blob is not None:
+            blob.round += 1
+    return comm
