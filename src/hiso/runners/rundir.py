@@ -39,9 +39,8 @@ import torch
 from ..config import RunConfig
 from ..core.history import HistoryWriter, parse_history, read_history
 from ..core.state import ModelState
-from ..report.table import higher_is_better
 from ..tasks.base import Task
-from ..tasks.registry import build_task
+from ..tasks.registry import build_task, higher_is_better
 from .simulate import Simulation
 
 
@@ -183,7 +182,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             if "eval_loss" in row:
                 last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "gap"))}
                 for k, v in last_eval.items():
-                    better = max if higher_is_better(k) else min
+                    better = max if higher_is_better(k, cfg.task) else min
                     best[k] = v if k not in best else better(best[k], v)
             if first_loss is None:
                 first_loss = row.get("train_loss")
