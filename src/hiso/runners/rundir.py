@@ -240,8 +240,9 @@ def checkpoint(state: dict, task_info: dict) -> dict:
     return {**state, "base": {"model": task_info["model"], "fingerprint": task_info["base_fingerprint"]}}
 
 
-def rebuild(run_dir: str | Path) -> tuple[ModelState, dict]:
-    """x_0 from the run's configuration, then every logged round replayed: the final model.
+def rebuild(run_dir: str | Path, task: Task | None = None) -> tuple[ModelState, dict]:
+    """x_0 from the run's configuration (or from ``task``, the run's task object), then every
+    logged round replayed: the final model.
 
     Returns the replica and its ``model.pt`` checkpoint. A base model whose weights differ from
     the run's (fingerprint in ``config.json``) is refused before anything is replayed.
@@ -254,7 +255,7 @@ def rebuild(run_dir: str | Path) -> tuple[ModelState, dict]:
     zo = cfg.zo()
     if (tau, P) != zo.shape:
         raise ValueError(f"history has (tau, P) = {(tau, P)} but config.json says {zo.shape}")
-    task = build_task(cfg)
+    task = task or build_task(cfg)
     if "base_fingerprint" in info:
         found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
         if found != info["base_fingerprint"]:

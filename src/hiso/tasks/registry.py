@@ -155,6 +155,8 @@ def _user_task_info(spec: str) -> TaskInfo:
 
 def task_info(name: str) -> TaskInfo:
     """The registered task ``name``, or the user's task it names (``module:Class``, ``file.py:Class``)."""
+    if name in _SPEC_CACHE:
+        return _SPEC_CACHE[name]
     if is_user_task(name):
         if name not in _SPEC_CACHE:
             _SPEC_CACHE[name] = _user_task_info(name)
@@ -164,6 +166,24 @@ def task_info(name: str) -> TaskInfo:
         raise ValueError(f"unknown task {name!r} (choose from {', '.join(_REGISTRY)}, or module:Class / "
                          "path/to/file.py:Class for your own)")
     return _REGISTRY[name]
+
+
+def use_instance(task: "Task", name: str | None = None) -> str:
+    """Make a task object known under a name (default: ``path/to/script.py:Class`` for a class
+    of the running script, else ``module:Class``) with its metrics and default lr; returns the
+    name, which a run records as its ``task``. Building that name in this process gives this
+    object; elsewhere the name is imported as a user's task (``from_config``)."""
+    cls = type(task)
+    if name is None:
+        where = cls.__module__
+        main = sys.modules.get("__main__")
+        if where == "__main__" and getattr(main, "__file__", None):
+            where = str(Path(main.__file__).resolve())
+        name = f"{where}:{cls.__qualname__}"
+    lr = dict(getattr(task, "default_lr", None) or {})
+    _SPEC_CACHE[name] = TaskInfo(name, lambda cfg: task, _check_metrics(f"task {name}", task.metrics), lr,
+                                 getattr(task, "default_partition", None), (cls.__doc__ or "").strip().split("\n")[0])
+    return name
 
 
 def build_task(cfg: "RunConfig") -> "Task":
