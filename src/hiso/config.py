@@ -116,6 +116,9 @@ class RunConfig(BaseModel):
     min_size: int = Field(10, ge=1, description="fewest examples a client may get (the Dirichlet draw is repeated)")
     eval_max: int | None = Field(None, gt=0, description=(
         "evaluate on at most this many held-out examples, a seeded subset (default: all)"))
+    val_fraction: float = Field(0.0, ge=0, lt=1, description=(
+        "share of the held-out examples kept apart as a validation split (val_* metrics; eval_* on the rest), "
+        "what hiso compare selects lr and round on (vision tasks; hiso compare sets 0.5 unless told)"))
     train_max: int | None = Field(None, gt=0, description=(
         "train on a seeded subset of this many examples (default: all)"))
     # language tasks (sst2, qqp, squad): a causal LM by short name, local directory or hub name
@@ -141,7 +144,9 @@ class RunConfig(BaseModel):
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r} (choose from {', '.join(ALGORITHMS)})")
         from .tasks.registry import task_info
-        task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
+        info = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
+        if self.val_fraction > 0 and not info.validation:
+            raise ValueError(f"task {self.task} has no validation split: val_fraction must be 0")
         if self.sampled > self.clients:
             raise ValueError(f"sampled ({self.sampled}) cannot exceed clients ({self.clients})")
         from .core.directions import FAMILIES

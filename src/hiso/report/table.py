@@ -87,7 +87,7 @@ class RunResult:
         keys: list[str] = []
         for r in self.rows:
             for k in r:
-                if (k.startswith("eval_") or k == "gap") and k not in keys:
+                if (k.startswith(("eval_", "val_")) or k == "gap") and k not in keys:
                     keys.append(k)
         return keys
 

@@ -180,7 +180,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         def account(row) -> dict | None:  # best/final metrics and the divergence test, per row
             nonlocal last_eval, first_loss
             if "eval_loss" in row:
-                last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "gap"))}
+                last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "val_", "gap"))}
                 for k, v in last_eval.items():
                     better = max if higher_is_better(k, cfg.task) else min
                     best[k] = v if k not in best else better(best[k], v)

@@ -44,6 +44,9 @@ class TaskInfo:
     default_lr: dict[str, float] = field(default_factory=dict)
     default_partition: str | None = None
     doc: str = ""
+    # whether the task honours ``val_fraction`` (then evaluate() also reports val_* metrics on a
+    # held-out validation split, what ``hiso compare`` selects lr and round on)
+    validation: bool = False
 
     @property
     def metric(self) -> str:
@@ -66,13 +69,13 @@ def _check_metrics(where: str, metrics: Any) -> dict[str, str]:
 
 
 def register_task(name: str, *, metrics: dict[str, str], default_lr: dict[str, float] | None = None,
-                  default_partition: str | None = None, doc: str = ""):
+                  default_partition: str | None = None, validation: bool = False, doc: str = ""):
     """Decorator registering ``build(cfg) -> Task`` under ``name`` (see :class:`TaskInfo`)."""
     def deco(build: Callable[["RunConfig"], "Task"]):
         if name in _REGISTRY and _REGISTRY[name].build is not build:
             raise ValueError(f"task {name!r} is registered twice")
         _REGISTRY[name] = TaskInfo(name, build, _check_metrics(f"task {name}", metrics), dict(default_lr or {}),
-                                   default_partition, doc)
+                                   default_partition, doc, validation)
         return build
     return deco
 
@@ -150,7 +153,8 @@ def _user_task_info(spec: str) -> TaskInfo:
     if not isinstance(lr, dict):
         raise ValueError(f"task {spec!r}: default_lr must be a dict (algorithm or family -> lr)")
     return TaskInfo(spec, obj.from_config, _check_metrics(f"task {spec}", obj.metrics), dict(lr),
-                    getattr(obj, "default_partition", None), (obj.__doc__ or "").strip().split("\n")[0])
+                    getattr(obj, "default_partition", None), (obj.__doc__ or "").strip().split("\n")[0],
+                    bool(getattr(obj, "validation", False)))
 
 
 def task_info(name: str) -> TaskInfo:
@@ -182,7 +186,8 @@ def use_instance(task: "Task", name: str | None = None) -> str:
         name = f"{where}:{cls.__qualname__}"
     lr = dict(getattr(task, "default_lr", None) or {})
     _SPEC_CACHE[name] = TaskInfo(name, lambda cfg: task, _check_metrics(f"task {name}", task.metrics), lr,
-                                 getattr(task, "default_partition", None), (cls.__doc__ or "").strip().split("\n")[0])
+                                 getattr(task, "default_partition", None), (cls.__doc__ or "").strip().split("\n")[0],
+                                 bool(getattr(task, "validation", False)))
     return name
 
 
