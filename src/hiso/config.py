@@ -18,44 +18,25 @@ from .core.preconditioner import PreconditionerConfig
 ZO_SCALAR = ("hiso", "decomfl")  # scalar-only protocol (seeds + scalars on the wire)
 FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
 ALGORITHMS = ZO_SCALAR + FULL_MODEL
-TASKS = ("quadratic", "mnist", "fashion-mnist", "sst2", "qqp", "squad")
-LANGUAGE_TASKS = ("sst2", "qqp", "squad")
-
-# The client lr a run gets when none is given (no --lr, no ``lr =`` in the TOML file), by
-# (task, family): family "zo" is hiso, decomfl and fedzo; "first-order" is fedavg, fedadam,
-# fedyogi and fedadagrad. A (task, algorithm) key, where present, wins over its family's.
-# Values are the best of the measured lr grids (docs/results.md, configs/): MNIST, full data,
-# 500 rounds, 3 seeds: HiSo 2e-3, DeComFL 1.5e-3 (it diverged at 3e-3), FedZO 2e-3, the four
-# first-order ones 0.1. Fashion-MNIST: 2e-3 for both HiSo (65.2%; 66.1% at 3e-3, the top of its
-# grid) and DeComFL (its best); first-order: MNIST's 0.1 (same CNN; not measured). Quadratic: the
-# historical 0.05. A pair missing here is refused with a request for --lr.
-DEFAULT_LR: dict[tuple[str, str], float] = {
-    ("quadratic", "zo"): 0.05,
-    ("quadratic", "first-order"): 0.05,
-    ("mnist", "zo"): 2e-3,
-    ("mnist", "decomfl"): 1.5e-3,
-    ("mnist", "first-order"): 0.1,
-    ("fashion-mnist", "zo"): 2e-3,
-    ("fashion-mnist", "first-order"): 0.1,
-    # language tasks, ZO: full parameters at the authors' OPT-125M DeComFL value; LoRA (key
-    # "<task>+lora") at the best of the SST-2 LoRA grid measured with SmolLM2-135M (docs/results.md)
-    ("sst2", "zo"): 5e-6, ("qqp", "zo"): 5e-6, ("squad", "zo"): 5e-6,
-    ("sst2+lora", "zo"): 1e-2, ("qqp+lora", "zo"): 1e-2, ("squad+lora", "zo"): 1e-2,
-}
 
 
 def algorithm_family(algorithm: str) -> str:
     """ "zo" (hiso, decomfl, fedzo) or "first-order" (fedavg, fedadam, fedyogi, fedadagrad)."""
-    return "zo" if algorithm in ZO_SCALAR or algorithm == "fedzo" else "first-order"
+    from .tasks.registry import algorithm_family as family
+    return family(algorithm)
 
 
 def default_lr(task: str, algorithm: str, lora: bool = False) -> float:
-    """The lr a run of ``algorithm`` on ``task`` gets when none is given (see DEFAULT_LR)."""
-    task = f"{task}+lora" if lora else task
-    for key in ((task, algorithm), (task, algorithm_family(algorithm))):
-        if key in DEFAULT_LR:
-            return DEFAULT_LR[key]
-    raise ValueError(f"no default lr for {algorithm} on task {task}: give one (--lr, or lr = ... in the config file)")
+    """The lr a run of ``algorithm`` on ``task`` gets when none is given: the task's own
+    ``default_lr`` table, registered with the task (:mod:`hiso.tasks.registry`)."""
+    from .tasks.registry import default_lr as lookup
+    return lookup(task, algorithm, lora)
+
+
+def task_names() -> tuple[str, ...]:
+    """The built-in tasks' names (a user's task is ``module:Class`` or ``path/to/file.py:Class``)."""
+    from .tasks.registry import builtin_names
+    return builtin_names()
 
 
 class ConfigError(ValueError):
@@ -65,7 +46,9 @@ class ConfigError(ValueError):
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or nan in any number: refused
 
-    task: str = Field("quadratic", description="the problem: model, data and metric")
+    task: str = Field("quadratic", description=(
+        "the problem: model, data and metric; a built-in name, or your own Task subclass as module:Class or "
+        "path/to/file.py:Class"))
     algorithm: str = Field("hiso", description=(
         "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; the others send the model)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
@@ -74,8 +57,8 @@ class RunConfig(BaseModel):
     local_steps: int = Field(1, gt=0, description="local steps a sampled client takes per round (tau)")
     perturbations: int = Field(5, gt=0, description="random directions per ZO gradient estimate (P)")
     lr: float | None = Field(None, gt=0, description=(
-        "client learning rate (default: per task and algorithm (hiso.config.DEFAULT_LR); config.json records the "
-        "value used)"))
+        "client learning rate (default: per task and algorithm (each task's default_lr, see hiso.tasks.registry); "
+        "config.json records the value used)"))
     mu: float = Field(1e-3, gt=0, description="finite-difference step of the ZO estimate")
     difference: Literal["forward", "central"] = Field("forward", description=(
         "finite difference of the ZO estimate: forward (f(x+mu z) - f(x)) or central (f(x+mu z) - f(x-mu z))"))
@@ -164,6 +147,9 @@ class RunConfig(BaseModel):
     min_size: int = Field(10, ge=1, description="fewest examples a client may get (the Dirichlet draw is repeated)")
     eval_max: int | None = Field(None, gt=0, description=(
         "evaluate on at most this many held-out examples, a seeded subset (default: all)"))
+    val_fraction: float = Field(0.0, ge=0, lt=1, description=(
+        "share of the held-out examples kept apart as a validation split (val_* metrics; eval_* on the rest), "
+        "what hiso compare selects lr and round on (vision tasks; hiso compare sets 0.5 unless told)"))
     train_max: int | None = Field(None, gt=0, description=(
         "train on a seeded subset of this many examples (default: all)"))
     # language tasks (sst2, qqp, squad): a causal LM by short name, local directory or hub name
@@ -188,8 +174,10 @@ class RunConfig(BaseModel):
     def _check(self) -> "RunConfig":
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r} (choose from {', '.join(ALGORITHMS)})")
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r} (choose from {', '.join(TASKS)})")
+        from .tasks.registry import task_info
+        info = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
+        if self.val_fraction > 0 and not info.validation:
+            raise ValueError(f"task {self.task} has no validation split: val_fraction must be 0")
         if self.sampled > self.clients:
             raise ValueError(f"sampled ({self.sampled}) cannot exceed clients ({self.clients})")
         from .core.directions import FAMILIES
@@ -233,9 +221,10 @@ class RunConfig(BaseModel):
                         directions=self.directions, scalar_dtype=self.scalar_dtype)
 
 
-def _one_line(err: ValidationError) -> str:
+def one_line(err: ValidationError, prefix: str | None = None) -> str:
+    """A pydantic validation error as one line: ``where: what`` (``where`` under ``prefix``)."""
     e = err.errors()[0]
-    where = ".".join(str(x) for x in e["loc"])
+    where = ".".join(str(x) for x in (*([prefix] if prefix else []), *e["loc"]))
     msg = e["msg"].removeprefix("Value error, ")
     return f"{where}: {msg}" if where else msg
 
@@ -260,4 +249,4 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     try:
         return RunConfig(**values)
     except ValidationError as e:
-        raise ConfigError(_one_line(e)) from None
+        raise ConfigError(one_line(e)) from None

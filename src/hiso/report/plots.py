@@ -264,7 +264,7 @@ def plot_lr_sweep(arms: list[ArmResult], out: str | Path, metric: str, title: st
     if metric == "gap" or _wants_log(allv):
         _log_y(ax)
     ax.set_xlabel("learning rate (log scale)")
-    better = "highest" if higher_is_better(metric) else "lowest"
+    better = "highest" if higher_is_better(metric, arms[0].runs[0].config.get("task")) else "lowest"
     ax.set_ylabel(f"best {metric_label(metric)}" + (" (%)" if pct != 1.0 else ""))
     ax.set_title(f"lr grid: each run's {better} {metric_label(metric)}\n(mean over seeds, bars: min–max)",
                  fontsize=10)
@@ -293,7 +293,7 @@ def _setup_title(arms: list[ArmResult], wrap: bool = False, band: bool = True) -
 def plot_all(arms: list[ArmResult], out: str | Path, metric: str, reference: str,
              table: Table | None = None) -> list[Path]:
     """Every figure of the comparison into ``out``; returns the files written."""
-    higher = higher_is_better(metric)
+    higher = higher_is_better(metric, arms[0].runs[0].config.get("task"))
     ref = next(a for a in arms if a.name == reference)
     threshold = table.threshold if table is not None else float(
         np.mean([best_of(r.rows, metric, higher) for r in ref.runs]))

@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, stdev
 
+from ..tasks.registry import higher_is_better  # the one rule (re-exported here)
+
 DISPLAY = {"hiso": "HiSo", "decomfl": "DeComFL", "fedzo": "FedZO", "fedavg": "FedAvg",
            "fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad"}
 METRIC_LABEL = {"eval_acc": "eval accuracy", "eval_loss": "eval loss", "gap": "optimality gap"}
@@ -58,12 +60,10 @@ def metric_label(metric: str) -> str:
     return METRIC_LABEL.get(metric, metric)
 
 
-def higher_is_better(metric: str) -> bool:
-    """Accuracies, exact match and F1 are maximised; losses and gaps minimised."""
-    return metric.endswith(("acc", "_em", "_f1"))
 
 
 def is_percent(metric: str) -> bool:
+    """Shown in %: the accuracy-like metrics (by name)."""
     return higher_is_better(metric)
 
 
@@ -87,7 +87,7 @@ class RunResult:
         keys: list[str] = []
         for r in self.rows:
             for k in r:
-                if (k.startswith("eval_") or k == "gap") and k not in keys:
+                if (k.startswith(("eval_", "val_")) or k == "gap") and k not in keys:
                     keys.append(k)
         return keys
 
@@ -271,7 +271,7 @@ class Table:
 
     @property
     def higher(self) -> bool:
-        return higher_is_better(self.metric)
+        return higher_is_better(self.metric, self.context.get("task"))
 
 
 def _mean_of(vals: list) -> float | None:
@@ -280,10 +280,10 @@ def _mean_of(vals: list) -> float | None:
 
 
 def build_table(arms: list[ArmResult], reference: str, metric: str) -> Table:
-    higher = higher_is_better(metric)
     ref = next((a for a in arms if a.name == reference), None)
     if ref is None:
         raise ValueError(f"reference {reference!r} is not among the arms")
+    higher = higher_is_better(metric, ref.runs[0].config.get("task"))
     ref_bests = [best_of(r.rows, metric, higher) for r in ref.runs]
     threshold = mean_std(ref_bests)[0]
     ref_own = rounds_to_own_best([r.rows for r in ref.runs], metric, higher)

@@ -98,17 +98,14 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, read_toml
-from ..report.table import (ArmResult, RunResult, best_of, higher_is_better, load_run_result)
+from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, one_line, read_toml
+from ..report.table import ArmResult, RunResult, best_of, load_run_result
+from ..tasks.registry import higher_is_better, task_info
 
 PER_ARM_FORBIDDEN = {"lr": "use [compare.lr_grid]", "seed": "use [compare] seeds",
                      "task": "compare one task at a time", "algorithm": None}
 SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
                     "seed": "set [compare] seeds (or --seeds)"}
-# metrics each built-in task reports on evaluated rounds; the first is the default
-TASK_METRICS = {"quadratic": ("gap", "eval_loss"), "mnist": ("eval_acc", "eval_loss"),
-                "fashion-mnist": ("eval_acc", "eval_loss"), "sst2": ("eval_acc", "eval_loss"),
-                "qqp": ("eval_acc", "eval_loss"), "squad": ("eval_f1", "eval_em", "eval_loss")}
 # RunConfig fields that do not change the task a run is built on (the task cache's key is
 # every other field, so a new field is assumed to matter until listed here)
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
@@ -166,8 +163,12 @@ class Plan:
     metric: str
 
     @property
+    def task(self) -> str:
+        return self.shared.get("task", RunConfig.model_fields["task"].default)
+
+    @property
     def higher_is_better(self) -> bool:
-        return higher_is_better(self.metric)
+        return higher_is_better(self.metric, self.task)
 
     def arm(self, name: str) -> Arm:
         return next(a for a in self.arms if a.name == name)
@@ -235,12 +236,6 @@ def parse_cli(algorithms: str | None = None, seeds: str | None = None,
     return out
 
 
-def _one_line(err: ValidationError, prefix: str) -> str:
-    e = err.errors()[0]
-    where = ".".join(str(x) for x in (prefix, *e["loc"]))
-    return f"{where}: {e['msg'].removeprefix('Value error, ')}"
-
-
 def _check_keys(where: str, keys: dict[str, Any]) -> None:
     for k in keys:
         if k in PER_ARM_FORBIDDEN and k != "algorithm":
@@ -268,7 +263,7 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
     try:
         spec = CompareSpec(**{**raw_cmp, **(compare_flags or {})})
     except ValidationError as e:
-        raise ConfigError(_one_line(e, "compare")) from None
+        raise ConfigError(one_line(e, "compare")) from None
     load_config(None, **{"lr": 1.0, **shared})  # the shared part alone must be valid (an arm's lr: below)
 
     # variants and per-algorithm overrides
@@ -336,9 +331,9 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
         raise ConfigError(f"compare.reference: {reference!r} is not one of the compared algorithms ({', '.join(spec.algorithms)})")
 
     task = shared.get("task", RunConfig.model_fields["task"].default)
-    metrics = TASK_METRICS.get(task)
-    metric = spec.metric or (metrics[0] if metrics else "eval_loss")
-    if metrics is not None and metric not in metrics:
+    metrics = task_info(task).metrics  # the task registers its metrics (validated above)
+    metric = spec.metric or next(iter(metrics))
+    if metric not in metrics:
         raise ConfigError(f"compare.metric: task {task} reports {', '.join(metrics)}, not {metric!r}")
 
     plan = Plan(shared, arms, list(spec.seeds), reference, metric)

@@ -41,9 +41,8 @@ import torch
 from ..config import RunConfig
 from ..core.history import HistoryWriter, parse_history, read_history
 from ..core.state import ModelState
-from ..report.table import higher_is_better
 from ..tasks.base import Task
-from ..tasks.registry import build_task
+from ..tasks.registry import build_task, higher_is_better
 from .simulate import Simulation
 
 
@@ -208,9 +207,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         def account(row) -> dict | None:  # best/final metrics and the divergence test, per row
             nonlocal last_eval, first_loss
             if "eval_loss" in row:
-                last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "gap"))}
+                last_eval = {k: v for k, v in row.items() if k.startswith(("eval_", "val_", "gap"))}
                 for k, v in last_eval.items():
-                    better = max if higher_is_better(k) else min
+                    better = max if higher_is_better(k, cfg.task) else min
                     best[k] = v if k not in best else better(best[k], v)
             if first_loss is None:
                 first_loss = row.get("train_loss")
@@ -270,8 +269,9 @@ def checkpoint(state: dict, task_info: dict) -> dict:
     return {**state, "base": {"model": task_info["model"], "fingerprint": task_info["base_fingerprint"]}}
 
 
-def rebuild(run_dir: str | Path) -> tuple[ModelState, dict]:
-    """x_0 from the run's configuration, then every logged round replayed: the final model.
+def rebuild(run_dir: str | Path, task: Task | None = None) -> tuple[ModelState, dict]:
+    """x_0 from the run's configuration (or from ``task``, the run's task object), then every
+    logged round replayed: the final model.
 
     Returns the replica and its ``model.pt`` checkpoint. A base model whose weights differ from
     the run's (fingerprint in ``config.json``) is refused before anything is replayed.
@@ -288,7 +288,7 @@ def rebuild(run_dir: str | Path) -> tuple[ModelState, dict]:
     if log.version >= 3 and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.directions):
         raise ValueError(f"history is of run seed {log.seed}, {log.scalar_dtype} scalars, directions "
                          f"{log.directions!r}, but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.directions!r}")
-    task = build_task(cfg)
+    task = task or build_task(cfg)
     if "base_fingerprint" in info:
         found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
         if found != info["base_fingerprint"]:

@@ -16,9 +16,27 @@ from torch import nn
 
 
 class Task(ABC):
-    """A federated objective: ``F(x) = sum_i w_i f_i(x)`` over ``num_clients`` clients."""
+    """A federated objective: ``F(x) = sum_i w_i f_i(x)`` over ``num_clients`` clients.
+
+    A subclass is usable by ``hiso run --task module:Class`` (or ``path/to/file.py:Class``) and
+    ``hiso compare`` as it is; these class attributes tell them about it:
+
+    * ``metrics``: the keys :meth:`evaluate` returns, each ``"max"`` (higher is better) or
+      ``"min"``; the first is the metric ``hiso compare`` selects and reports on by default;
+    * ``default_lr``: the client lr of a run without ``--lr``, keyed by algorithm (``"hiso"``)
+      or family (``"zo"``: hiso, decomfl, fedzo; ``"first-order"``: the FedAvg family);
+    * :meth:`from_config` builds the task from a run's configuration.
+    """
 
     name: str = "task"
+    metrics: dict[str, str] = {"eval_loss": "min"}
+    default_lr: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, cfg) -> "Task":
+        """The task for a run configuration (:class:`hiso.config.RunConfig`); by default
+        ``cls(cfg.clients, seed=cfg.seed)``. Override to read more of ``cfg``."""
+        return cls(cfg.clients, seed=cfg.seed)
 
     def __init__(self, num_clients: int, seed: int = 0):
         self.num_clients = num_clients

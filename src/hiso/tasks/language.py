@@ -37,6 +37,7 @@ from ..data import partition as partitioners
 from ..data.partition import label_entropy, label_histograms
 from . import lm
 from .base import Task
+from .registry import register_task
 
 _SALT_BATCH = 0x7E47
 _SALT_SUBSET = 0x5B5E
@@ -328,3 +329,29 @@ class LanguageTask(Task):
             info["label_words"] = list(self.label_words)
             info["label_entropy_mean_bits"] = float(label_entropy(d["label_hist"]).mean())
         return info
+
+
+def _builder(name: str):
+    def build(cfg) -> LanguageTask:
+        split = lambda s: [w for w in s.split(",") if w.strip()]  # noqa: E731
+        return LanguageTask(name, cfg.clients, seed=cfg.seed, model=cfg.model, data_dir=cfg.data_dir,
+                            partition=cfg.partition, alpha=cfg.alpha, min_size=cfg.min_size,
+                            train_max=cfg.train_max, eval_max=cfg.eval_max, max_length=cfg.max_length,
+                            template=cfg.template,
+                            label_words=split(cfg.label_words) if cfg.label_words else None,
+                            lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                            lora_targets=[t.strip() for t in split(cfg.lora_targets)],
+                            autocast=cfg.autocast, eval_batch_size=cfg.eval_batch_size,
+                            max_new_tokens=cfg.max_new_tokens)
+    return build
+
+
+# ZO lrs: full parameters at the authors' OPT-125M DeComFL value; LoRA at the best of the SST-2
+# LoRA grid measured with SmolLM2-135M (docs/results.md). No first-order default.
+_LM_LR = {"zo": 5e-6, "zo+lora": 1e-2}
+for _name, _doc in (("sst2", "SST-2 sentiment, prompt + label words on a causal LM"),
+                    ("qqp", "QQP paraphrase, prompt + label words on a causal LM")):
+    register_task(_name, metrics={"eval_acc": "max", "eval_loss": "min"}, default_lr=_LM_LR,
+                  default_partition="dirichlet", doc=_doc)(_builder(_name))
+register_task("squad", metrics={"eval_f1": "max", "eval_em": "max", "eval_loss": "min"}, default_lr=_LM_LR,
+              default_partition="iid", doc="SQuAD extractive QA, greedy answers of a causal LM")(_builder("squad"))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .base import Task
+from .registry import register_task
 
 
 class QuadraticModel(nn.Module):
@@ -83,3 +84,11 @@ class QuadraticTask(Task):
     def describe(self) -> dict:
         return {"dim": self.dim, "sigma": self.sigma, "heterogeneity": self.heterogeneity,
                 "noise": self.noise, "f_star": self.f_star, "min_curvature": float(self.lam.min())}
+
+
+@register_task("quadratic", metrics={"gap": "min", "eval_loss": "min"},
+               default_lr={"zo": 0.05, "first-order": 0.05},
+               doc="synthetic ill-conditioned federated quadratic with known optimum (seconds)")
+def _build(cfg) -> QuadraticTask:
+    return QuadraticTask(cfg.clients, seed=cfg.seed, dim=cfg.dim, sigma=cfg.sigma,
+                         heterogeneity=cfg.heterogeneity, noise=cfg.noise)

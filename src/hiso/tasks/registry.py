@@ -1,31 +1,228 @@
-"""Task names -> tasks built from a run configuration."""
+"""Task names -> tasks: every task registers itself, in its own file, with what the rest needs.
+
+A built-in task is one file in ``hiso/tasks/`` that calls :func:`register_task` (its name, how to
+build it from a :class:`~hiso.config.RunConfig`, its metrics with their direction, its default
+lrs and partition). Configuration (``--task`` choices, default lr), ``hiso compare`` (metric and
+its direction) and the runners read this registry; nothing else names tasks.
+
+A user's task needs no registration: ``--task module:Class`` (an importable module) or
+``--task path/to/file.py:Class`` names a :class:`~hiso.tasks.base.Task` subclass, whose class
+attributes ``metrics`` and ``default_lr`` play the same roles and whose ``from_config(cfg)``
+builds it (default: ``Class(cfg.clients, seed=cfg.seed)``).
+"""
 
 from __future__ import annotations
 
-from ..config import LANGUAGE_TASKS, RunConfig
-from .base import Task
+import hashlib
+import importlib
+import importlib.util
+import os
+import pkgutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from .base import Task
+
+DIRECTIONS = ("max", "min")
 
 
-def build_task(cfg: RunConfig) -> Task:
-    if cfg.task == "quadratic":
-        from .quadratic import QuadraticTask
-        return QuadraticTask(cfg.clients, seed=cfg.seed, dim=cfg.dim, sigma=cfg.sigma,
-                             heterogeneity=cfg.heterogeneity, noise=cfg.noise)
-    if cfg.task in ("mnist", "fashion-mnist"):
-        from .vision import VisionTask
-        return VisionTask(cfg.task, cfg.clients, seed=cfg.seed, data_dir=cfg.data_dir,
-                          partition=cfg.partition or "dirichlet", alpha=cfg.alpha, min_size=cfg.min_size,
-                          eval_max=cfg.eval_max)
-    if cfg.task in LANGUAGE_TASKS:
-        from .language import LanguageTask
-        split = lambda s: [w for w in s.split(",") if w.strip()]  # noqa: E731
-        return LanguageTask(cfg.task, cfg.clients, seed=cfg.seed, model=cfg.model, data_dir=cfg.data_dir,
-                            partition=cfg.partition, alpha=cfg.alpha, min_size=cfg.min_size,
-                            train_max=cfg.train_max, eval_max=cfg.eval_max, max_length=cfg.max_length,
-                            template=cfg.template,
-                            label_words=split(cfg.label_words) if cfg.label_words else None,
-                            lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                            lora_targets=[t.strip() for t in split(cfg.lora_targets)],
-                            autocast=cfg.autocast, eval_batch_size=cfg.eval_batch_size,
-                            max_new_tokens=cfg.max_new_tokens)
-    raise ValueError(f"unknown task {cfg.task!r}")
+@dataclass(frozen=True)
+class TaskInfo:
+    """What hiso knows about a task before building it."""
+
+    name: str
+    build: Callable[["RunConfig"], "Task"]
+    # evaluation metrics the task reports, each "max" (higher is better) or "min"; the first is
+    # the default metric of ``hiso compare``
+    metrics: dict[str, str]
+    # the client lr a run gets without --lr: key an algorithm ("decomfl"), a family ("zo":
+    # hiso, decomfl, fedzo; "first-order": the FedAvg family), or either + "+lora" for LoRA runs
+    default_lr: dict[str, float] = field(default_factory=dict)
+    default_partition: str | None = None
+    doc: str = ""
+    # whether the task honours ``val_fraction`` (then evaluate() also reports val_* metrics on a
+    # held-out validation split, what ``hiso compare`` selects lr and round on)
+    validation: bool = False
+
+    @property
+    def metric(self) -> str:
+        """The default metric of a comparison."""
+        return next(iter(self.metrics))
+
+
+_REGISTRY: dict[str, TaskInfo] = {}
+_BUILTINS_LOADED = False
+_SPEC_CACHE: dict[str, TaskInfo] = {}
+
+
+def _check_metrics(where: str, metrics: Any) -> dict[str, str]:
+    if not isinstance(metrics, dict) or not metrics:
+        raise ValueError(f"{where}: metrics must be a non-empty dict of metric name -> 'max' or 'min'")
+    for k, v in metrics.items():
+        if v not in DIRECTIONS:
+            raise ValueError(f"{where}: metric {k!r} has direction {v!r}, expected 'max' or 'min'")
+    return dict(metrics)
+
+
+def register_task(name: str, *, metrics: dict[str, str], default_lr: dict[str, float] | None = None,
+                  default_partition: str | None = None, validation: bool = False, doc: str = ""):
+    """Decorator registering ``build(cfg) -> Task`` under ``name`` (see :class:`TaskInfo`)."""
+    def deco(build: Callable[["RunConfig"], "Task"]):
+        if name in _REGISTRY and _REGISTRY[name].build is not build:
+            raise ValueError(f"task {name!r} is registered twice")
+        _REGISTRY[name] = TaskInfo(name, build, _check_metrics(f"task {name}", metrics), dict(default_lr or {}),
+                                   default_partition, doc, validation)
+        return build
+    return deco
+
+
+def _load_builtins() -> None:
+    """Import every module of ``hiso.tasks`` once: each built-in task registers itself there."""
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    _BUILTINS_LOADED = True
+    first = ("quadratic", "vision", "language")  # the order --help lists them in; others follow
+    names = sorted((m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])),
+                   key=lambda n: (first.index(n) if n in first else len(first), n))
+    for mod in names:
+        importlib.import_module(f"{__package__}.{mod}")
+
+
+def builtin_names() -> tuple[str, ...]:
+    """The registered tasks' names, in registration order."""
+    _load_builtins()
+    return tuple(_REGISTRY)
+
+
+def is_user_task(name: str) -> bool:
+    """Whether ``name`` names a user's task (``module:Class`` or ``file.py:Class``)."""
+    return ":" in name
+
+
+def _import_user_object(spec: str) -> Any:
+    where, _, attr = spec.rpartition(":")
+    if not where or not attr:
+        raise ValueError(f"task {spec!r}: expected module:Class or path/to/file.py:Class")
+    if where.endswith(".py"):
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"task {spec!r}: file {path} not found")
+        # one module per file content: a changed file is imported again, an unchanged one is reused
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+        modname = f"hiso_user_task_{path.stem}_{digest}"
+        module = sys.modules.get(modname)
+        if module is None:
+            ispec = importlib.util.spec_from_file_location(modname, path)
+            module = importlib.util.module_from_spec(ispec)
+            sys.modules[modname] = module  # dataclasses and pickling look modules up here
+            try:
+                ispec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[modname]
+                raise
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            if e.name != where.split(".")[0] or os.getcwd() in sys.path:
+                raise ValueError(f"task {spec!r}: cannot import {where} ({e})") from None
+            sys.path.append(os.getcwd())  # `hiso` run from the module's directory
+            try:
+                module = importlib.import_module(where)
+            except ModuleNotFoundError as e2:
+                raise ValueError(f"task {spec!r}: cannot import {where} ({e2}; put its directory on "
+                                 "PYTHONPATH or give path/to/file.py:Class)") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ValueError(f"task {spec!r}: {where} has no {attr!r}") from None
+
+
+def _user_task_info(spec: str) -> TaskInfo:
+    from .base import Task
+
+    obj = _import_user_object(spec)
+    if not (isinstance(obj, type) and issubclass(obj, Task)):
+        raise ValueError(f"task {spec!r}: {obj!r} is not a subclass of hiso.Task")
+    lr = getattr(obj, "default_lr", None) or {}
+    if not isinstance(lr, dict):
+        raise ValueError(f"task {spec!r}: default_lr must be a dict (algorithm or family -> lr)")
+    return TaskInfo(spec, obj.from_config, _check_metrics(f"task {spec}", obj.metrics), dict(lr),
+                    getattr(obj, "default_partition", None), (obj.__doc__ or "").strip().split("\n")[0],
+                    bool(getattr(obj, "validation", False)))
+
+
+def task_info(name: str) -> TaskInfo:
+    """The registered task ``name``, or the user's task it names (``module:Class``, ``file.py:Class``)."""
+    if name in _SPEC_CACHE:
+        return _SPEC_CACHE[name]
+    if is_user_task(name):
+        if name not in _SPEC_CACHE:
+            _SPEC_CACHE[name] = _user_task_info(name)
+        return _SPEC_CACHE[name]
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown task {name!r} (choose from {', '.join(_REGISTRY)}, or module:Class / "
+                         "path/to/file.py:Class for your own)")
+    return _REGISTRY[name]
+
+
+def use_instance(task: "Task", name: str | None = None) -> str:
+    """Make a task object known under a name (default: ``path/to/script.py:Class`` for a class
+    of the running script, else ``module:Class``) with its metrics and default lr; returns the
+    name, which a run records as its ``task``. Building that name in this process gives this
+    object; elsewhere the name is imported as a user's task (``from_config``)."""
+    cls = type(task)
+    if name is None:
+        where = cls.__module__
+        main = sys.modules.get("__main__")
+        if where == "__main__" and getattr(main, "__file__", None):
+            where = str(Path(main.__file__).resolve())
+        name = f"{where}:{cls.__qualname__}"
+    lr = dict(getattr(task, "default_lr", None) or {})
+    _SPEC_CACHE[name] = TaskInfo(name, lambda cfg: task, _check_metrics(f"task {name}", task.metrics), lr,
+                                 getattr(task, "default_partition", None), (cls.__doc__ or "").strip().split("\n")[0],
+                                 bool(getattr(task, "validation", False)))
+    return name
+
+
+def build_task(cfg: "RunConfig") -> "Task":
+    """The task ``cfg.task`` built from the run's configuration."""
+    return task_info(cfg.task).build(cfg)
+
+
+def algorithm_family(algorithm: str) -> str:
+    """ "zo" (hiso, decomfl, fedzo) or "first-order" (fedavg, fedadam, fedyogi, fedadagrad)."""
+    return "zo" if algorithm in ("hiso", "decomfl", "fedzo") else "first-order"
+
+
+def default_lr(task: str, algorithm: str, lora: bool = False) -> float:
+    """The lr a run of ``algorithm`` on ``task`` gets when none is given: the task's
+    ``default_lr`` for the algorithm, else for its family (with ``+lora`` for LoRA runs)."""
+    table = task_info(task).default_lr
+    suffix = "+lora" if lora else ""
+    for key in (algorithm + suffix, algorithm_family(algorithm) + suffix):
+        if key in table:
+            return table[key]
+    what = f"{task} with LoRA" if lora else task
+    raise ValueError(f"no default lr for {algorithm} on task {what}: give one (--lr, or lr = ... in the config file)")
+
+
+def higher_is_better(metric: str, task: str | None = None) -> bool:
+    """Whether ``metric`` is maximised: as ``task`` declares it if it does, else by name (names
+    ending in ``acc``, ``_em``, ``_f1`` are maximised; losses, gaps and the rest minimised). The
+    one rule for best values, selection and tables."""
+    if task is not None:
+        try:
+            metrics = task_info(task).metrics
+        except (ValueError, ImportError):
+            metrics = {}
+        for name in (metric, "eval_" + metric.removeprefix("val_"), metric.removeprefix("val_")):
+            if name in metrics:  # val_acc is maximised if eval_acc is
+                return metrics[name] == "max"
+    return metric.endswith(("acc", "_em", "_f1"))

@@ -1,0 +1,175 @@
+"""The Python API (import hiso), users' own tasks on the command line, and the example."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import hiso
+from cli_helpers import run_cli
+from conftest import TinyTask
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A user's task module, written outside the package: a regression whose metric is maximised
+# although its name does not say so (the task declares it), with its own default lr.
+USER_TASK = textwrap.dedent('''
+    import numpy as np
+    import torch
+    from torch import nn
+
+    import hiso
+
+
+    class Ridge(hiso.Task):
+        """A tiny federated regression."""
+
+        metrics = {"eval_score": "max", "eval_loss": "min"}
+        default_lr = {"zo": 0.02, "first-order": 0.1}
+
+        def __init__(self, num_clients, seed=0):
+            super().__init__(num_clients, seed)
+            g = torch.Generator().manual_seed(seed)
+            self.X = torch.randn(num_clients, 24, 5, generator=g)
+            self.Y = self.X @ torch.randn(5, 1, generator=g)
+
+        def build_model(self):
+            with torch.random.fork_rng():
+                torch.manual_seed(self.seed)
+                return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+
+        def batch(self, client, round, step, batch_size):
+            rng = np.random.default_rng([self.seed, client, round, step])
+            idx = torch.as_tensor(rng.choice(24, size=min(batch_size, 24), replace=False))
+            return self.X[client, idx], self.Y[client, idx]
+
+        def loss(self, model, batch):
+            x, y = batch
+            return ((model(x) - y) ** 2).mean()
+
+        @torch.no_grad()
+        def evaluate(self, model):
+            mse = float(((model(self.X.reshape(-1, 5)) - self.Y.reshape(-1, 1)) ** 2).mean())
+            return {"eval_score": -mse, "eval_loss": mse}
+
+
+    NotATask = object
+''')
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """``usertask.py`` in a directory of its own, importable as ``usertask``."""
+    d = tmp_path / "elsewhere"
+    d.mkdir()
+    (d / "usertask.py").write_text(USER_TASK)
+    monkeypatch.syspath_prepend(str(d))
+    yield d / "usertask.py"
+    sys.modules.pop("usertask", None)
+
+
+def _model_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------ Python API
+
+def test_run_read_metrics_and_rebuild_exactly(tmp_path):
+    task = TinyTask(num_clients=6, seed=3)
+    rows = []
+    run = hiso.run(task, tmp_path / "r", algorithm="hiso", rounds=12, sampled=2, lr=0.05, eval_every=4,
+                   progress=rows.append)
+    assert [r["round"] for r in run.metrics] == list(range(13)) and len(rows) == 13
+    assert run.config["clients"] == 6 and run.config["seed"] == 3  # the task's
+    assert run.summary["rounds_done"] == 12 and run.metrics[-1]["eval_loss"] == run.summary["final"]["eval_loss"]
+    rebuilt = hiso.rebuild(tmp_path / "r", task)
+    ckpt = run.checkpoint()
+    assert rebuilt.round == 12 and _model_equal(rebuilt.model.state_dict(), ckpt["model"])
+    assert all(torch.equal(h, ckpt["h"][n]) for (n, _), h in zip(rebuilt.named, rebuilt.h))
+    assert _model_equal(run.model(task).state_dict(), ckpt["model"])
+    assert not _model_equal(task.build_model().state_dict(), ckpt["model"])  # it did train
+
+
+def test_federation_steps_in_process_like_a_run(tmp_path):
+    task = TinyTask(num_clients=5, seed=1)
+    runner = hiso.federation(task, algorithm="decomfl", rounds=6, sampled=2, lr=0.05, eval_every=3)
+    rows = list(runner.run(6))
+    run = hiso.run(task, tmp_path / "r", algorithm="decomfl", rounds=6, sampled=2, lr=0.05, eval_every=3)
+    assert [{k: v for k, v in r.items() if k != "wall_s"} for r in rows] == \
+           [{k: v for k, v in r.items() if k != "wall_s"} for r in run.metrics]
+    assert _model_equal(runner.state_dict()["model"], run.checkpoint()["model"])
+
+
+def test_a_task_class_declares_its_default_lr_and_metric_direction(tmp_path, user_module):
+    import usertask
+    task = usertask.Ridge(4, seed=0)
+    assert hiso.run_config(task, algorithm="hiso").lr == 0.02
+    assert hiso.run_config(task, algorithm="fedavg").lr == 0.1
+    run = hiso.run(task, tmp_path / "r", rounds=6, sampled=2, eval_every=2)
+    scores = [r["eval_score"] for r in run.metrics if "eval_score" in r]
+    assert run.summary["best"]["eval_score"] == max(scores) != min(scores)  # "max": the highest is best
+    assert run.summary["best"]["eval_loss"] == min(r["eval_loss"] for r in run.metrics if "eval_loss" in r)
+
+
+# ------------------------------------------------------------------ a user's task on the command line
+
+@pytest.mark.parametrize("form", ["module", "path"])
+def test_hiso_run_and_rebuild_a_task_from_outside_the_package(tmp_path, capsys, user_module, form):
+    spec = "usertask:Ridge" if form == "module" else f"{user_module}:Ridge"
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(["run", "--task", spec, "--clients", "5", "--sampled", "2", "--rounds", "8",
+                                 "--eval-every", "4", "--out", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["task"] == spec and cfg["lr"] == 0.02  # the task's own default lr
+    code, _, err = run_cli(["rebuild", str(out), "--out", str(tmp_path / "m.pt")], capsys)
+    assert code == 0, err
+    rebuilt = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert _model_equal(rebuilt["model"], torch.load(out / "model.pt", weights_only=True)["model"])
+
+
+@pytest.mark.slow
+def test_hiso_compare_a_user_task_selects_by_its_declared_direction(tmp_path, capsys, user_module):
+    out = tmp_path / "cmp"
+    code, stdout, err = run_cli(["compare", "--task", f"{user_module}:Ridge", "--algorithms", "hiso,decomfl",
+                                 "--lr-grid", "hiso=0.001,0.03", "--lr-grid", "decomfl=0.001,0.03",
+                                 "--clients", "5", "--sampled", "2", "--rounds", "10", "--eval-every", "5",
+                                 "--select-on", "test", "--out", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    sel = json.loads((out / "selection.json").read_text())
+    assert sel["metric"] == "eval_score" and sel["higher_is_better"] is True  # the task's first metric
+    for arm in sel["arms"].values():
+        means = {g["lr"]: g["mean_best"] for g in arm["grid"]}
+        assert arm["chosen_lr"] == max(means, key=means.get)
+    assert "eval_score" in stdout
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("nosuchmodule_xyz:Task", "cannot import nosuchmodule_xyz"),
+    ("usertask:Missing", "has no 'Missing'"),
+    ("usertask:NotATask", "not a subclass of hiso.Task"),
+    ("no/such/file.py:Task", "not found"),
+    ("mnist2", "unknown task 'mnist2'"),
+])
+def test_a_bad_task_name_is_one_line_and_exit_2(tmp_path, capsys, user_module, spec, needle):
+    code, _, err = run_cli(["run", "--task", spec, "--out", str(tmp_path / "r"), "--quiet"], capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+# ------------------------------------------------------------------ the example
+
+@pytest.mark.slow
+def test_the_example_runs_and_rebuilds_exactly(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_task.py"), "--out", str(tmp_path / "ex"),
+                           "--rounds", "20"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "bit-identical to the server's model and H" in proc.stdout
+    assert json.loads((tmp_path / "ex" / "summary.json").read_text())["rounds_done"] == 20
