@@ -136,11 +136,12 @@ def read_idx(
         ) from e
 
 
-def _read_exact(f, buf: memoryview) -> int:
-    """Fill ``buf`` from ``f`` as far as it goes; returns the bytes read."""
+def _read_exact(f, buf: memoryview, chunk: int = 1 << 20) -> int:
+    """Fill ``buf`` from ``f`` as far as it goes, ``chunk`` bytes at a time (gzip's readinto
+    decompresses into a temporary of the requested size first); returns the bytes read."""
     got = 0
     while got < len(buf):
-        n = f.readinto(buf[got:])
+        n = f.readinto(buf[got:got + chunk])
         if not n:
             break
         got += n

@@ -71,8 +71,10 @@ class VisionTask(Task):
             validation split: :meth:`evaluate` then also reports ``val_loss`` and ``val_acc`` on
             them, and ``eval_*`` on the rest only (what ``hiso compare`` selects on and reports).
         eval_batch_size: chunk size of the batched evaluation; changes speed, not results
-            (up to rounding). On a 2-core CPU 500 was the fastest or close to it (1-2 s per
-            10,000 test images); chunks of 2,000 or more were up to 2x slower.
+            (up to rounding) and memory: a chunk's activations (the first conv block's output is
+            12.5 KB per image in float32) come on top of the data. 128 keeps a full-MNIST run's
+            peak about 70 MB below 500's at about the same speed (docs/results.md, Memory);
+            chunks of 2,000 or more were up to 2x slower.
     """
 
     name = "vision"
@@ -87,7 +89,7 @@ class VisionTask(Task):
         alpha: float = 1.0,
         min_size: int = 10,
         eval_max: int | None = None,
-        eval_batch_size: int = 500,
+        eval_batch_size: int = 128,
         val_fraction: float = 0.0,
     ):
         super().__init__(num_clients, seed)
