@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from .momentum import MomentumConfig
 from .preconditioner import PreconditionerConfig
 
 
@@ -19,6 +20,7 @@ class ZOConfig:
     difference: Literal["forward", "central"] = "forward"
     precond: PreconditionerConfig | None = None
     directions: str = "torch-normal"  # the direction family (see hiso.core.directions.FAMILIES)
+    momentum: MomentumConfig | None = None  # server-side momentum (hiso.core.momentum); None: none
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
