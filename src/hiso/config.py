@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .core.config import ZOConfig
+from .core.momentum import MomentumConfig
 from .core.preconditioner import PreconditionerConfig
 
 ZO_SCALAR = ("hiso", "decomfl")  # scalar-only protocol (seeds + scalars on the wire)
@@ -98,6 +99,17 @@ class RunConfig(BaseModel):
     h_max: float | None = Field(None, gt=0, description="upper clip of H (HiSo; default: none)")
     h_source: Literal["last", "every"] = Field("last", description=(
         "H's update from the global direction of the last local step or of every local step (HiSo)"))
+    # variants at no extra bytes (docs/variants.md): H's statistic, granularity, bias correction; momentum
+    h_stat: Literal["ghat2", "floor", "denoised"] = Field("ghat2", description=(
+        "what H averages (HiSo): ghat2 (the paper's ghat^2), floor (the estimator's noise floor S/(P H) from the "
+        "scalars alone), denoised (ghat^2 minus that floor, unbiased, floored at 0)"))
+    h_granularity: Literal["coordinate", "tensor", "model"] = Field("coordinate", description=(
+        "H per coordinate (the paper's), one value per tensor, or one for the whole model (HiSo)"))
+    h_bias_correction: bool = Field(False, description=(
+        "Adam-style bias correction of H's moving average (H_1 is the first statistic, not 0.95 + 0.05 x it) (HiSo)"))
+    momentum: float | None = Field(None, gt=0, lt=1, description=(
+        "server-side momentum beta on the replayed global update, EMA form m = beta m + (1-beta) ghat (hiso, "
+        "decomfl; default: none)"))
     # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
     server_lr: float | None = Field(None, gt=0, description=(
         "server learning rate of full-model baselines (default: 1.0 for fedavg and fedzo, 0.01 for fedadam, "
@@ -197,6 +209,8 @@ class RunConfig(BaseModel):
         if not self.scalar_only and (faults or self.byzantine or self.aggregate != "mean"):
             raise ValueError(f"faults, attackers and robust aggregation are simulated for hiso and decomfl only, "
                              f"not {self.algorithm}")
+        if self.h_bias_correction and self.nu == 0:
+            raise ValueError("h_bias_correction needs nu > 0")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self
@@ -215,10 +229,13 @@ class RunConfig(BaseModel):
         precond = None
         if self.algorithm == "hiso":
             precond = PreconditionerConfig(nu=self.nu, eps=self.eps, h_min=self.h_min,
-                                           h_max=self.h_max, source=self.h_source)
+                                           h_max=self.h_max, source=self.h_source, stat=self.h_stat,
+                                           granularity=self.h_granularity,
+                                           bias_correction=self.h_bias_correction)
+        momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
-                        directions=self.directions, scalar_dtype=self.scalar_dtype)
+                        directions=self.directions, scalar_dtype=self.scalar_dtype, momentum=momentum)
 
 
 def one_line(err: ValidationError, prefix: str | None = None) -> str:

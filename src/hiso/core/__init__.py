@@ -9,6 +9,7 @@ from .history import HistoryWriter, RoundRecord, read_history
 from .messages import (Downlink, Hello, JoinError, MessageError, Uplink, Welcome, Wire, decode_downlink,
                        decode_uplink, encode_downlink, encode_uplink)
 from .perturb import Perturber, Shift
+from .momentum import MomentumConfig
 from .preconditioner import PreconditionerConfig
 from .server import RoundPlan, Server
 from .state import ModelState, trainable_params
@@ -17,6 +18,6 @@ __all__ = [
     "Client", "ZOConfig", "decomfl", "hiso", "DirectionGenerator", "direction", "tensor_seed",
     "local_update", "HistoryWriter", "RoundRecord", "read_history", "Downlink", "MessageError",
     "Uplink", "Hello", "Welcome", "Wire", "JoinError", "decode_downlink", "decode_uplink", "encode_downlink", "encode_uplink",
-    "Perturber", "Shift", "PreconditionerConfig", "RoundPlan", "Server", "ModelState",
+    "Perturber", "Shift", "MomentumConfig", "PreconditionerConfig", "RoundPlan", "Server", "ModelState",
     "trainable_params",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from .momentum import MomentumConfig
 from .preconditioner import PreconditionerConfig
 
 
@@ -20,6 +21,7 @@ class ZOConfig:
     precond: PreconditionerConfig | None = None
     directions: str = "torch-normal"  # the direction family (see hiso.core.directions.FAMILIES)
     scalar_dtype: str = "float32"  # the scalars' number format on the wire and in the log (float16, bfloat16)
+    momentum: MomentumConfig | None = None  # server-side momentum (hiso.core.momentum); None: none
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

@@ -457,7 +457,10 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
 
 
 def _state_tensors(state) -> list[torch.Tensor]:
-    return list(state.params) + (list(state.h) if state.h is not None else [])
+    """What a snapshot carries: the trainable tensors, H (HiSo) and the server momentum's
+    buffer (when the run uses momentum), in protocol order."""
+    return (list(state.params) + (list(state.h) if state.h is not None else [])
+            + list(getattr(state, "m", None) or []))
 
 
 def state_size(state) -> int:

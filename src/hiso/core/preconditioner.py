@@ -16,6 +16,26 @@ Defaults follow the authors' code (nu = 0.05, last step, no clipping) except ``e
 the paper adds eps so H stays strictly positive; without it a coordinate that never moves
 decays like 0.95^r and underflows float32 after ~1,800 rounds.
 DeComFL is the same protocol with no preconditioner (H == 1, nothing stored).
+
+Variants (each a field of :class:`PreconditionerConfig`, all computed from the replayed global
+update, so they cost no bytes; docs/variants.md derives them):
+
+* ``stat``: what the EMA averages. ``"ghat2"`` (HiSo): ghat**2. ``"floor"``: the part of
+  E[ghat_i**2] that does not depend on the coordinate, S / (P H_i) with
+  S = (1/P) sum_p G_p**2 the round's mean squared scalar (what ghat**2 averages to when
+  d >> P, without the per-coordinate sampling noise). ``"denoised"``:
+  max((P ghat**2 - S / H) / (P + 1), 0), an unbiased estimate of the squared preconditioned
+  gradient with the noise floor removed (then floored at 0).
+* ``granularity``: ``"coordinate"`` (HiSo), ``"tensor"`` (the statistic averaged over each
+  tensor: one H value per tensor) or ``"model"`` (one H value for the whole model). H keeps its
+  full shape (filled with the block's value), so everything that reads H is unchanged.
+* ``bias_correction``: Adam's correction of the EMA: H_t = v_t / (1 - (1 - nu)^t) with
+  v_0 = 0, i.e. H_1 is the first statistic itself rather than 0.95 + 0.05 x it. Only H is
+  stored: H_{t+1} = ((1 - nu) c_t H_t + nu x) / c_{t+1}, c_t = 1 - (1 - nu)^t, t the number
+  of updates so far (a function of the round, so it is exact on every replica).
+
+Block sums (``tensor``, ``model``) are float64 numpy sums of the float32 statistic, rounded to
+float32 once: numpy's pairwise sum does not depend on torch's thread count, so replicas agree.
 """
 
 from __future__ import annotations
@@ -23,7 +43,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
+
+
+STATS = ("ghat2", "floor", "denoised")
+GRANULARITIES = ("coordinate", "tensor", "model")
 
 
 @dataclass(frozen=True)
@@ -33,8 +58,17 @@ class PreconditionerConfig:
     h_min: float | None = None
     h_max: float | None = None
     source: Literal["last", "every"] = "last"
+    stat: Literal["ghat2", "floor", "denoised"] = "ghat2"
+    granularity: Literal["coordinate", "tensor", "model"] = "coordinate"
+    bias_correction: bool = False
 
     def __post_init__(self) -> None:
+        if self.stat not in STATS:
+            raise ValueError(f"stat must be one of {', '.join(STATS)}, got {self.stat!r}")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        if self.bias_correction and self.nu == 0:
+            raise ValueError("bias_correction needs nu > 0")
         if not 0.0 <= self.nu <= 1.0:
             raise ValueError(f"nu must be in [0, 1], got {self.nu}")
         if self.eps < 0:
@@ -49,6 +83,19 @@ class PreconditionerConfig:
     def updates_at(self, step: int, local_steps: int) -> bool:
         """Whether local step ``step``'s global direction feeds the H update."""
         return self.source == "every" or step == local_steps - 1
+
+    @property
+    def blockwise(self) -> bool:
+        """Whether H's update needs a reduction over a block (tensor or model)."""
+        return self.granularity != "coordinate"
+
+    def weights(self, t: int) -> tuple[float, float]:
+        """(a, b) of the t-th update (t = 0, 1, ...): H <- a H + b (x + eps)."""
+        if not self.bias_correction:
+            return 1.0 - self.nu, self.nu
+        keep = 1.0 - self.nu
+        c_t, c_next = 1.0 - keep ** t, 1.0 - keep ** (t + 1)
+        return keep * c_t / c_next, self.nu / c_next
 
 
 def init(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -85,10 +132,54 @@ def precondition_(u: torch.Tensor, h: torch.Tensor | None, tmp: torch.Tensor | N
     return u
 
 
-def update_(h: torch.Tensor, ghat: torch.Tensor, cfg: PreconditionerConfig) -> None:
-    """One EMA step of one tensor's H, in place."""
-    h.mul_(1.0 - cfg.nu).addcmul_(ghat, ghat, value=cfg.nu)
+def scalar_power(scalars) -> float:
+    """S = (1/P) sum_p G_p**2 of one local step's P mean scalars (float64): E[S] = ||H^{-1/2} g||**2."""
+    g = np.asarray(scalars, dtype=np.float64)
+    return float(np.mean(g * g))
+
+
+def statistic(ghat: torch.Tensor, h_round: torch.Tensor, s: float, P: int, cfg: PreconditionerConfig,
+              out: torch.Tensor) -> torch.Tensor:
+    """The per-coordinate value the EMA averages (``stat`` other than ghat2), in ``out``.
+
+    ``h_round`` is H_r (the H the round's directions used), ``s`` the step's :func:`scalar_power`.
+    """
+    if cfg.stat == "floor":  # S / (P H_r)
+        return torch.reciprocal(h_round, out=out).mul_(s / P)
+    if cfg.stat == "denoised":  # max((P ghat^2 - S / H_r) / (P + 1), 0)
+        torch.reciprocal(h_round, out=out).mul_(-s)
+        return out.addcmul_(ghat, ghat, value=float(P)).div_(P + 1).clamp_(min=0.0)
+    torch.mul(ghat, ghat, out=out)
+    return out
+
+
+def block_sum(x: torch.Tensor) -> float:
+    """sum(x) in float64, independent of torch's threads (numpy's pairwise sum)."""
+    return float(np.sum(x.detach().reshape(-1).cpu().numpy(), dtype=np.float64))
+
+
+def _finish_(h: torch.Tensor, cfg: PreconditionerConfig, b: float) -> None:
     if cfg.eps:
-        h.add_(cfg.nu * cfg.eps)
+        h.add_(b * cfg.eps)
     if cfg.h_min is not None or cfg.h_max is not None:
         h.clamp_(min=cfg.h_min, max=cfg.h_max)
+
+
+def update_(h: torch.Tensor, ghat: torch.Tensor, cfg: PreconditionerConfig, t: int = 0,
+            x: torch.Tensor | None = None) -> None:
+    """One EMA step of one tensor's H, in place, per coordinate: x = ghat**2 unless ``x`` (a
+    :func:`statistic`) is given; ``t`` the update's index (bias correction)."""
+    a, b = cfg.weights(t)
+    if x is None:
+        h.mul_(a).addcmul_(ghat, ghat, value=b)
+    else:
+        h.mul_(a).add_(x, alpha=b)
+    _finish_(h, cfg, b)
+
+
+def update_block_(h: torch.Tensor, mean: float, cfg: PreconditionerConfig, t: int = 0) -> None:
+    """One EMA step of a block's H (every element holds the block's value) with the block's mean
+    statistic ``mean`` (float64, rounded to float32 once)."""
+    a, b = cfg.weights(t)
+    h.mul_(a).add_(float(np.float32(mean)) * b)
+    _finish_(h, cfg, b)

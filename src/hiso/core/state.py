@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import momentum as mo
 from . import preconditioner as pc
 from .config import ZOConfig
 from .directions import DirectionGenerator
@@ -57,6 +58,7 @@ class ModelState:
         self.named = trainable_params(model)
         self.params = [p for _, p in self.named]
         self.h = pc.init(self.params) if cfg.precond is not None else None
+        self.m = mo.init(self.params) if cfg.momentum is not None else None  # momentum buffer
         self.round = round
         self.gen = DirectionGenerator(cfg.directions)
 
@@ -65,27 +67,34 @@ class ModelState:
 
     @torch.no_grad()
     def apply(self, record: RoundRecord) -> None:
-        """x_{r+1} = x_r - eta sum_k ghat_k, then H_{r+1} from ghat (H_r fixed in the round)."""
+        """x_{r+1} = x_r - eta sum_k ghat_k, then H_{r+1} from ghat (H_r fixed in the round).
+
+        With momentum x moves along the buffer m instead (:mod:`hiso.core.momentum`); with a
+        blockwise H (:mod:`hiso.core.preconditioner`) H is updated after every tensor's step."""
         if record.round != self.round:
             raise ValueError(f"replica is at round {self.round}, cannot apply record of round {record.round}")
         tau, P = self.cfg.shape
         if record.seeds.shape != (tau, P) or record.scalars.shape != (tau, P):
             raise ValueError(f"record of shape {record.seeds.shape} does not match (tau, P) = {(tau, P)}")
-        lr, precond = self.cfg.lr, self.cfg.precond
+        lr, precond, mom = self.cfg.lr, self.cfg.precond, self.cfg.momentum
+        hstep = _HStep(precond, record, self.round, tau) if precond is not None else None
         for i, p in enumerate(self.params):
             h = self.h_of(i)
-            h_next = None
+            m = None if self.m is None else mo.decay_(self.m[i], mom)
             for k in range(tau):
                 ghat = step_direction(self.gen, i, p, record.seeds[k], record.scalars[k], h)
-                p.add_(ghat.to(p.dtype), alpha=-lr)
-                if precond is not None and precond.updates_at(k, tau):
-                    if h_next is None:
-                        # only 'every' with tau > 1 needs H_r intact while later steps are built
-                        h_next = (self.gen.scratch("h_next", h.shape, h.device).copy_(h)
-                                  if tau > 1 and precond.source == "every" else h)
-                    pc.update_(h_next, ghat, precond)
-            if h_next is not None and h_next is not h:
-                h.copy_(h_next)
+                if m is None:
+                    p.add_(ghat.to(p.dtype), alpha=-lr)
+                else:
+                    mo.add_(m, ghat, mom)
+                if hstep is not None and precond.updates_at(k, tau):
+                    hstep.observe(self.gen, i, k, h, ghat)
+            if m is not None:
+                p.add_(m.to(p.dtype), alpha=-lr)
+            if hstep is not None:
+                hstep.close_tensor(i, h)
+        if hstep is not None:
+            hstep.close_round(self.h)
         self.round += 1
 
     def replay(self, records) -> None:
@@ -103,4 +112,55 @@ class ModelState:
         out = {"round": self.round, "model": model}
         if self.h is not None:
             out["h"] = {n: h for (n, _), h in zip(self.named, self.h)}
+        if self.m is not None:
+            out["momentum"] = {n: m for (n, _), m in zip(self.named, self.m)}
         return out
+
+
+class _HStep:
+    """H's update for one round: per coordinate as each tensor's ghat is built, or, for a
+    blockwise H, block sums of the statistic gathered over the tensors and applied at the end."""
+
+    def __init__(self, cfg: pc.PreconditionerConfig, record: RoundRecord, round: int, tau: int):
+        self.cfg, self.tau = cfg, tau
+        self.steps = list(range(tau)) if cfg.source == "every" else [tau - 1]
+        self.t0 = round * len(self.steps)  # updates done before this round (bias correction)
+        self.P = record.scalars.shape[1]
+        self.s = [pc.scalar_power(record.scalars[k]) for k in range(tau)] if cfg.stat != "ghat2" else None
+        self.h_next = None
+        self.sums: dict[tuple[int, int], float] = {}  # (tensor, step) -> block sum of the statistic
+
+    def t(self, k: int) -> int:
+        return self.t0 + self.steps.index(k)
+
+    def observe(self, gen: DirectionGenerator, i: int, k: int, h: torch.Tensor, ghat: torch.Tensor) -> None:
+        cfg = self.cfg
+        x = None
+        if cfg.stat != "ghat2" or cfg.blockwise:
+            x = pc.statistic(ghat, h, self.s[k] if self.s else 0.0, self.P, cfg, gen.scratch("hstat", h.shape, h.device))
+        if cfg.blockwise:
+            self.sums[(i, k)] = pc.block_sum(x)
+            return
+        if self.h_next is None:
+            # only 'every' with tau > 1 needs H_r intact while later steps are built
+            self.h_next = (gen.scratch("h_next", h.shape, h.device).copy_(h)
+                           if self.tau > 1 and cfg.source == "every" else h)
+        pc.update_(self.h_next, ghat, cfg, self.t(k), x)
+
+    def close_tensor(self, i: int, h: torch.Tensor) -> None:
+        if self.h_next is not None and self.h_next is not h:
+            h.copy_(self.h_next)
+        self.h_next = None
+
+    def close_round(self, hs: list[torch.Tensor]) -> None:
+        if not self.cfg.blockwise:
+            return
+        n = [h.numel() for h in hs]
+        for k in self.steps:
+            if self.cfg.granularity == "tensor":
+                for i, h in enumerate(hs):
+                    pc.update_block_(h, self.sums[(i, k)] / n[i], self.cfg, self.t(k))
+            else:
+                mean = sum(self.sums[(i, k)] for i in range(len(hs))) / sum(n)
+                for h in hs:
+                    pc.update_block_(h, mean, self.cfg, self.t(k))

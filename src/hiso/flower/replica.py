@@ -50,6 +50,8 @@ def _layout(state: ModelState) -> list[dict]:
     tensors = [(n, p) for n, p in state.named]
     if state.h is not None:
         tensors += [(f"h:{n}", h) for (n, _), h in zip(state.named, state.h)]
+    if getattr(state, "m", None) is not None:  # server momentum's buffer (hiso.core.momentum)
+        tensors += [(f"m:{n}", m) for (n, _), m in zip(state.named, state.m)]
     out, off = [], 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
@@ -96,7 +98,8 @@ class Replica:
             with open(data_p, "wb") as f:
                 f.truncate(size)
         mm = np.memmap(data_p, dtype=np.uint8, mode="r+", shape=(size,))
-        tensors = list(state.params) + (list(state.h) if state.h is not None else [])
+        nh = len(state.h) if state.h is not None else 0
+        tensors = list(state.params) + (list(state.h) if state.h is not None else []) + list(state.m or [])
         views = []
         for e, t in zip(layout, tensors):
             raw = torch.from_numpy(mm[e["offset"]:e["offset"] + e["nbytes"]])
@@ -109,7 +112,9 @@ class Replica:
             for p, v in zip(state.params, views[:n]):
                 p.data = v
         if state.h is not None:
-            state.h = views[n:]
+            state.h = views[n:n + nh]
+        if state.m is not None:
+            state.m = views[n + nh:]
         rep = cls(path, state, key, mm, reason)
         if fresh:
             state.round = 0

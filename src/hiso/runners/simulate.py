@@ -309,6 +309,8 @@ class Simulation:
                         dst.data.copy_(src.data)
                     for dst, src in zip(st.h or [], self.state.h or []):
                         dst.copy_(src)
+                    for dst, src in zip(st.m or [], self.state.m or []):  # momentum buffer
+                        dst.copy_(src)
                     st.round = rec.round
             self.server.close_logged(rec)
             self.state.apply(rec)
