@@ -91,7 +91,7 @@ class RunConfig(BaseModel):
     diverge_factor: float | None = Field(1e3, gt=1, description=(
         "stop as diverged when a round's training loss exceeds this times round 1's (default: 1000; a non-finite "
         "loss always stops)"))
-    directions: str = Field("torch-normal", description=(
+    directions: str = Field("philox-rademacher", description=(
         "direction family: how a seed becomes a random direction (see hiso.core.directions.FAMILIES)"))
     weighted: bool = Field(False, description="weight clients' contributions by their data size (default: plain mean)")
     mode: Literal["fast", "faithful"] = Field("fast", description=(

@@ -18,7 +18,7 @@ class ZOConfig:
     local_steps: int = 1
     difference: Literal["forward", "central"] = "forward"
     precond: PreconditionerConfig | None = None
-    directions: str = "torch-normal"  # the direction family (see hiso.core.directions.FAMILIES)
+    directions: str = "philox-rademacher"  # the direction family (see hiso.core.directions.FAMILIES)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
