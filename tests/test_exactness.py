@@ -22,7 +22,9 @@ def _same(a: ModelState, b: ModelState) -> bool:
     hiso(lr=0.02, mu=1e-3, perturbations=3, local_steps=2, precond=PreconditionerConfig(source="every")),
     hiso(lr=0.02, mu=1e-3, perturbations=3, local_steps=2),
     decomfl(lr=0.02, mu=1e-3, perturbations=3, local_steps=2),
-], ids=["hiso-every", "hiso-last", "decomfl"])
+    hiso(lr=0.02, mu=1e-3, perturbations=3, local_steps=2, directions="philox-rademacher"),
+    decomfl(lr=0.02, mu=1e-3, perturbations=3, local_steps=2, directions="philox-gaussian"),
+], ids=["hiso-every", "hiso-last", "decomfl", "hiso-philox-rademacher", "decomfl-philox-gaussian"])
 def test_faithful_clients_match_server_bit_for_bit(zo):
     task = TinyTask(num_clients=20)
     sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,

@@ -76,7 +76,9 @@ class RunConfig(BaseModel):
         "stop as diverged when a round's training loss exceeds this times round 1's (default: 1000; a non-finite "
         "loss always stops)"))
     directions: str = Field("torch-normal", description=(
-        "direction family: how a seed becomes a random direction (see hiso.core.directions.FAMILIES)"))
+        "direction family: how a seed becomes a random direction: torch-normal (the paper's Gaussian, torch's CPU "
+        "stream), philox-rademacher or philox-gaussian (Philox4x32-10: the same bits on every device and torch "
+        "version; fast fused kernels)"))
     scalar_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
         "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
         "float16/bfloat16)"))

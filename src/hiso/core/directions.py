@@ -1,28 +1,69 @@
 """Random directions from seeds: the protocol's definition of a direction.
 
-A direction for a 64-bit seed ``s`` is a standard Gaussian vector over all trainable
-parameters, defined tensor by tensor:
+A direction for a 64-bit seed ``s`` is a float32 vector over all trainable parameters, defined
+tensor by tensor. The trainable tensors are numbered 0..T-1 in the model's
+``named_parameters()`` order (duplicates removed, ``requires_grad`` only); element ``j`` of a
+tensor is its ``j``-th element in row-major (``view(-1)``) order. How a seed becomes numbers is
+the run's **direction family** (``ZOConfig.directions``, ``--directions``):
 
-* the trainable tensors are numbered 0..T-1 in the model's ``named_parameters()`` order
-  (duplicates removed, ``requires_grad`` only);
-* tensor ``i`` gets its own stream: a CPU ``torch.Generator`` seeded with
-  ``tensor_seed(s, i)`` (a SplitMix64 mix of ``s`` and ``i``), from which
-  ``torch.Tensor.normal_`` fills a float32 tensor of the parameter's shape.
+``philox-rademacher`` (the default) and ``philox-gaussian`` are defined by the counter-based
+generator Philox4x32-10 (Salmon et al. 2011, as published in Random123 and used by cuRAND and
+JAX; checked against Random123's known-answer vectors). Block ``b`` of tensor ``i`` is the
+generator's output ``(w0, w1, w2, w3)`` for
 
-Because each tensor has its own stream, which numbers a tensor gets does not depend on the
-order tensors are visited: a client may perturb or update one layer at a time and never holds
-a d-sized temporary. Directions are always generated on the CPU (then moved), so CPU and GPU
-peers agree; peers must run the same torch version (its CPU generator defines the stream).
+    key = (s mod 2^32, s div 2^32),   counter = (b mod 2^32, b div 2^32, i, 0)
+
+so any block of any tensor can be produced on its own, in parallel, on any device, and the
+bits depend on neither torch's version nor the device. Then
+
+* ``philox-rademacher``: a block gives 128 elements; element ``j = 128 b + 32 k + t`` is
+  ``+1`` if bit ``t`` of ``w_k`` is 0 and ``-1`` if it is 1 (mean 0, covariance I: the
+  random signs of SPSA);
+* ``philox-gaussian``: a block gives 8 elements; element ``j = 8 b + 2 k + h`` is ``T[u]``
+  with ``u`` the low (``h = 0``) or high (``h = 1``) 16 bits of ``w_k`` and ``T`` the
+  65,536-entry inverse-normal-CDF table of :func:`hiso.core.philox.gaussian_table`
+  (``T[u] = c Phi^{-1}((u + 1/2) / 2^16)``, exactly symmetric, unit second moment; pinned by
+  its SHA-256): a standard Gaussian quantised to 2^16 equiprobable levels, |z| <= 4.33.
+
+Both are integer functions of the generator's bits, so a direction element is bit-identical on
+every CPU and GPU. What a round does with directions is defined in binary32 with every
+operation rounded once (no fused multiply-add, ``H^{-1/2} = 1 / sqrt(H)`` with a correctly
+rounded square root):
+
+* perturbation of parameter ``x``: ``(x + delta) + (z * H^{-1/2}) * float32(mu)``
+  (``delta`` when tau > 1; ``H^{-1/2}`` for HiSo);
+* replay of a local step: ``ghat = (((0 + z_1 c_1) + z_2 c_2) + ... + z_P c_P) * H^{-1/2}``
+  with ``c_p = float32(g_p / P)``;
+
+which the CPU kernels (numba, fused: a direction element is produced where it is used, no
+tensor-sized direction buffer) and the torch kernels (any device: the CUDA path) compute alike.
+
+``torch-normal`` (the paper's Gaussian, kept for comparison): tensor ``i`` gets a CPU
+``torch.Generator`` seeded with ``tensor_seed(s, i)`` (a SplitMix64 mix), from which
+``torch.Tensor.normal_`` fills the tensor; generated on the CPU (then moved), so peers must run
+the same torch version, and about 5-10x slower than the Philox families.
+
+In every family each tensor has its own stream, so which numbers a tensor gets does not depend
+on the order tensors are visited: a client may perturb or update one layer at a time.
 """
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import torch
+
+from . import philox
 
 # Direction families by name: what ``ZOConfig.directions`` may hold (recorded in config.json).
 FAMILIES = {
+    "philox-rademacher": "random signs from Philox4x32-10 (bit-identical on every device)",
+    "philox-gaussian": "standard Gaussian from Philox4x32-10 by a 2^16-entry inverse-CDF table (bit-identical on every device)",
     "torch-normal": "standard Gaussian from torch's CPU generator (peers need the same torch version)",
 }
+DEFAULT_FAMILY = "torch-normal"  # until the Philox families are measured on MNIST (3 seeds)
+KERNELS = ("auto", "numba", "torch")
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -36,25 +77,58 @@ def _splitmix64(x: int) -> int:
 
 
 def tensor_seed(seed: int, index: int) -> int:
-    """Seed of tensor ``index``'s stream for direction ``seed`` (both non-negative)."""
+    """Seed of tensor ``index``'s stream for direction ``seed`` (torch-normal family)."""
     return _splitmix64((seed ^ _splitmix64(index)) & _MASK)
 
 
+def _numba():
+    """The compiled CPU kernels, or None where numba cannot be imported."""
+    try:
+        from . import _philox_numba
+    except ImportError:  # pragma: no cover - numba is a dependency; the torch kernels still work
+        return None
+    return _philox_numba
+
+
+def _flat(t: torch.Tensor) -> np.ndarray:
+    return t.detach().view(-1).numpy()
+
+
 class DirectionGenerator:
-    """Fills per-tensor Gaussian directions into reusable CPU buffers.
+    """Produces a family's directions and the direction arithmetic of a round, tensor by tensor.
+
+    ``kernel`` picks the CPU implementation of the Philox families: ``"numba"`` (fused,
+    multi-threaded with torch's thread count), ``"torch"`` (integer tensor ops, chunked) or
+    ``"auto"`` (numba when importable; ``$HISO_DIRECTION_KERNEL`` overrides). Tensors on a GPU
+    always use the torch kernels, on their device. Both give the same bits.
 
     It also owns the scratch tensors of direction arithmetic (:meth:`scratch`): one buffer per
-    (purpose, shape), so a round allocates nothing after its first tensor of each shape and
-    never holds more than a few tensors' worth of temporaries. (Fresh allocations are not only
-    wasteful: on some machines every new page costs a fault, which dominated round time.)
+    (purpose, shape, device), so a round allocates nothing after its first tensor of each shape.
     """
 
-    def __init__(self, family: str = "torch-normal") -> None:
+    def __init__(self, family: str = DEFAULT_FAMILY, kernel: str = "auto") -> None:
         if family not in FAMILIES:
             raise ValueError(f"unknown direction family {family!r} (choose from {', '.join(FAMILIES)})")
+        kernel = os.environ.get("HISO_DIRECTION_KERNEL", kernel) if kernel == "auto" else kernel
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown direction kernel {kernel!r} (choose from {', '.join(KERNELS)})")
         self.family = family
+        self.philox = family.startswith("philox-")
+        self._nb = None
+        if self.philox and kernel != "torch":
+            self._nb = _numba()
+            if self._nb is None and kernel == "numba":
+                raise ImportError("direction kernel 'numba' needs numba (pip install numba)")
+        if self.philox:
+            self._fam = 0 if family == "philox-rademacher" else 1
+            self._table = (philox.gaussian_table() if self._fam == 1 else np.zeros(1, np.float32)).view(np.uint32)
         self._gen = torch.Generator(device="cpu")
         self._buffers: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def kernel(self) -> str:
+        """Which CPU kernel this generator uses ("numba" or "torch")."""
+        return "numba" if self._nb is not None else "torch"
 
     def scratch(self, tag: str, shape: torch.Size, device: torch.device | str = "cpu") -> torch.Tensor:
         """A float32 buffer for ``tag`` (uninitialised; valid until the next call with this key)."""
@@ -64,13 +138,87 @@ class DirectionGenerator:
             buf = self._buffers[key] = torch.empty(tuple(shape), dtype=torch.float32, device=device)
         return buf
 
-    def fill(self, seed: int, index: int, shape: torch.Size) -> torch.Tensor:
-        """Return u_i for direction ``seed`` (a float32 CPU buffer, valid until the next fill)."""
-        self._gen.manual_seed(tensor_seed(seed, index))
-        return self.scratch("u", shape).normal_(generator=self._gen)
+    def _use_numba(self, *tensors: torch.Tensor | None) -> bool:
+        if self._nb is None:
+            return False
+        for t in tensors:
+            if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()):
+                return False
+        self._nb.set_threads(torch.get_num_threads())
+        return True
+
+    def _key(self, seed: int) -> tuple[np.uint64, np.uint64]:
+        k0, k1 = philox.key_of(int(seed))
+        return np.uint64(k0), np.uint64(k1)
+
+    def fill(self, seed: int, index: int, shape: torch.Size, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Return u_i for direction ``seed``: a float32 buffer on ``device`` (the torch-normal
+        family generates on the CPU and moves it), valid until the next fill."""
+        if not self.philox:
+            self._gen.manual_seed(tensor_seed(seed, index))
+            return self.scratch("u", shape).normal_(generator=self._gen).to(device)
+        out = self.scratch("u", shape, device)
+        if self._use_numba(out):
+            self._nb.fill(_flat(out).view(np.uint32), self._fam, self._table, *self._key(seed), np.uint64(index))
+            return out
+        n = out.numel()
+        of = out.view(-1)
+        for a in range(0, n, philox.CHUNK):
+            b = min(a + philox.CHUNK, n)
+            of[a:b] = philox.values_torch(self.family, seed, index, a, b - a, out.device)
+        return out
+
+    def shift(self, out: torch.Tensor, x: torch.Tensor, seed: int, index: int, scale: float,
+              h: torch.Tensor | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """out = x [+ delta] + scale * [H^{-1/2}] u(seed)_index, in one pass; x is not written."""
+        if not self.philox:  # the torch-normal family's arithmetic, as it always was
+            out.copy_(x)
+            if delta is not None:
+                out.add_(delta.to(x.dtype))
+            z = self.fill(seed, index, x.shape).to(x.device)
+            from . import preconditioner as pc
+            pc.precondition_(z, h, None if h is None else self.scratch("rsqrt", pc.scratch_shape(h), h.device))
+            return out.add_(z.to(x.dtype), alpha=scale)
+        if x.dtype != torch.float32:  # e.g. bfloat16 parameters: the float32 value, rounded once
+            tmp = self.scratch("shift", x.shape, x.device)
+            self.shift(tmp, x.float(), seed, index, scale, h, delta)
+            return out.copy_(tmp)
+        if self._use_numba(out, x, h, delta):
+            xf = _flat(x)
+            self._nb.shift(_flat(out), xf, xf if delta is None else _flat(delta), xf if h is None else _flat(h),
+                           delta is not None, h is not None, np.float32(scale), self._fam, self._table,
+                           *self._key(seed), np.uint64(index))
+            return out
+        return philox.shift_torch(self.family, out, x, seed, index, scale, h, delta)
+
+    def combine(self, index: int, shape: torch.Size, seeds: np.ndarray, scalars: np.ndarray,
+                h: torch.Tensor | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+        """ghat_i = H_i^{-1/2} (1/P) sum_p g_p u_p, summed over p in order (float32 on ``device``).
+
+        The result lives in this generator's scratch space: use it before the next call.
+        """
+        P = len(seeds)
+        if not self.philox:  # the torch-normal family's arithmetic, as it always was
+            acc = self.scratch("acc", shape).zero_()
+            for s, g in zip(seeds.tolist(), scalars.tolist()):
+                acc.add_(self.fill(s, index, shape), alpha=g / P)
+            acc = acc.to(device)
+            from . import preconditioner as pc
+            return pc.precondition_(acc, h, None if h is None else self.scratch("rsqrt", pc.scratch_shape(h), h.device))
+        coefs = (np.asarray(scalars, dtype=np.float64) / P).astype(np.float32)
+        seeds = [int(s) for s in np.asarray(seeds).tolist()]
+        out = self.scratch("acc", shape, device)
+        if self._use_numba(out, h):
+            keys = [philox.key_of(s) for s in seeds]
+            self._nb.combine(_flat(out), _flat(out) if h is None else _flat(h), h is not None,
+                             np.array([k[0] for k in keys], np.uint64), np.array([k[1] for k in keys], np.uint64),
+                             coefs, self._fam, self._table, np.uint64(index))
+            return out
+        return philox.combine_torch(self.family, out, seeds, coefs, index, h)
 
 
-def direction(seed: int, shapes: list[torch.Size]) -> list[torch.Tensor]:
+def direction(seed: int, shapes: list[torch.Size], family: str = DEFAULT_FAMILY,
+              device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """The whole direction for ``seed`` as fresh tensors (for tests and small models)."""
-    gen = DirectionGenerator()
-    return [gen.fill(seed, i, s).clone() for i, s in enumerate(shapes)]
+    gen = DirectionGenerator(family)
+    return [gen.fill(seed, i, s, device).clone() for i, s in enumerate(shapes)]

@@ -23,7 +23,6 @@ from typing import Iterator, Literal
 import torch
 from torch import nn
 
-from . import preconditioner as pc
 from .directions import DirectionGenerator
 
 Mode = Literal["hooks", "swap"]
@@ -37,15 +36,17 @@ class Shift:
         self.gen, self.seed, self.scale, self.h, self.delta = gen, seed, scale, h, delta
 
     def shifted(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Write parameter i's shifted value into ``out`` (x is left untouched)."""
-        out.copy_(x)
-        if self.delta is not None:
-            out.add_(self.delta[i].to(x.dtype))
+        """Write parameter i's shifted value into ``out`` (x is left untouched).
+
+        With a seed this is one fused pass of the direction generator (generate, scale by
+        scale * H^{-1/2}, add; see :mod:`hiso.core.directions` for the arithmetic).
+        """
+        delta = None if self.delta is None else self.delta[i]
         if self.seed is not None:
-            z = self.gen.fill(self.seed, i, x.shape).to(x.device)
-            h = None if self.h is None else self.h[i]
-            pc.precondition_(z, h, None if h is None else self.gen.scratch("rsqrt", pc.scratch_shape(h), h.device))
-            out.add_(z.to(x.dtype), alpha=self.scale)
+            return self.gen.shift(out, x, self.seed, i, self.scale, None if self.h is None else self.h[i], delta)
+        out.copy_(x)
+        if delta is not None:
+            out.add_(delta.to(x.dtype))
         return out
 
 

@@ -33,16 +33,11 @@ def step_direction(
 ) -> torch.Tensor:
     """ghat_i = H_i^{-1/2} (1/P) sum_p g_p u_p for one tensor and one local step (float32).
 
-    ``seeds`` and ``scalars`` are one local step's P values. The sum runs over p in order.
+    ``seeds`` and ``scalars`` are one local step's P values. The sum runs over p in order, and
+    each direction element is produced where it is summed (:meth:`DirectionGenerator.combine`).
     The result lives in ``gen``'s scratch space: use it before the next call.
     """
-    P = len(seeds)
-    acc = gen.scratch("acc", param.shape).zero_()
-    for s, g in zip(seeds.tolist(), scalars.tolist()):
-        acc.add_(gen.fill(s, index, param.shape), alpha=g / P)
-    acc = acc.to(param.device)
-    tmp = None if h is None else gen.scratch("rsqrt", pc.scratch_shape(h), h.device)
-    return pc.precondition_(acc, h, tmp)
+    return gen.combine(index, param.shape, seeds, scalars, h, param.device)
 
 
 class ModelState:
