@@ -141,7 +141,7 @@ def test_hiso_compare_a_user_task_selects_by_its_declared_direction(tmp_path, ca
     code, stdout, err = run_cli(["compare", "--task", f"{user_module}:Ridge", "--algorithms", "hiso,decomfl",
                                  "--lr-grid", "hiso=0.001,0.03", "--lr-grid", "decomfl=0.001,0.03",
                                  "--clients", "5", "--sampled", "2", "--rounds", "10", "--eval-every", "5",
-                                 "--select-on", "test", "--out", str(out), "--quiet"], capsys)
+                                 "--out", str(out), "--quiet"], capsys)
     assert code == 0, err
     sel = json.loads((out / "selection.json").read_text())
     assert sel["metric"] == "eval_score" and sel["higher_is_better"] is True  # the task's first metric
