@@ -117,6 +117,17 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
+    dg = sub.add_parser("diagnose", help="what HiSo's preconditioner H learned in a run directory: "
+                        "diagnose.png, diagnose.txt and diagnose.json")
+    dg.add_argument("run_dir")
+    dg.add_argument("--out", help="directory for the files (default: the run directory)")
+    dg.add_argument("--points", type=int, default=20, help="rounds at which H is summarised, evenly spaced (default 20)")
+    dg.add_argument("--curvature", action=argparse.BooleanOptionalAction, default=None,
+                    help="compare the final H with the Hutchinson Hessian diagonal and E[g^2] measured with "
+                    "autograd (default: on for models of at most 1M trainable parameters)")
+    dg.add_argument("--batches", type=int, default=8, help="unseen minibatches for the curvature (default 8)")
+    dg.add_argument("--probes", type=int, default=4, help="Rademacher probes per batch for Hutchinson (default 4)")
+    dg.add_argument("--quiet", action="store_true", help="no progress bar, no text on stdout")
     return parser
 
 
@@ -228,6 +239,20 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from .report.diagnose import diagnose, write
+
+    if args.batches < 1 or args.probes < 1:
+        return _fail("--batches and --probes must be >= 1")
+    diag = diagnose(args.run_dir, points=args.points, curvature=args.curvature, batches=args.batches,
+                    probes=args.probes, progress=not args.quiet)
+    files = write(diag, args.out or args.run_dir)
+    if not args.quiet:
+        print(diag.text, end="")
+        print(f"written: {', '.join(str(f) for f in files)}")
+    return 0
+
+
 def cmd_flower(args: argparse.Namespace) -> int:
     import importlib.util
     import json
@@ -286,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_compare(args)
         if args.command == "flower":
             return cmd_flower(args)
+        if args.command == "diagnose":
+            return cmd_diagnose(args)
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))

@@ -276,6 +276,15 @@ def rebuild(run_dir: str | Path, task: Task | None = None) -> tuple[ModelState, 
     Returns the replica and its ``model.pt`` checkpoint. A base model whose weights differ from
     the run's (fingerprint in ``config.json``) is refused before anything is replayed.
     """
+    state, records, info = start_replica(run_dir, task)
+    state.replay(records)
+    return state, checkpoint(state.state_dict(), info)
+
+
+def start_replica(run_dir: str | Path, task: Task | None = None) -> tuple[ModelState, list, dict]:
+    """A run's replica at x_0 (and H_0), its logged records and its task description: what
+    :func:`rebuild` folds, for a caller that looks at the rounds on the way (``hiso diagnose``).
+    Every check of :func:`rebuild` is made here."""
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
     if not cfg.scalar_only:
@@ -294,6 +303,4 @@ def rebuild(run_dir: str | Path, task: Task | None = None) -> tuple[ModelState, 
         if found != info["base_fingerprint"]:
             raise ValueError(f"base model {info.get('model')!r} here has weights {str(found)[:12]}..., the run "
                              f"started from {info['base_fingerprint'][:12]}...: cannot rebuild on another base")
-    state = ModelState(task.build_model(), zo)
-    state.replay(records)
-    return state, checkpoint(state.state_dict(), info)
+    return ModelState(task.build_model(), zo), records, info
