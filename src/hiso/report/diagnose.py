@@ -413,7 +413,8 @@ def plot(diag: Diagnosis, path: str | Path, max_points: int = 20000) -> Path:
             ax.set_title(f"H vs {label.split(' (')[0]}: rho {_c(o['spearman'])}", fontsize=10)
             ax.grid(True, alpha=0.3)
         if len(diag.names) > 1:
-            fig.colorbar(sc, ax=axes[5], label="tensor index (order of the per-tensor panel)")
+            cb = fig.colorbar(sc, ax=axes[5], label="tensor (index in the per-tensor panel)")
+            cb.set_ticks(range(len(diag.names)) if len(diag.names) <= 12 else cb.get_ticks())
     fig.suptitle(f"{s['algorithm']} on {s['task']}: what H learned ({s['run_dir']})", fontsize=11)
     path = Path(path)
     fig.savefig(path)
