@@ -387,7 +387,9 @@ def plot(diag: Diagnosis, path: str | Path, max_points: int = 20000) -> Path:
     ax.legend(fontsize=8)
     ax.set_yticks(y, diag.names, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xscale("log")
+    if max(f[n]["p95"] for n in diag.names) > 10 * min(f[n]["p05"] for n in diag.names):
+        ax.set_xscale("log")
+    ax.set_xlabel("H")
     ax.axvline(1.0, color="0.35", ls="--", lw=1)
     ax.set_title("H per tensor", fontsize=10)
     ax.grid(True, alpha=0.3)
@@ -403,6 +405,9 @@ def plot(diag: Diagnosis, path: str | Path, max_points: int = 20000) -> Path:
             ax.set_xscale("log")
             if (v > 0).all():
                 ax.set_yscale("log")
+            elif (v >= 0).all():  # exact zeros (a dead unit's gradient)
+                ax.set_yscale("symlog", linthresh=float(np.quantile(v[v > 0], 0.05)) if (v > 0).any() else 1e-12)
+                ax.set_ylim(bottom=0)
             else:
                 ax.set_yscale("symlog", linthresh=max(float(np.quantile(np.abs(v[v != 0]), 0.05)) if (v != 0).any()
                                                       else 1e-12, 1e-12))
