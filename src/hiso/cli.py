@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
+    rb.add_argument("--device", default="cpu", help="where to replay the history: cpu (default, whatever device "
+                    "the run used), cuda or cuda:N")
     return parser
 
 
@@ -222,7 +224,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     from .runners.rundir import rebuild
 
-    state, ckpt = rebuild(args.run_dir)
+    state, ckpt = rebuild(args.run_dir, device=args.device)
     torch.save(ckpt, args.out)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
     return 0
