@@ -39,8 +39,8 @@ def main() -> None:
 
     import torch
 
+    from direction_timer import DirectionTimer
     from hiso.config import load_config
-    from hiso.core import directions
     from hiso.core.state import ModelState
     from hiso.runners.compare import _reset_peak_rss, _vm_hwm_mb
     from hiso.runners.simulate import Simulation
@@ -67,43 +67,24 @@ def main() -> None:
         t_fwd = (time.perf_counter() - t0) / 3
     rss_inference = _vm_hwm_mb()
 
-    timers = {"forward": 0.0, "generate": 0.0, "generate_in_forward": 0.0, "apply": 0.0}
-    inside, depth = [False], [0]
-    G = directions.DirectionGenerator
-    originals = {name: getattr(G, name) for name in ("fill", "shift", "combine")}
-
-    def timed(fn):
-        def wrapper(self, *a, **k):
-            if depth[0]:  # nested (torch-normal's shift calls fill): counted by the outer call
-                return fn(self, *a, **k)
-            depth[0] += 1
-            t = time.perf_counter()
-            try:
-                return fn(self, *a, **k)
-            finally:
-                depth[0] -= 1
-                dt = time.perf_counter() - t
-                timers["generate"] += dt
-                if inside[0]:
-                    timers["generate_in_forward"] += dt
-        return wrapper
+    timers = {"forward": 0.0, "apply": 0.0}
+    dirs = DirectionTimer()
 
     def timed_loss(m, b):
-        inside[0] = True
+        dirs.forward = True
         t = time.perf_counter()
         try:
             return loss(m, b)
         finally:
             timers["forward"] += time.perf_counter() - t
-            inside[0] = False
+            dirs.forward = False
 
     def timed_apply(self, rec):
         t = time.perf_counter()
         apply(self, rec)
         timers["apply"] += time.perf_counter() - t
 
-    for name, fn in originals.items():
-        setattr(G, name, timed(fn))
+    dirs.installed().__enter__()  # for the rest of this process
     loss, apply = task.loss, ModelState.apply
     task.loss = timed_loss
     ModelState.apply = timed_apply
@@ -113,18 +94,19 @@ def main() -> None:
     sim.step()  # warm-up: scratch buffers
     for k in timers:
         timers[k] = 0.0
+    dirs.reset()
     t0 = time.perf_counter()
     for _ in range(args.rounds):
         sim.step()
     total = time.perf_counter() - t0
     R = args.rounds
-    fwd = (timers["forward"] - timers["generate_in_forward"]) / R
-    gen = timers["generate"] / R
+    fwd = (timers["forward"] - dirs.in_forward) / R
+    gen = dirs.total / R
     per = total / R
     n_fwd = 2 * cfg.local_steps * (cfg.perturbations + 1)
     out = {
         "task": args.task, "model": args.model, "lora_r": args.lora_r, "algorithm": args.algorithm,
-        "directions": cfg.directions, "autocast": task.autocast, "threads": args.threads, "batch_size": args.batch_size,
+        "directions": cfg.directions, "autocast": getattr(task, "autocast", "none"), "threads": args.threads, "batch_size": args.batch_size,
         "trainable_params": sum(p.numel() for p in sim.state.params), "load_s": load_s,
         "s_per_round": per, "forwards_s": fwd, "directions_s": gen, "rest_s": per - fwd - gen,
         "forward_alone_s": t_fwd, "forwards_per_round": n_fwd, "round_over_forwards_alone": per / (n_fwd * t_fwd),
@@ -132,7 +114,7 @@ def main() -> None:
         "rss_inference_mb": rss_inference, "peak_rss_round_mb": _vm_hwm_mb(),
     }
     print(f"{args.task} {args.model} {'LoRA r=' + str(args.lora_r) if args.lora_r else 'full'} "
-          f"({out['trainable_params']:,} trainable), {args.algorithm}, {cfg.directions}, autocast {task.autocast}, {args.threads} threads:")
+          f"({out['trainable_params']:,} trainable), {args.algorithm}, {cfg.directions}, autocast {out['autocast']}, {args.threads} threads:")
     print(f"  {per:.2f} s/round = forwards {fwd:.2f} s ({100 * fwd / per:.0f}%) + directions {gen:.2f} s "
           f"({100 * gen / per:.0f}%) + rest {per - fwd - gen:.2f} s; round = {out['round_over_forwards_alone']:.2f}x "
           f"its {n_fwd} forwards alone ({t_fwd:.2f} s each)")
