@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="lrs to try for an algorithm or variant (repeatable)")
     cmp.add_argument("--reference", help="the algorithm the others are measured against (default: decomfl)")
     cmp.add_argument("--metric", help="eval metric to select and compare on (default: eval_acc, or gap)")
+    cmp.add_argument("--select-on", choices=("val", "test"), help=(
+        "select each lr and each run's reported round on a validation split held out from the test examples "
+        "(val; default where the task has one: val_fraction 0.5 unless given) or on the test examples themselves "
+        "(test: optimistic, labelled so in the table)"))
     cmp.add_argument("--force", action="store_true", help="rerun finished runs too")
     cmp.add_argument("--jobs", type=int, default=1,
                      help="runs at a time, each in its own worker process (default 1). A worker starts Python "
@@ -117,17 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
-    dg = sub.add_parser("diagnose", help="what HiSo's preconditioner H learned in a run directory: "
-                        "diagnose.png, diagnose.txt and diagnose.json")
+    dg = sub.add_parser("diagnose", help="what a HiSo run's preconditioner H learned: its range over rounds, the "
+                        "effective step lr/H, per tensor, and against measured curvature (PNG + text)")
     dg.add_argument("run_dir")
-    dg.add_argument("--out", help="directory for the files (default: the run directory)")
-    dg.add_argument("--points", type=int, default=20, help="rounds at which H is summarised, evenly spaced (default 20)")
-    dg.add_argument("--curvature", action=argparse.BooleanOptionalAction, default=None,
-                    help="compare the final H with the Hutchinson Hessian diagonal and E[g^2] measured with "
-                    "autograd (default: on for models of at most 1M trainable parameters)")
-    dg.add_argument("--batches", type=int, default=8, help="unseen minibatches for the curvature (default 8)")
-    dg.add_argument("--probes", type=int, default=4, help="Rademacher probes per batch for Hutchinson (default 4)")
-    dg.add_argument("--quiet", action="store_true", help="no progress bar, no text on stdout")
+    dg.add_argument("--out", help="directory for diagnose.png/.txt/.json (default: the run directory)")
+    dg.add_argument("--points", type=int, default=20, help="rounds at which H is summarised (default: 20)")
+    dg.add_argument("--curvature", choices=("auto", "yes", "no"), default="auto",
+                    help="measure the Hessian diagonal (Hutchinson) and gradient second moment with autograd at "
+                    "the final model: auto = when the model has at most --max-params numbers (default: auto)")
+    dg.add_argument("--max-params", type=int, default=1_000_000, help="size limit of --curvature auto (default: 1e6)")
+    dg.add_argument("--batches", type=int, default=8, help="unseen training batches for the curvature (default: 8)")
+    dg.add_argument("--probes", type=int, default=1, help="Rademacher probes per batch for Hutchinson (default: 1)")
+    rb.add_argument("--device", default="cpu", help="where to replay the history: cpu (default, whatever device "
+                    "the run used), cuda or cuda:N")
     return parser
 
 
@@ -215,6 +221,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     shared = {k: getattr(args, k) for k in RunConfig.model_fields if hasattr(args, k)}
     flags = parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric)
+    if args.select_on is not None:
+        flags["select_on"] = args.select_on
     plan = build_plan(args.config, shared, flags)
     if args.jobs < 1:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")
@@ -233,23 +241,22 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     from .runners.rundir import rebuild
 
-    state, ckpt = rebuild(args.run_dir)
+    state, ckpt = rebuild(args.run_dir, device=args.device)
     torch.save(ckpt, args.out)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
     return 0
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from .report.diagnose import diagnose, write
+    from .report.diagnose import diagnose, summary_text, write
 
     if args.batches < 1 or args.probes < 1:
-        return _fail("--batches and --probes must be >= 1")
-    diag = diagnose(args.run_dir, points=args.points, curvature=args.curvature, batches=args.batches,
-                    probes=args.probes, progress=not args.quiet)
-    files = write(diag, args.out or args.run_dir)
-    if not args.quiet:
-        print(diag.text, end="")
-        print(f"written: {', '.join(str(f) for f in files)}")
+        raise ValueError("--batches and --probes must be >= 1")
+    d = diagnose(args.run_dir, points=args.points, curvature=args.curvature, max_params=args.max_params,
+                 batches=args.batches, probes=args.probes)
+    paths = write(d, args.out or args.run_dir)
+    print(summary_text(d))
+    print(f"written: {', '.join(str(p) for p in paths)}")
     return 0
 
 

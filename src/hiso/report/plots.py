@@ -291,8 +291,9 @@ def _setup_title(arms: list[ArmResult], wrap: bool = False, band: bool = True) -
 
 
 def plot_all(arms: list[ArmResult], out: str | Path, metric: str, reference: str,
-             table: Table | None = None) -> list[Path]:
-    """Every figure of the comparison into ``out``; returns the files written."""
+             table: Table | None = None, select: str | None = None) -> list[Path]:
+    """Every figure of the comparison into ``out``; returns the files written. ``select``: the
+    metric the lr grid was selected on (the lr sweep shows it; default ``metric``)."""
     higher = higher_is_better(metric, arms[0].runs[0].config.get("task"))
     ref = next(a for a in arms if a.name == reference)
     threshold = table.threshold if table is not None else float(
@@ -300,7 +301,7 @@ def plot_all(arms: list[ArmResult], out: str | Path, metric: str, reference: str
     title = _setup_title(arms)
     paths = [plot_curves(arms, out, metric, k, threshold, reference, title) for k in ("round", "comm", "time")]
     short = _setup_title(arms, wrap=True, band=False).split("\n")[0]
-    for p in (plot_h_hist(arms, out, title=short), plot_lr_sweep(arms, out, metric, title=short)):
+    for p in (plot_h_hist(arms, out, title=short), plot_lr_sweep(arms, out, select or metric, title=short)):
         if p is not None:
             paths.append(p)
     return paths

@@ -48,7 +48,8 @@ from ..tasks.registry import higher_is_better  # the one rule (re-exported here)
 
 DISPLAY = {"hiso": "HiSo", "decomfl": "DeComFL", "fedzo": "FedZO", "fedavg": "FedAvg",
            "fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad"}
-METRIC_LABEL = {"eval_acc": "eval accuracy", "eval_loss": "eval loss", "gap": "optimality gap"}
+METRIC_LABEL = {"eval_acc": "eval accuracy", "eval_loss": "eval loss", "gap": "optimality gap",
+                "val_acc": "validation accuracy", "val_loss": "validation loss"}
 REL_TOL = 1e-9
 
 
@@ -129,6 +130,30 @@ def best_of(rows: list[dict], metric: str, higher: bool) -> float:
     if not vals:
         return math.nan
     return max(vals) if higher else min(vals)
+
+
+def val_metric(metric: str) -> str:
+    """The validation split's name of a metric: ``eval_acc`` -> ``val_acc``."""
+    return "val_" + metric.removeprefix("eval_")
+
+
+def selected_row(rows: list[dict], metric: str, select: str, higher: bool) -> dict | None:
+    """The row a run is reported at: the first evaluated row with the best ``select`` value among
+    the rows that also hold ``metric`` (``select == metric``: the run's best row). None if none."""
+    rows = [r for r in rows if _finite(r.get(select)) and _finite(r.get(metric))]
+    if not rows:
+        return None
+    best = (max if higher else min)(r[select] for r in rows)
+    return next(r for r in rows if r[select] == best)
+
+
+def selected_value(rows: list[dict], metric: str, select: str, higher: bool) -> float:
+    """``metric`` at :func:`selected_row` (NaN if none): the best ``metric`` when ``select`` is it,
+    the test value at the round best on validation when ``select`` is the validation metric."""
+    if select == metric:
+        return best_of(rows, metric, higher)
+    r = selected_row(rows, metric, select, higher)
+    return math.nan if r is None else float(r[metric])
 
 
 def reaches(value: float, threshold: float, higher: bool) -> bool:
@@ -268,6 +293,13 @@ class Table:
     reference: str
     threshold: float  # T: the reference's mean best
     context: dict  # facts for the footer: seeds, rounds, eval_every, n_eval, clients, task
+    select: str = ""  # the metric lr and round were selected on ("" or == metric: on the reported one)
+    select_note: str = ""  # why selection is on the reported metric although validation was asked for
+
+    @property
+    def on_test(self) -> bool:
+        """Whether lr and round were selected on the very examples reported."""
+        return not self.select or self.select == self.metric
 
     @property
     def higher(self) -> bool:
@@ -279,17 +311,24 @@ def _mean_of(vals: list) -> float | None:
     return mean(vals) if vals else None
 
 
-def build_table(arms: list[ArmResult], reference: str, metric: str) -> Table:
+def build_table(arms: list[ArmResult], reference: str, metric: str, select: str | None = None,
+                select_note: str = "") -> Table:
+    """The table of ``metric``; each run reported at its best ``select`` round (default: its best
+    ``metric``; a validation metric: the test value at the round best on validation)."""
+    select = select or metric
     ref = next((a for a in arms if a.name == reference), None)
     if ref is None:
         raise ValueError(f"reference {reference!r} is not among the arms")
     higher = higher_is_better(metric, ref.runs[0].config.get("task"))
-    ref_bests = [best_of(r.rows, metric, higher) for r in ref.runs]
+    ref_bests = [selected_value(r.rows, metric, select, higher) for r in ref.runs]
     threshold = mean_std(ref_bests)[0]
-    ref_own = rounds_to_own_best([r.rows for r in ref.runs], metric, higher)
+    if select == metric:
+        ref_own = rounds_to_own_best([r.rows for r in ref.runs], metric, higher)
+    else:  # the reference's selected rounds
+        ref_own = _reach_of([selected_row(r.rows, metric, select, higher) for r in ref.runs])
     rows = []
     for arm in arms:
-        bests = [best_of(r.rows, metric, higher) for r in arm.runs]
+        bests = [selected_value(r.rows, metric, select, higher) for r in arm.runs]
         m, s = mean_std(bests)
         if arm.name == reference:
             reach, rounds = ref_own, ref_own.mean
@@ -312,11 +351,17 @@ def build_table(arms: list[ArmResult], reference: str, metric: str) -> Table:
     context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "eval_every": cfg0.get("eval_every"),
                "clients": cfg0.get("clients"), "sampled": cfg0.get("sampled"),
                "seeds": [r.seed for r in ref.runs], "n_eval": info.get("n_eval")}
-    return Table(rows, metric, reference, threshold, context)
+    context["n_val"] = info.get("n_val")
+    return Table(rows, metric, reference, threshold, context, select, select_note)
 
 
-def _best_header(metric: str) -> str:
-    return f"best {metric_label(metric)}" + (" (%)" if is_percent(metric) else "")
+def _best_header(metric: str, table: "Table | None" = None) -> str:
+    pct = " (%)" if is_percent(metric) else ""
+    if table is None:
+        return f"best {metric_label(metric)}{pct}"
+    if table.on_test:
+        return f"best {metric_label(metric)}{pct}, selected on test"
+    return f"{metric_label(metric)}{pct} at the round best on validation"
 
 
 def _fmt_best(row: TableRow, metric: str) -> str:
@@ -339,9 +384,9 @@ def _fmt_threshold(t: float, metric: str) -> str:
     return f"{t * 100:.2f}%" if is_percent(metric) else f"{t:.4g}"
 
 
-def _fmt_reach(row: TableRow) -> str:
+def _fmt_reach(row: TableRow, own: str = "own best") -> str:
     if row.rounds is not None:
-        return _fmt_rounds(row.rounds) + (" (own best)" if row.is_reference else "")
+        return _fmt_rounds(row.rounds) + (f" ({own})" if row.is_reference else "")
     if row.reach.reached == 0:
         return "not reached"
     return f"— ({row.reach.reached}/{row.reach.n} seeds)"
@@ -349,7 +394,7 @@ def _fmt_reach(row: TableRow) -> str:
 
 def markdown_columns(table: Table) -> list[str]:
     ref = display_name(table.reference)
-    return ["algorithm", "lr", _best_header(table.metric),
+    return ["algorithm", "lr", _best_header(table.metric, table),
             f"rounds to {ref}'s best ({_fmt_threshold(table.threshold, table.metric)})",
             f"time to {ref}'s best", "speed-up",
             "uplink / client", "downlink / client", "total / client", "s / round", "peak memory"]
@@ -359,7 +404,7 @@ def to_markdown(table: Table) -> str:
     cols = markdown_columns(table)
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1)) + "|"]
     for r in table.rows:
-        cells = [display_name(r.name), f"{r.lr:g}", _fmt_best(r, table.metric), _fmt_reach(r),
+        cells = [display_name(r.name), f"{r.lr:g}", _fmt_best(r, table.metric), _fmt_reach(r, "own best" if table.on_test else "selected round"),
                  human_seconds(r.seconds),
                  "—" if r.speedup is None else f"{r.speedup:.2f}×",
                  human_bytes(r.bytes_up), human_bytes(r.bytes_down), human_bytes(r.bytes_total),
@@ -379,16 +424,28 @@ def footer(table: Table) -> str:
     cmp_word = "≥" if table.higher else "≤"
     spread = ("mean ± sample std over seeds" if len(seeds) > 1 else
               "1 seed: no spread (give more seeds, e.g. --seeds 0,1,2, for mean ± std)")
+    if table.on_test:
+        sel = f"the runs' best {lab}"
+        best_line = (f"- best {lab}: the {better} {lab} over a run's evaluated rounds, selected on the test "
+                     f"examples themselves (optimistic: no validation split{'; ' + table.select_note if table.select_note else ''}); "
+                     f"{spread}.")
+    else:
+        vlab = metric_label(table.select)
+        n_val = f" ({c['n_val']:,} held-out examples apart from the test ones)" if c.get("n_val") else ""
+        sel = f"the runs' {better} {vlab}{n_val}"
+        best_line = (f"- {lab}: a run's {lab} at its evaluated round with the {better} {vlab} (lr and round "
+                     f"selected on validation, the test examples only reported); {spread}.")
     return "\n".join([
         f"Task {c.get('task')}: {c.get('clients')} clients, {c.get('sampled')} sampled per round, "
         f"{c.get('rounds')} rounds, evaluated every {c.get('eval_every')} rounds{n_eval}; "
         f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))}).",
-        f"- lr: chosen per algorithm from its grid by the best mean over seeds of the runs' best {lab} "
+        f"- lr: chosen per algorithm from its grid by the best mean over seeds of {sel} "
         "(selection.json lists the grid).",
-        f"- best {lab}: the {better} {lab} over a run's evaluated rounds; {spread}.",
+        best_line,
         f"- rounds to {ref}'s best: per seed the first evaluated round with {lab} {cmp_word} "
-        f"{_fmt_threshold(table.threshold, m)} ({ref}'s mean best), mean over seeds; "
-        f"'—' if some seed never reaches it. {ref}'s own row: rounds to its own best (per seed, mean).",
+        f"{_fmt_threshold(table.threshold, m)} ({ref}'s mean), mean over seeds; "
+        f"'—' if some seed never reaches it. {ref}'s own row: rounds to its "
+        + ("own best" if table.on_test else "selected round") + " (per seed, mean).",
         f"- time to {ref}'s best: the same, in seconds of training (wall_s at that round; evaluation "
         "excluded), mean over seeds; it depends on the machine and on the runs beside it (--jobs).",
         f"- speed-up: {ref}'s rounds to its own best / this row's rounds to reach it "

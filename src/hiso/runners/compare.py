@@ -15,7 +15,8 @@ compare::
     algorithms = ["hiso", "decomfl", "hiso-nu0.01"]   # the arms, in table order
     seeds = [0, 1, 2]         # every (arm, lr) runs once per seed (default [0])
     reference = "decomfl"     # default: decomfl if it is an arm, else the first arm
-    metric = "eval_acc"       # default: eval_acc for vision tasks, gap for the quadratic
+    metric = "eval_acc"       # default: the task's first metric (eval_acc for vision, gap for the quadratic)
+    select_on = "val"         # or "test" (see Selection below)
 
     [compare.lr_grid]         # arm or algorithm name -> lrs to try
     hiso = [3e-4, 1e-3]
@@ -60,12 +61,20 @@ the process is all there is.
 
 Selection and outputs
 ---------------------
-* A run's **best** value is the best ``metric`` over its evaluated rounds (row 0, every
-  ``eval_every`` rounds and the last): the highest for accuracies (names ending in ``acc``), the
-  lowest otherwise (losses, the quadratic's gap). NaN evaluations are ignored; a run with no
+* **Validation** (``select_on = "val"``, ``--select-on val``; the default where the task has a
+  validation split, i.e. registers ``validation=True``: the vision tasks): the runs hold out
+  ``val_fraction`` (default 0.5 here) of the held-out examples, seeded, and report ``val_*`` on
+  them beside ``eval_*`` on the rest. The lr and each run's reported round are selected on the
+  validation metric (``eval_acc`` -> ``val_acc``); the table reports the test metric at that
+  round. ``select_on = "test"`` selects on the reported metric itself, and the table says so
+  ("selected on test"); so does the default for a task without a validation split or with
+  ``val_fraction = 0`` (saying why). Asking for ``val`` where there is none is an error.
+* A run's **best** value of the selection metric is its best over its evaluated rounds (row 0,
+  every ``eval_every`` rounds and the last): the highest or the lowest as the task declares
+  (:func:`hiso.tasks.registry.higher_is_better`). NaN evaluations are ignored; a run with no
   finite evaluation has best NaN, which loses against any number.
 * Each arm's **lr** is the grid point with the best mean over seeds of the runs' best values
-  (ties: the one listed first). ``DIR/selection.json`` records, per arm, every lr's per-seed
+  of the selection metric (ties: the one listed first). ``DIR/selection.json`` records, per arm, every lr's per-seed
   best values and mean (null when not finite), and the choice.
 * ``DIR/table.md``, ``DIR/table.csv`` (also printed): see :mod:`hiso.report.table` for the
   precise definitions (rounds to reach the reference's best, speed-up, communication).
@@ -89,23 +98,26 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, one_line, read_toml
-from ..report.table import ArmResult, RunResult, best_of, load_run_result
+from ..report.table import ArmResult, RunResult, best_of, load_run_result, val_metric
 from ..tasks.registry import higher_is_better, task_info
 
 PER_ARM_FORBIDDEN = {"lr": "use [compare.lr_grid]", "seed": "use [compare] seeds",
                      "task": "compare one task at a time", "algorithm": None}
 SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
                     "seed": "set [compare] seeds (or --seeds)"}
+# the share of the held-out examples a comparison that selects on validation keeps apart for it
+DEFAULT_VAL_FRACTION = 0.5
 # RunConfig fields that do not change the task a run is built on (the task cache's key is
 # every other field, so a new field is assumed to matter until listed here)
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
@@ -129,6 +141,7 @@ class CompareSpec(BaseModel):
     lr_grid: dict[str, list[float]] = {}
     overrides: dict[str, dict[str, Any]] = {}
     variants: dict[str, dict[str, Any]] = {}
+    select_on: Literal["val", "test"] | None = None  # None: val where the task has a validation split
 
 
 @dataclass(frozen=True)
@@ -161,6 +174,13 @@ class Plan:
     seeds: list[int]
     reference: str
     metric: str
+    select_on: str = "test"  # "val": lr and round selected on the validation split; "test": on the reported metric
+    select_note: str = ""  # why "test" although "val" was asked for
+
+    @property
+    def select_metric(self) -> str:
+        """The metric lr and each run's reported round are selected on."""
+        return val_metric(self.metric) if self.select_on == "val" else self.metric
 
     @property
     def task(self) -> str:
@@ -188,6 +208,7 @@ class Plan:
     def to_json(self) -> dict:
         return {"shared": self.shared, "seeds": self.seeds, "reference": self.reference,
                 "metric": self.metric, "higher_is_better": self.higher_is_better,
+                "select_on": self.select_on, "select_metric": self.select_metric,
                 "arms": [{"name": a.name, "algorithm": a.algorithm, "overrides": a.overrides,
                           "lr_grid": list(a.lrs)} for a in self.arms]}
 
@@ -331,12 +352,29 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
         raise ConfigError(f"compare.reference: {reference!r} is not one of the compared algorithms ({', '.join(spec.algorithms)})")
 
     task = shared.get("task", RunConfig.model_fields["task"].default)
-    metrics = task_info(task).metrics  # the task registers its metrics (validated above)
-    metric = spec.metric or next(iter(metrics))
-    if metric not in metrics:
-        raise ConfigError(f"compare.metric: task {task} reports {', '.join(metrics)}, not {metric!r}")
+    info = task_info(task)  # the task registers its metrics (validated above)
+    metric = spec.metric or next(iter(info.metrics))
+    if metric not in info.metrics:
+        raise ConfigError(f"compare.metric: task {task} reports {', '.join(info.metrics)}, not {metric!r}")
 
-    plan = Plan(shared, arms, list(spec.seeds), reference, metric)
+    # selection: on a validation split held out from the test examples where the task has one
+    select_on, note = spec.select_on, ""
+    if select_on == "val" and not info.validation:
+        raise ConfigError(f"select_on = val: task {task} has no validation split to select on (use --select-on test)")
+    if select_on == "val" and shared.get("val_fraction") == 0:
+        raise ConfigError("select_on = val: val_fraction = 0 leaves no validation split to select on: give "
+                          "val_fraction > 0 or --select-on test")
+    if select_on is None:  # the honest default where it exists
+        if not info.validation:
+            select_on, note = "test", f"task {task} has no validation split"
+        elif shared.get("val_fraction") == 0:
+            select_on, note = "test", "val_fraction = 0"
+        else:
+            select_on = "val"
+    if select_on == "val":
+        shared.setdefault("val_fraction", DEFAULT_VAL_FRACTION)
+
+    plan = Plan(shared, arms, list(spec.seeds), reference, metric, select_on, note)
     for arm in arms:  # validate every run's configuration now, not after hours of runs
         for lr in arm.lrs:
             plan.config(arm, lr, spec.seeds[0])
@@ -393,9 +431,27 @@ def _vm_hwm_mb() -> float | None:
 _PROGRESS = None  # in a worker process: the queue its runs report their rounds to
 
 
-def _init_worker(queue) -> None:
+def _init_worker(queue, parent: int | None = None) -> None:
     global _PROGRESS
     _PROGRESS = queue
+    if parent is not None:
+        _exit_with_parent(parent)
+
+
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """A killed ``hiso compare`` (SIGTERM, SIGKILL) must not leave its workers computing runs
+    nobody waits for: each worker checks its parent every second and exits when it is gone
+    (rerunning the compare reruns the runs that did not finish)."""
+    import os
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="hiso-parent-watch", daemon=True).start()
 
 
 def _round_reporter(label: str, rounds: int, every_s: float = 0.2) -> Callable[[dict], None] | None:
@@ -474,7 +530,7 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
     by_label = {s.label: s for s in todo}
     finished_labels: set[str] = set()
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
-                             initargs=(rounds_q,)) as pool:
+                             initargs=(rounds_q, os.getpid())) as pool:
         pending = {pool.submit(_run_in_worker, spec): spec for spec in todo}
         try:
             while pending:
@@ -605,10 +661,13 @@ def collect(plan: Plan, out: str | Path) -> tuple[list[ArmResult], dict]:
     """Load every run, choose each arm's lr; returns the arms (at their lr) and selection.json's content."""
     out = Path(out)
     higher = plan.higher_is_better
+    sel = plan.select_metric
     arms, selection = [], {"metric": plan.metric, "higher_is_better": higher, "seeds": plan.seeds,
-                           "reference": plan.reference,
+                           "reference": plan.reference, "select_on": plan.select_on, "select_metric": sel,
                            "rule": "per arm, the lr with the best mean over seeds of each run's best "
-                                   f"{plan.metric} over its evaluated rounds (ties: first listed)",
+                                   f"{sel} over its evaluated rounds (ties: first listed)"
+                                   + (f"; each run reported by its {plan.metric} at its best {sel} round"
+                                      if sel != plan.metric else " (selected on the test examples)"),
                            "arms": {}}
     for arm in plan.arms:
         by_lr: dict[float, list[RunResult]] = {}
@@ -616,10 +675,11 @@ def collect(plan: Plan, out: str | Path) -> tuple[list[ArmResult], dict]:
             by_lr[lr] = [load_run_result(run_dir(out, arm.name, lr, s), seed=s) for s in plan.seeds]
         for runs in by_lr.values():
             for r in runs:
-                if not any(plan.metric in row for row in r.rows):
-                    raise ConfigError(f"metric {plan.metric!r} not in {r.dir}/metrics.jsonl "
-                                      f"(it has: {', '.join(r.eval_keys()) or 'no evaluations'})")
-        grid = {lr: [best_of(r.rows, plan.metric, higher) for r in runs] for lr, runs in by_lr.items()}
+                for m in {plan.metric, sel}:
+                    if not any(m in row for row in r.rows):
+                        raise ConfigError(f"metric {m!r} not in {r.dir}/metrics.jsonl "
+                                          f"(it has: {', '.join(r.eval_keys()) or 'no evaluations'})")
+        grid = {lr: [best_of(r.rows, sel, higher) for r in runs] for lr, runs in by_lr.items()}
         chosen = select_lr(grid, higher)
         selection["arms"][arm.name] = {
             "algorithm": arm.algorithm, "overrides": arm.overrides, "chosen_lr": chosen,
@@ -650,9 +710,9 @@ def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     execute(plan, out, force=force, quiet=quiet, jobs=jobs)
     arms, selection = collect(plan, out)
     (out / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
-    table = build_table(arms, plan.reference, plan.metric)
+    table = build_table(arms, plan.reference, plan.metric, plan.select_metric, plan.select_note)
     text = write_table(out, table)
     if plots:
         from ..report.plots import plot_all
-        plot_all(arms, out, plan.metric, plan.reference, table=table)
+        plot_all(arms, out, plan.metric, plan.reference, table=table, select=plan.select_metric)
     return text
