@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "the final model: auto = when the model has at most --max-params numbers (default: auto)")
     dg.add_argument("--max-params", type=int, default=1_000_000, help="size limit of --curvature auto (default: 1e6)")
     dg.add_argument("--batches", type=int, default=8, help="unseen training batches for the curvature (default: 8)")
-    dg.add_argument("--probes", type=int, default=1, help="Rademacher probes per batch for Hutchinson (default: 1)")
+    dg.add_argument("--probes", type=int, default=4, help="Rademacher probes per batch for Hutchinson (default: 4)")
     rb.add_argument("--device", default="cpu", help="where to replay the history: cpu (default, whatever device "
                     "the run used), cuda or cuda:N")
     return parser

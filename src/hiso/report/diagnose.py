@@ -94,7 +94,7 @@ def measure_curvature(task, model: torch.nn.Module, params: list[torch.Tensor], 
 
 
 def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max_params: int = 1_000_000,
-             batches: int = 8, probes: int = 1, progress: bool = True) -> dict[str, Any]:
+             batches: int = 8, probes: int = 4, progress: bool = True) -> dict[str, Any]:
     """The numbers of ``hiso diagnose`` for the run in ``run_dir`` (see the module docstring)."""
     from tqdm import tqdm
 
