@@ -94,3 +94,33 @@ def test_cli_writes_png_text_json_and_refuses_what_it_cannot_diagnose(run, tmp_p
     for target, needle in ((dec, "no preconditioner"), (tmp_path / "missing", "not found")):
         code, _, err = run_cli(["diagnose", str(target)], capsys)
         assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_foreign_history_is_refused_and_unused_parameters_have_zero_curvature(run, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "seed": cfg["seed"] + 1}))
+    with pytest.raises(ValueError, match="history is of run seed"):
+        diagnose(other, points=3, curvature="no", progress=False)
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+            self.b = torch.nn.Parameter(torch.tensor([3.0]))  # never used by the loss
+
+    class T:
+        num_clients = 1
+
+        def batch(self, *a):
+            return None
+
+        def loss(self, model, batch):
+            return (model.a ** 3).sum()
+
+    model = Two()
+    cur = measure_curvature(T(), model, list(model.parameters()), first_round=0, batches=2, probes=2)
+    assert torch.equal(cur.hutchinson[0], torch.tensor([6.0, 12.0]))  # d2/da2 a^3 = 6a, diagonal: exact
+    assert torch.equal(cur.grad2[0], torch.tensor([9.0, 144.0]))  # (3a^2)^2
+    assert torch.equal(cur.hutchinson[1], torch.zeros(1)) and torch.equal(cur.grad2[1], torch.zeros(1))

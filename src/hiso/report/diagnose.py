@@ -77,14 +77,19 @@ def measure_curvature(task, model: torch.nn.Module, params: list[torch.Tensor], 
             batch = task.batch(b % task.num_clients, first_round + b // task.num_clients, 0, batch_size)
             with torch.enable_grad():
                 loss = task.loss(model, batch)
-                grads = torch.autograd.grad(loss, params, create_graph=True)
-                for g, acc in zip(grads, grad2):
-                    acc.add_(g.detach().float() ** 2 / batches)
+                grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+                # a parameter the loss does not depend on has zero gradient and curvature
+                used = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+                for i, g in enumerate(grads):
+                    if g is not None:
+                        grad2[i].add_(g.detach().float() ** 2 / batches)
+                if not used:
+                    continue
                 for k in range(probes):
                     vs = [(torch.randint(0, 2, p.shape, generator=gen) * 2 - 1).to(p.dtype).to(p.device)
                           for p in params]
-                    hv = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=k < probes - 1,
-                                             allow_unused=True)
+                    hv = torch.autograd.grad([grads[i] for i in used], params, grad_outputs=[vs[i] for i in used],
+                                             retain_graph=k < probes - 1, allow_unused=True)
                     for v, h, acc in zip(vs, hv, hutch):
                         if h is not None:
                             acc.add_((v * h).detach().float() / (batches * probes))
@@ -98,9 +103,8 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     """The numbers of ``hiso diagnose`` for the run in ``run_dir`` (see the module docstring)."""
     from tqdm import tqdm
 
-    from ..core.history import parse_history
     from ..core.state import ModelState
-    from ..runners.rundir import saved_config
+    from ..runners.rundir import read_run_history, saved_config
     from ..tasks.registry import build_task
 
     run_dir = Path(run_dir)
@@ -114,7 +118,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     hist = run_dir / "history.bin"
     if not hist.is_file():
         raise FileNotFoundError(f"{hist} not found: is {run_dir} a finished or interrupted hiso run?")
-    log = parse_history(hist)
+    log = read_run_history(run_dir, cfg)
     records = log.records
     R = len(records)
     task = build_task(cfg.model_copy(update={"device": "cpu"}))

@@ -280,6 +280,19 @@ def checkpoint(state: dict, task_info: dict) -> dict:
     return {**state, "base": {"model": task_info["model"], "fingerprint": task_info["base_fingerprint"]}}
 
 
+def read_run_history(run_dir: str | Path, cfg: RunConfig):
+    """``run_dir``'s history.bin, refused unless it is the log of the run ``config.json`` describes
+    (shape, and for version 3 logs the run seed, scalar format and direction family)."""
+    log = parse_history(Path(run_dir) / "history.bin")
+    zo = cfg.zo()
+    if (log.tau, log.P) != zo.shape:
+        raise ValueError(f"history has (tau, P) = {(log.tau, log.P)} but config.json says {zo.shape}")
+    if log.version >= 3 and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.directions):
+        raise ValueError(f"history is of run seed {log.seed}, {log.scalar_dtype} scalars, directions "
+                         f"{log.directions!r}, but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.directions!r}")
+    return log
+
+
 def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu") -> tuple[ModelState, dict]:
     """x_0 from the run's configuration (or from ``task``, the run's task object), then every
     logged round replayed on ``device`` (whatever device the run used): the final model.
@@ -291,14 +304,8 @@ def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu") 
     cfg, info = saved_config(run_dir)
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
-    log = parse_history(run_dir / "history.bin")
-    tau, P, records = log.tau, log.P, log.records
-    zo = cfg.zo()
-    if (tau, P) != zo.shape:
-        raise ValueError(f"history has (tau, P) = {(tau, P)} but config.json says {zo.shape}")
-    if log.version >= 3 and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.directions):
-        raise ValueError(f"history is of run seed {log.seed}, {log.scalar_dtype} scalars, directions "
-                         f"{log.directions!r}, but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.directions!r}")
+    log = read_run_history(run_dir, cfg)
+    records, zo = log.records, cfg.zo()
     task = on_device(task, device) if task is not None else build_task(cfg.model_copy(update={"device": device}))
     if "base_fingerprint" in info:
         found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
