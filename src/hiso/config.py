@@ -102,7 +102,7 @@ class RunConfig(BaseModel):
     h_max: float | None = Field(None, gt=0, description="upper clip of H (HiSo; default: none)")
     h_source: Literal["last", "every"] = Field("last", description=(
         "H's update from the global direction of the last local step or of every local step (HiSo)"))
-    # variants at no extra bytes (docs/variants.md): H's statistic, granularity, bias correction; momentum
+    # variants at no extra bytes (derived in core/preconditioner.py, core/momentum.py): H's statistic, granularity, bias correction; momentum
     h_stat: Literal["ghat2", "floor", "denoised"] = Field("ghat2", description=(
         "what H averages (HiSo): ghat2 (the paper's ghat^2), floor (the estimator's noise floor S/(P H) from the "
         "scalars alone), denoised (ghat^2 minus that floor, unbiased, floored at 0)"))

@@ -18,7 +18,7 @@ decays like 0.95^r and underflows float32 after ~1,800 rounds.
 DeComFL is the same protocol with no preconditioner (H == 1, nothing stored).
 
 Variants (each a field of :class:`PreconditionerConfig`, all computed from the replayed global
-update, so they cost no bytes; docs/variants.md derives them):
+update, so they cost no bytes; derived below):
 
 * ``stat``: what the EMA averages. ``"ghat2"`` (HiSo): ghat**2. ``"floor"``: the part of
   E[ghat_i**2] that does not depend on the coordinate, S / (P H_i) with
