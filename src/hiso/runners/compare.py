@@ -94,12 +94,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, one_line, read_toml
-from ..report.table import ArmResult, RunResult, best_of, load_run_result
+from ..report.table import ArmResult, RunResult, best_of, load_run_result, selected_value, val_metric
 from ..tasks.registry import higher_is_better, task_info
 
 PER_ARM_FORBIDDEN = {"lr": "use [compare.lr_grid]", "seed": "use [compare] seeds",
@@ -129,6 +129,7 @@ class CompareSpec(BaseModel):
     lr_grid: dict[str, list[float]] = {}
     overrides: dict[str, dict[str, Any]] = {}
     variants: dict[str, dict[str, Any]] = {}
+    select_on: Literal["val", "test"] | None = None  # default: val where the runs have a validation split
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,13 @@ class Plan:
     seeds: list[int]
     reference: str
     metric: str
+    select_on: str = "test"  # "val": lr and reported round chosen on the validation split; "test": on metric
+    select_note: str = ""  # why "test" (when not asked for): shown in the table's footer
+
+    @property
+    def select_metric(self) -> str:
+        """The metric lr, each run's reported round and the rounds to reach go by."""
+        return val_metric(self.metric) if self.select_on == "val" else self.metric
 
     @property
     def task(self) -> str:
@@ -188,6 +196,8 @@ class Plan:
     def to_json(self) -> dict:
         return {"shared": self.shared, "seeds": self.seeds, "reference": self.reference,
                 "metric": self.metric, "higher_is_better": self.higher_is_better,
+                "select_on": self.select_on, "select_metric": self.select_metric,
+                **({"select_note": self.select_note} if self.select_note else {}),
                 "arms": [{"name": a.name, "algorithm": a.algorithm, "overrides": a.overrides,
                           "lr_grid": list(a.lrs)} for a in self.arms]}
 
@@ -214,7 +224,7 @@ def _split(flag: str, text: str, conv: Callable[[str], Any]) -> list:
 
 def parse_cli(algorithms: str | None = None, seeds: str | None = None,
               lr_grid: list[str] | None = None, reference: str | None = None,
-              metric: str | None = None) -> dict[str, Any]:
+              metric: str | None = None, select_on: str | None = None) -> dict[str, Any]:
     """The ``[compare]`` keys given on the command line (only those given)."""
     out: dict[str, Any] = {}
     if algorithms is not None:
@@ -233,6 +243,8 @@ def parse_cli(algorithms: str | None = None, seeds: str | None = None,
         out["reference"] = reference
     if metric is not None:
         out["metric"] = metric
+    if select_on is not None:
+        out["select_on"] = select_on
     return out
 
 
@@ -336,11 +348,40 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
     if metric not in metrics:
         raise ConfigError(f"compare.metric: task {task} reports {', '.join(metrics)}, not {metric!r}")
 
-    plan = Plan(shared, arms, list(spec.seeds), reference, metric)
+    select_on, note = _select_on(spec.select_on, task, metric, shared.get("val_fraction") or 0.0)
+    plan = Plan(shared, arms, list(spec.seeds), reference, metric, select_on, note)
     for arm in arms:  # validate every run's configuration now, not after hours of runs
         for lr in arm.lrs:
             plan.config(arm, lr, spec.seeds[0])
     return plan
+
+
+def _select_on(asked: str | None, task: str, metric: str, val_fraction: float) -> tuple[str, str]:
+    """``("val" | "test", note)``: what lr and the reported round are selected on. Not asked:
+    val where the runs have a validation split (the task has one and val_fraction > 0), else test
+    with a note saying why. Asked for val without a split: a one-line error naming the fix."""
+    validation = task_info(task).validation
+    has_val = metric.startswith("eval_")
+    if asked == "val":
+        if not validation:
+            raise ConfigError(f"compare.select_on: task {task} has no validation split (no val_* metrics) to select "
+                              "on; use --select-on test")
+        if not has_val:
+            raise ConfigError(f"compare.select_on: metric {metric} has no validation counterpart (only eval_* "
+                              "metrics do); use --select-on test")
+        if val_fraction <= 0:
+            raise ConfigError("compare.select_on: val_fraction = 0 leaves no validation split to select on; give "
+                              "--val-fraction 0.5 (val_fraction = 0.5 in the file: that share of the held-out "
+                              "examples is kept apart) or --select-on test")
+        return "val", ""
+    if asked == "test":
+        return "test", ""
+    if validation and has_val and val_fraction > 0:
+        return "val", ""
+    if validation and has_val:
+        return "test", ("val_fraction = 0: no validation split; --val-fraction 0.5 --select-on val selects on "
+                        "held-out examples apart from the reported ones")
+    return "test", f"task {task} has no validation split"
 
 
 # --------------------------------------------------------------------------- running
@@ -605,26 +646,37 @@ def collect(plan: Plan, out: str | Path) -> tuple[list[ArmResult], dict]:
     """Load every run, choose each arm's lr; returns the arms (at their lr) and selection.json's content."""
     out = Path(out)
     higher = plan.higher_is_better
+    sel = plan.select_metric
+    rule = (f"per arm, the lr with the best mean over seeds of each run's best {sel} over its evaluated "
+            "rounds (ties: first listed)")
+    rule += (" (selected on test: the reported examples themselves)" if sel == plan.metric else
+             f"; each run reports its {plan.metric} at its first round of best {sel}")
     arms, selection = [], {"metric": plan.metric, "higher_is_better": higher, "seeds": plan.seeds,
-                           "reference": plan.reference,
-                           "rule": "per arm, the lr with the best mean over seeds of each run's best "
-                                   f"{plan.metric} over its evaluated rounds (ties: first listed)",
-                           "arms": {}}
+                           "reference": plan.reference, "select_on": plan.select_on, "select_metric": sel,
+                           **({"select_note": plan.select_note} if plan.select_note else {}),
+                           "rule": rule, "arms": {}}
     for arm in plan.arms:
         by_lr: dict[float, list[RunResult]] = {}
         for lr in arm.lrs:
             by_lr[lr] = [load_run_result(run_dir(out, arm.name, lr, s), seed=s) for s in plan.seeds]
         for runs in by_lr.values():
             for r in runs:
-                if not any(plan.metric in row for row in r.rows):
-                    raise ConfigError(f"metric {plan.metric!r} not in {r.dir}/metrics.jsonl "
-                                      f"(it has: {', '.join(r.eval_keys()) or 'no evaluations'})")
-        grid = {lr: [best_of(r.rows, plan.metric, higher) for r in runs] for lr, runs in by_lr.items()}
+                for m in dict.fromkeys((plan.metric, sel)):
+                    if not any(m in row for row in r.rows):
+                        fix = " (select on test: --select-on test)" if m == sel != plan.metric else ""
+                        raise ConfigError(f"metric {m!r} not in {r.dir}/metrics.jsonl "
+                                          f"(it has: {', '.join(r.eval_keys()) or 'no evaluations'}){fix}")
+        grid = {lr: [best_of(r.rows, sel, higher) for r in runs] for lr, runs in by_lr.items()}
         chosen = select_lr(grid, higher)
+        entries = []
+        for lr, vals in grid.items():
+            e = {"lr": lr, "best_per_seed": dict(zip(map(str, plan.seeds), vals)), "mean_best": sum(vals) / len(vals)}
+            if sel != plan.metric:  # what the table reports for each lr: the test metric at the selected round
+                rep_vals = [selected_value(r.rows, plan.metric, sel, higher) for r in by_lr[lr]]
+                e[f"{plan.metric}_at_selected_per_seed"] = dict(zip(map(str, plan.seeds), rep_vals))
+            entries.append(e)
         selection["arms"][arm.name] = {
-            "algorithm": arm.algorithm, "overrides": arm.overrides, "chosen_lr": chosen,
-            "grid": [{"lr": lr, "best_per_seed": dict(zip(map(str, plan.seeds), vals)),
-                      "mean_best": sum(vals) / len(vals)} for lr, vals in grid.items()],
+            "algorithm": arm.algorithm, "overrides": arm.overrides, "chosen_lr": chosen, "grid": entries,
         }
         arms.append(ArmResult(arm.name, arm.algorithm, chosen, by_lr[chosen], grid=grid))
     return arms, selection
@@ -650,7 +702,7 @@ def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     execute(plan, out, force=force, quiet=quiet, jobs=jobs)
     arms, selection = collect(plan, out)
     (out / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
-    table = build_table(arms, plan.reference, plan.metric)
+    table = build_table(arms, plan.reference, plan.metric, plan.select_metric, plan.select_note)
     text = write_table(out, table)
     if plots:
         from ..report.plots import plot_all
