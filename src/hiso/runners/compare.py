@@ -16,6 +16,7 @@ compare::
     seeds = [0, 1, 2]         # every (arm, lr) runs once per seed (default [0])
     reference = "decomfl"     # default: decomfl if it is an arm, else the first arm
     metric = "eval_acc"       # default: eval_acc for vision tasks, gap for the quadratic
+    select_on = "val"         # or "test"; default: val where the runs have a validation split
 
     [compare.lr_grid]         # arm or algorithm name -> lrs to try
     hiso = [3e-4, 1e-3]
@@ -39,8 +40,8 @@ variant's own keys; then its lr and seed. Its lr grid is ``lr_grid[arm name]``, 
 ``lr_grid[its algorithm]`` (variants inherit their algorithm's grid), else the shared ``lr``.
 ``lr``, ``seed`` and ``task`` cannot be set per arm (use ``lr_grid``, ``seeds``, and one
 compare per task). Flags: ``--algorithms a,b``, ``--seeds 0,1,2``, ``--lr-grid NAME=LR,LR``
-(repeatable; replaces that name's grid), ``--reference``, ``--metric`` replace the file's
-values. Every run's configuration is validated before the first run starts.
+(repeatable; replaces that name's grid), ``--reference``, ``--metric``, ``--select-on`` replace
+the file's values. Every run's configuration is validated before the first run starts.
 
 Runs and resuming
 -----------------
@@ -60,6 +61,21 @@ the process is all there is.
 
 Selection and outputs
 ---------------------
+* **What the choices are made on** (``select_on``, ``--select-on``). ``"val"``: on a validation
+  split, so the reported examples are never looked at while choosing. It needs runs with one: a
+  task that supports it (registered with ``validation=True``: mnist, fashion-mnist) and
+  ``val_fraction > 0``, which keeps that share of the held-out examples apart (seeded) and
+  reports ``val_*`` on them beside ``eval_*`` on the rest (the reported examples are then that
+  rest, fewer than without a split). The selection metric is ``metric``'s validation
+  counterpart (``eval_acc`` -> ``val_acc``); it picks each arm's lr (below), each run's
+  **selected round** (its first evaluated round with its best validation value) and the
+  threshold and rounds of "rounds to reach"; the table reports ``metric`` (test) at the
+  selected round. ``"test"``: on ``metric`` itself, the examples reported (optimistic; the
+  table's header says "selected on test"). Default: ``"val"`` where the runs have a validation
+  split, else ``"test"`` with a note in the footer saying why. ``select_on = "val"`` without a
+  split is refused in one line before anything runs (and, should a task that declares one write
+  no ``val_*`` metric, when the runs are collected). Switching it over finished runs reruns
+  nothing. In what follows "metric" is the selection metric.
 * A run's **best** value is the best ``metric`` over its evaluated rounds (row 0, every
   ``eval_every`` rounds and the last): the highest for accuracies (names ending in ``acc``), the
   lowest otherwise (losses, the quadratic's gap). NaN evaluations are ignored; a run with no
@@ -70,7 +86,9 @@ Selection and outputs
 * ``DIR/table.md``, ``DIR/table.csv`` (also printed): see :mod:`hiso.report.table` for the
   precise definitions (rounds to reach the reference's best, speed-up, communication).
 * ``DIR/*.png``: see :mod:`hiso.report.plots`.
-* ``DIR/compare.json``: the resolved plan (shared configuration, arms, grids, seeds). Written
+* ``DIR/compare.json``: the resolved plan (shared configuration, arms, grids, seeds, ``select_on``
+  and ``select_metric``; ``selection.json`` records them too, and, selecting on validation,
+  each lr's per-seed test metric at the selected round). Written
   only once the plan is known to fit the runs already in ``DIR`` (a refused compare leaves it as
   it was).
 
