@@ -446,7 +446,7 @@ def selection_lines(table: Table) -> list[str]:
         c.get("n_val") and c.get("n_eval")) else ""
     return [
         f"- selected on validation{n_val}: lr, each run's reported round and the rounds to reach are "
-        f"chosen on {vlab}; the {lab} examples are only reported.",
+        f"chosen on {vlab}; {lab} is measured on the other held-out examples and only reported.",
         f"- lr: chosen per algorithm from its grid by the best mean over seeds of the runs' best {vlab} "
         "(selection.json lists the grid).",
         f"- {lab} at best {vlab} round: a run's {lab} at its first evaluated round with its {better} "
@@ -461,7 +461,7 @@ def footer(table: Table) -> str:
     n_eval = f" on {c['n_eval']:,} held-out examples" if c.get("n_eval") else ""
     cmp_word = "≥" if table.higher else "≤"
     best = "best" if table.on_test else f"best {sel}"
-    own = "its own best" if table.on_test else "its selected round (its own best " + sel + ")"
+    own = "its own best" if table.on_test else "its selected round"
     return "\n".join([
         f"Task {c.get('task')}: {c.get('clients')} clients, {c.get('sampled')} sampled per round, "
         f"{c.get('rounds')} rounds, evaluated every {c.get('eval_every')} rounds{n_eval}; "
@@ -469,10 +469,11 @@ def footer(table: Table) -> str:
         *selection_lines(table),
         f"- rounds to {ref}'s {best}: per seed the first evaluated round with {sel} {cmp_word} "
         f"{_fmt_threshold(table.threshold, m)} ({ref}'s mean best {sel}), mean over seeds; "
-        f"'—' if some seed never reaches it. {ref}'s own row: rounds to {own} (per seed, mean).",
+        f"'—' if some seed never reaches it. {ref}'s own row: rounds to {own} (per seed, mean"
+        + ("" if table.on_test else f"; where it attains its own best {sel}") + ").",
         f"- time to {ref}'s {best}: the same, in seconds of training (wall_s at that round; evaluation "
         "excluded), mean over seeds; it depends on the machine and on the runs beside it (--jobs).",
-        f"- speed-up: {ref}'s rounds to {own.split(' (')[0]} / this row's rounds to reach it "
+        f"- speed-up: {ref}'s rounds to {own} / this row's rounds to reach it "
         f"(resolution: {c.get('eval_every')} rounds).",
         "- communication: bytes per client over the whole run (mean over all clients, then seeds); "
         "decimal units (1 KB = 1000 B).",
