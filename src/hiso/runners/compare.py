@@ -94,8 +94,9 @@ Selection and outputs
 
 Progress
 --------
-Each finished run prints one line with its best value and its own time (``wall_s_total`` of its
-``summary.json``: task building and queueing excluded). With ``--jobs`` > 1 the bar counts
+Each finished run prints one line with its best value of the selection metric (``val_acc``
+when selecting on validation: the test metric is not shown while runs are chosen) and its own
+time (``wall_s_total`` of its ``summary.json``: task building and queueing excluded). With ``--jobs`` > 1 the bar counts
 rounds over all runs to do, fed by the workers (each sends its round numbers through a queue),
 and shows each running run's round. A worker process starts Python and torch and builds its own
 task (seconds, and the task's data once per run instead of once per seed), so for runs of a few
@@ -546,8 +547,8 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
                     finished_labels.add(spec.label)
                     at.pop(spec.label, None)
                     advance(spec.label, spec.cfg.rounds)  # a diverged run's rounds left count as done
-                    best = summary.get("best", {}).get(plan.metric, float("nan"))
-                    bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.metric} {best:.4g}, "
+                    best = summary.get("best", {}).get(plan.select_metric, float("nan"))
+                    bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.select_metric} {best:.4g}, "
                               f"{_run_seconds(summary)}")
                 running = ", ".join(f"{lab}: {r}/{by_label[lab].cfg.rounds}" for lab, r in sorted(at.items()))
                 bar.set_postfix_str(f"runs {done + skipped}/{len(specs)}" + (f"; {running}" if running else ""))
@@ -632,8 +633,8 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
             done += 1
             bar.update(1)
             if not quiet:
-                best = summary.get("best", {}).get(plan.metric, float("nan"))
-                bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.metric} {best:.4g}, "
+                best = summary.get("best", {}).get(plan.select_metric, float("nan"))
+                bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.select_metric} {best:.4g}, "
                           f"{_run_seconds(summary)}")
     finally:
         bar.close()
