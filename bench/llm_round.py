@@ -9,6 +9,11 @@ between the inference phase and the training phase). A simulated round is m clie
 updates (tau (P + 1) forwards each, hooks perturbation: each perturbed layer's direction is
 generated inside the forward) plus the server's replay of the round's record, which is exactly
 what a client pays per missed round when it catches up. All shares come from the same run.
+
+"Directions" is all direction work, timed at the outermost call of the generator's ``fill``,
+``shift`` (generate, scale by mu H^{-1/2}, add: fused in one pass for the Philox families) and
+``combine`` (sum_p g_p u_p, then H^{-1/2}); the part of it done inside a forward (hooks
+perturbation) is taken out of the forwards' share. ``--directions`` picks the family.
 """
 
 from __future__ import annotations
@@ -29,12 +34,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--directions", default=None, help="direction family (default: the config's default)")
     args = ap.parse_args()
 
     import torch
 
+    from direction_timer import DirectionTimer
     from hiso.config import load_config
-    from hiso.core import directions
     from hiso.core.state import ModelState
     from hiso.runners.compare import _reset_peak_rss, _vm_hwm_mb
     from hiso.runners.simulate import Simulation
@@ -43,7 +49,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = load_config(task=args.task, model=args.model, data_dir=args.data_dir, lora_r=args.lora_r,
                       algorithm=args.algorithm, autocast=args.autocast, clients=6, sampled=2,
-                      batch_size=args.batch_size, lr=1e-6, eval_max=16, min_size=2)
+                      batch_size=args.batch_size, lr=1e-6, eval_max=16, min_size=2,
+                      **({"directions": args.directions} if args.directions else {}))
     t0 = time.perf_counter()
     task = build_task(cfg)
     model = task.build_model()
@@ -60,34 +67,25 @@ def main() -> None:
         t_fwd = (time.perf_counter() - t0) / 3
     rss_inference = _vm_hwm_mb()
 
-    timers = {"forward": 0.0, "generate": 0.0, "generate_in_forward": 0.0, "apply": 0.0}
-    inside = [False]
-    fill, loss, apply = directions.DirectionGenerator.fill, task.loss, ModelState.apply
-
-    def timed_fill(self, *a):
-        t = time.perf_counter()
-        out = fill(self, *a)
-        dt = time.perf_counter() - t
-        timers["generate"] += dt
-        if inside[0]:
-            timers["generate_in_forward"] += dt
-        return out
+    timers = {"forward": 0.0, "apply": 0.0}
+    dirs = DirectionTimer()
 
     def timed_loss(m, b):
-        inside[0] = True
+        dirs.forward = True
         t = time.perf_counter()
         try:
             return loss(m, b)
         finally:
             timers["forward"] += time.perf_counter() - t
-            inside[0] = False
+            dirs.forward = False
 
     def timed_apply(self, rec):
         t = time.perf_counter()
         apply(self, rec)
         timers["apply"] += time.perf_counter() - t
 
-    directions.DirectionGenerator.fill = timed_fill
+    dirs.installed().__enter__()  # for the rest of this process
+    loss, apply = task.loss, ModelState.apply
     task.loss = timed_loss
     ModelState.apply = timed_apply
     task._spare = model  # the simulation takes the model inference used (one copy in memory)
@@ -96,18 +94,19 @@ def main() -> None:
     sim.step()  # warm-up: scratch buffers
     for k in timers:
         timers[k] = 0.0
+    dirs.reset()
     t0 = time.perf_counter()
     for _ in range(args.rounds):
         sim.step()
     total = time.perf_counter() - t0
     R = args.rounds
-    fwd = (timers["forward"] - timers["generate_in_forward"]) / R
-    gen = timers["generate"] / R
+    fwd = (timers["forward"] - dirs.in_forward) / R
+    gen = dirs.total / R
     per = total / R
     n_fwd = 2 * cfg.local_steps * (cfg.perturbations + 1)
     out = {
         "task": args.task, "model": args.model, "lora_r": args.lora_r, "algorithm": args.algorithm,
-        "autocast": task.autocast, "threads": args.threads, "batch_size": args.batch_size,
+        "directions": cfg.directions, "autocast": getattr(task, "autocast", "none"), "threads": args.threads, "batch_size": args.batch_size,
         "trainable_params": sum(p.numel() for p in sim.state.params), "load_s": load_s,
         "s_per_round": per, "forwards_s": fwd, "directions_s": gen, "rest_s": per - fwd - gen,
         "forward_alone_s": t_fwd, "forwards_per_round": n_fwd, "round_over_forwards_alone": per / (n_fwd * t_fwd),
@@ -115,7 +114,7 @@ def main() -> None:
         "rss_inference_mb": rss_inference, "peak_rss_round_mb": _vm_hwm_mb(),
     }
     print(f"{args.task} {args.model} {'LoRA r=' + str(args.lora_r) if args.lora_r else 'full'} "
-          f"({out['trainable_params']:,} trainable), {args.algorithm}, autocast {task.autocast}, {args.threads} threads:")
+          f"({out['trainable_params']:,} trainable), {args.algorithm}, {cfg.directions}, autocast {out['autocast']}, {args.threads} threads:")
     print(f"  {per:.2f} s/round = forwards {fwd:.2f} s ({100 * fwd / per:.0f}%) + directions {gen:.2f} s "
           f"({100 * gen / per:.0f}%) + rest {per - fwd - gen:.2f} s; round = {out['round_over_forwards_alone']:.2f}x "
           f"its {n_fwd} forwards alone ({t_fwd:.2f} s each)")

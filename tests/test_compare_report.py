@@ -3,6 +3,7 @@ with --jobs, time to accuracy, lr-at-the-edge warnings, and the single-seed foot
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -171,3 +172,46 @@ def test_one_seed_says_no_spread_and_several_show_mean_and_std():
                       "decomfl", "eval_acc")
     assert "80.00 ± 14.14" in to_markdown(two)
     assert "no spread" not in footer(two) and "mean ± sample std over seeds" in footer(two)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the workers")
+def test_killing_compare_does_not_leave_its_workers_running(tmp_path):
+    """SIGKILL of a `hiso compare --jobs 2` takes its worker processes with it within seconds."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "hiso.cli", "compare", "--out", str(tmp_path / "c"), "--jobs", "2", "--quiet",
+           "--task", "quadratic", "--dim", "20000", "--clients", "4", "--sampled", "2", "--rounds", "100000",
+           "--eval-every", "1000", "--algorithms", "hiso,decomfl", "--threads", "1"]
+    parent = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(Path(cmp.__file__).parents[2])})
+
+    def children():
+        out = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == parent.pid and "spawn_main" in (d / "cmdline").read_bytes().decode(errors="ignore"):
+                    out.append(int(d.name))
+        return out
+
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := children()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(workers) == 2, "the compare never started its two workers"
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 15
+    while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [w for w in workers if Path(f"/proc/{w}").exists()]
+    for w in alive:
+        os.kill(w, signal.SIGKILL)
+    assert not alive, "workers outlived their compare"

@@ -82,6 +82,46 @@ def test_hooks_perturb_shared_modules_and_tied_weights():
     assert np.array_equal(res["hooks"], res["swap"])
 
 
+def test_hooks_perturb_builds_a_tied_weight_once_per_forward():
+    """A tied embedding used by two modules is shifted once per forward, not once per module."""
+    from hiso.core.directions import DirectionGenerator
+    from hiso.core.perturb import Shift
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Linear(4, 4, bias=False)
+            self.mid = nn.Linear(4, 4, bias=False)
+            self.head = nn.Linear(4, 4, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.mid(torch.tanh(self.emb(x))))).pow(2).sum()
+
+    class Counting(DirectionGenerator):
+        calls: list[int]
+
+        def shift(self, out, x, seed, index, *a, **k):
+            self.calls.append(index)
+            return super().shift(out, x, seed, index, *a, **k)
+
+    torch.manual_seed(0)
+    model = Tied()
+    params = [p for p in model.parameters()]
+    assert len(params) == 2
+    x = torch.randn(3, 4)
+    losses, originals = {}, [(p.data_ptr(), p.detach().clone()) for p in params]
+    for mode in ("hooks", "swap"):
+        gen = Counting()
+        gen.calls = []
+        with torch.no_grad(), Perturber(model, params, mode).at(Shift(gen, seed=7, scale=0.5)):
+            losses[mode] = model(x)
+        assert sorted(gen.calls) == [0, 1], (mode, gen.calls)
+        assert all(p.data_ptr() == ptr and torch.equal(p, v) for p, (ptr, v) in zip(params, originals))
+    assert torch.equal(losses["hooks"], losses["swap"])
+    assert not torch.equal(losses["hooks"], model(x).detach())
+
+
 def test_zo_forwards_do_not_touch_buffers_or_draw_dropout_masks():
     """Batch-norm statistics and dropout would make f depend on more than x (and break replay)."""
     def make():

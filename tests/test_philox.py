@@ -1,9 +1,15 @@
 """The Philox direction families: known answers, the definition, and equality of the kernels."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+import hiso
 from hiso.core import philox
 from hiso.core.directions import DEFAULT_FAMILY, FAMILIES, DirectionGenerator, direction
 
@@ -160,3 +166,20 @@ def test_cpu_and_cuda_give_identical_directions_and_arithmetic(family):
         a = cpu.combine(4, x.shape, seeds, scalars, hh).clone()
         b = gpu.combine(4, x.shape, seeds, scalars, None if hh is None else hh.cuda(), "cuda")
         assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: numba's pool cannot change torch's thread count")
+def test_numba_kernels_leave_torchs_thread_count_alone():
+    """numba's OpenMP pool, once started, must not raise torch's thread count (with --threads 1
+    and --jobs 2 that oversubscribes the cores with spinning threads); a fresh process, since the
+    pool starts once per process."""
+    code = ("import torch, numpy as np\n"
+            "torch.set_num_threads(1)\n"
+            "from hiso.core.directions import DirectionGenerator\n"
+            "g = DirectionGenerator('philox-rademacher', kernel='numba')\n"
+            "g.fill(3, 0, torch.Size([300000]))\n"
+            "g.combine(0, torch.Size([300000]), np.arange(1, 4, dtype=np.uint64), np.ones(3, np.float32))\n"
+            "print(torch.get_num_threads())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(hiso.__file__).parents[1])})
+    assert out.stdout.strip() == "1"

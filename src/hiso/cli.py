@@ -122,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
+    dg = sub.add_parser("diagnose", help="what a HiSo run's preconditioner H learned: its range over rounds, the "
+                        "effective step lr/H, per tensor, and against measured curvature (PNG + text)")
+    dg.add_argument("run_dir")
+    dg.add_argument("--out", help="directory for diagnose.png/.txt/.json (default: the run directory)")
+    dg.add_argument("--points", type=int, default=20, help="rounds at which H is summarised (default: 20)")
+    dg.add_argument("--curvature", choices=("auto", "yes", "no"), default="auto",
+                    help="measure the Hessian diagonal (Hutchinson) and gradient second moment with autograd at "
+                    "the final model: auto = when the model has at most --max-params numbers (default: auto)")
+    dg.add_argument("--max-params", type=int, default=1_000_000, help="size limit of --curvature auto (default: 1e6)")
+    dg.add_argument("--batches", type=int, default=8, help="unseen training batches for the curvature (default: 8)")
+    dg.add_argument("--probes", type=int, default=4, help="Rademacher probes per batch for Hutchinson (default: 4)")
+    rb.add_argument("--device", default="cpu", help="where to replay the history: cpu (default, whatever device "
+                    "the run used), cuda or cuda:N")
     return parser
 
 
@@ -227,9 +240,22 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     from .runners.rundir import rebuild
 
-    state, ckpt = rebuild(args.run_dir)
+    state, ckpt = rebuild(args.run_dir, device=args.device)
     torch.save(ckpt, args.out)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
+    return 0
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from .report.diagnose import diagnose, summary_text, write
+
+    if args.batches < 1 or args.probes < 1:
+        raise ValueError("--batches and --probes must be >= 1")
+    d = diagnose(args.run_dir, points=args.points, curvature=args.curvature, max_params=args.max_params,
+                 batches=args.batches, probes=args.probes)
+    paths = write(d, args.out or args.run_dir)
+    print(summary_text(d))
+    print(f"written: {', '.join(str(p) for p in paths)}")
     return 0
 
 
@@ -291,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_compare(args)
         if args.command == "flower":
             return cmd_flower(args)
+        if args.command == "diagnose":
+            return cmd_diagnose(args)
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))

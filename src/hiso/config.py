@@ -75,10 +75,11 @@ class RunConfig(BaseModel):
     diverge_factor: float | None = Field(1e3, gt=1, description=(
         "stop as diverged when a round's training loss exceeds this times round 1's (default: 1000; a non-finite "
         "loss always stops)"))
-    directions: str = Field("torch-normal", description=(
-        "direction family: how a seed becomes a random direction: torch-normal (the paper's Gaussian, torch's CPU "
-        "stream), philox-rademacher or philox-gaussian (Philox4x32-10: the same bits on every device and torch "
-        "version; fast fused kernels)"))
+    directions: str = Field("philox-rademacher", description=(
+        "direction family: how a seed becomes a random direction: philox-rademacher (default: random signs) or "
+        "philox-gaussian (a Gaussian by table lookup), both Philox4x32-10 with the same bits on every device and "
+        "torch version and fused kernels; or torch-normal (the paper's Gaussian from torch's CPU stream: slower, "
+        "peers need the same torch version)"))
     scalar_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
         "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
         "float16/bfloat16)"))
@@ -122,6 +123,9 @@ class RunConfig(BaseModel):
     wire_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
         "number format of full-model baselines' messages"))
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's own)")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description=(
+        "where clients and the server run their model: cpu, or cuda / cuda:N (directions of the Philox families "
+        "are then generated on the GPU; hiso rebuild replays on the CPU)"))
     # reliability (hiso, decomfl): how the server combines answers, simulated faults and attackers
     aggregate: Literal["mean", "median", "trimmed-mean"] = Field("mean", description=(
         "how the server combines the clients' scalars, per (step, perturbation) entry: (weighted) mean, weighted "

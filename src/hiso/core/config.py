@@ -19,7 +19,7 @@ class ZOConfig:
     local_steps: int = 1
     difference: Literal["forward", "central"] = "forward"
     precond: PreconditionerConfig | None = None
-    directions: str = "torch-normal"  # the direction family (see hiso.core.directions.FAMILIES)
+    directions: str = "philox-rademacher"  # the direction family (see hiso.core.directions.FAMILIES)
     scalar_dtype: str = "float32"  # the scalars' number format on the wire and in the log (float16, bfloat16)
     momentum: MomentumConfig | None = None  # server-side momentum (hiso.core.momentum); None: none
 

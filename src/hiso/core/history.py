@@ -97,7 +97,7 @@ class HistoryWriter:
     """
 
     def __init__(self, path: str | Path, tau: int, P: int, *, keep: int | None = None, fsync: bool = True,
-                 seed: int = 0, scalar_dtype: str = "float32", directions: str = "torch-normal"):
+                 seed: int = 0, scalar_dtype: str = "float32", directions: str = "philox-rademacher"):
         self.tau, self.P, self.fsync = tau, P, fsync
         self.seed, self.dtype, self.directions = seed, scalar_dtype, directions
         head = encode_header(tau, P, seed, scalar_dtype, directions)

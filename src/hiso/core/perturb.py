@@ -6,7 +6,8 @@ is built only while it is needed and x itself is never written:
 
 * ``mode="hooks"`` (default, lean): forward hooks swap each module's own parameters for their
   shifted values just before the module runs and put the originals back right after, so the
-  extra memory is one layer's worth. It requires parameters to be used through their own
+  extra memory is one layer's worth (plus tied parameters, e.g. an LM's embedding and output
+  head: shifted once when first used and kept until the block ends). It requires parameters to be used through their own
   module's ``forward`` (true of torch and transformers layers; a parameter read as
   ``other_module.weight`` inside a different module would be missed: use ``"swap"``).
 * ``mode="swap"``: every parameter is swapped for the whole forward (one extra model copy),
@@ -61,10 +62,16 @@ class Perturber:
         index = {id(p): i for i, p in enumerate(params)}
         # each module's own trainable parameters, with their protocol index
         self._owned = []
+        owners: dict[int, int] = {}
         for mod in model.modules():
             own = [(index[id(p)], p) for p in mod.parameters(recurse=False) if id(p) in index]
             if own:
                 self._owned.append((mod, own))
+                for i, _ in own:
+                    owners[i] = owners.get(i, 0) + 1
+        # parameters owned by several modules (tied embeddings): shifted once per forward and
+        # kept until the block ends, instead of being rebuilt by every module that uses them
+        self._shared = {i for i, n in owners.items() if n > 1}
 
     def _swap_in(self, shift: Shift, i: int, p: torch.Tensor) -> torch.Tensor:
         """Point p at a buffer holding its shifted value; return the original data."""
@@ -98,7 +105,7 @@ class Perturber:
         def enter(own):
             def pre(_mod, _args):
                 for i, p in own:
-                    if depth.get(i, 0) == 0:
+                    if depth.get(i, 0) == 0 and i not in saved:
                         saved[i] = self._swap_in(shift, i, p)
                     depth[i] = depth.get(i, 0) + 1
             return pre
@@ -107,7 +114,7 @@ class Perturber:
             def post(_mod, _args, _out):
                 for i, p in own:
                     depth[i] -= 1
-                    if depth[i] == 0:
+                    if depth[i] == 0 and i not in self._shared:
                         self._swap_out(p, saved.pop(i))
             return post
 
@@ -120,5 +127,5 @@ class Perturber:
         finally:
             for h in handles:
                 h.remove()
-            for i, x in saved.items():  # only after an exception escaped a forward
+            for i, x in saved.items():  # shared parameters, and any left by an exception
                 self._swap_out(self.params[i], x)

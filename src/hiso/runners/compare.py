@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -453,9 +454,27 @@ def _vm_hwm_mb() -> float | None:
 _PROGRESS = None  # in a worker process: the queue its runs report their rounds to
 
 
-def _init_worker(queue) -> None:
+def _init_worker(queue, parent: int | None = None) -> None:
     global _PROGRESS
     _PROGRESS = queue
+    if parent is not None:
+        _exit_with_parent(parent)
+
+
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """A killed ``hiso compare`` (SIGTERM, SIGKILL) must not leave its workers computing runs
+    nobody waits for: each worker checks its parent every second and exits when it is gone
+    (rerunning the compare reruns the runs that did not finish)."""
+    import os
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="hiso-parent-watch", daemon=True).start()
 
 
 def _round_reporter(label: str, rounds: int, every_s: float = 0.2) -> Callable[[dict], None] | None:
@@ -534,7 +553,7 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
     by_label = {s.label: s for s in todo}
     finished_labels: set[str] = set()
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
-                             initargs=(rounds_q,)) as pool:
+                             initargs=(rounds_q, os.getpid())) as pool:
         pending = {pool.submit(_run_in_worker, spec): spec for spec in todo}
         try:
             while pending:

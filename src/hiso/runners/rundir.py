@@ -42,6 +42,7 @@ from ..config import RunConfig
 from ..core.history import HistoryWriter, parse_history, read_history
 from ..core.state import ModelState
 from ..tasks.base import Task
+from ..tasks.device import on_device
 from ..tasks.registry import build_task, higher_is_better
 from .simulate import Simulation
 
@@ -157,7 +158,6 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     no log to rebuild their server (and optimiser) state from.
     """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     if resume and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          f"their state from (start again with --force)")
@@ -167,8 +167,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                          "fault counts are not logged): start again with --force")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    task = task or build_task(cfg)
+    task = on_device(task, cfg.device) if task is not None else build_task(cfg)
     info = task.describe()
+    out.mkdir(parents=True, exist_ok=True)
     kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
     if not resume or not (out / "config.json").exists():
         _write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
@@ -261,17 +262,40 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     return summary
 
 
+def _on_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    return obj
+
+
 def checkpoint(state: dict, task_info: dict) -> dict:
-    """What ``model.pt`` holds: the replicated state, plus the base model's name and fingerprint
-    where the state alone does not define the model (LoRA adapters over a frozen base)."""
+    """What ``model.pt`` holds: the replicated state (its tensors on the CPU, whatever device the
+    run used), plus the base model's name and fingerprint where the state alone does not define
+    the model (LoRA adapters over a frozen base)."""
+    state = _on_cpu(state)
     if "base_fingerprint" not in task_info:
         return state
     return {**state, "base": {"model": task_info["model"], "fingerprint": task_info["base_fingerprint"]}}
 
 
-def rebuild(run_dir: str | Path, task: Task | None = None) -> tuple[ModelState, dict]:
+def read_run_history(run_dir: str | Path, cfg: RunConfig):
+    """``run_dir``'s history.bin, refused unless it is the log of the run ``config.json`` describes
+    (shape, and for version 3 logs the run seed, scalar format and direction family)."""
+    log = parse_history(Path(run_dir) / "history.bin")
+    zo = cfg.zo()
+    if (log.tau, log.P) != zo.shape:
+        raise ValueError(f"history has (tau, P) = {(log.tau, log.P)} but config.json says {zo.shape}")
+    if log.version >= 3 and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.directions):
+        raise ValueError(f"history is of run seed {log.seed}, {log.scalar_dtype} scalars, directions "
+                         f"{log.directions!r}, but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.directions!r}")
+    return log
+
+
+def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu") -> tuple[ModelState, dict]:
     """x_0 from the run's configuration (or from ``task``, the run's task object), then every
-    logged round replayed: the final model.
+    logged round replayed on ``device`` (whatever device the run used): the final model.
 
     Returns the replica and its ``model.pt`` checkpoint. A base model whose weights differ from
     the run's (fingerprint in ``config.json``) is refused before anything is replayed.
@@ -280,15 +304,9 @@ def rebuild(run_dir: str | Path, task: Task | None = None) -> tuple[ModelState, 
     cfg, info = saved_config(run_dir)
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
-    log = parse_history(run_dir / "history.bin")
-    tau, P, records = log.tau, log.P, log.records
-    zo = cfg.zo()
-    if (tau, P) != zo.shape:
-        raise ValueError(f"history has (tau, P) = {(tau, P)} but config.json says {zo.shape}")
-    if log.version >= 3 and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.directions):
-        raise ValueError(f"history is of run seed {log.seed}, {log.scalar_dtype} scalars, directions "
-                         f"{log.directions!r}, but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.directions!r}")
-    task = task or build_task(cfg)
+    log = read_run_history(run_dir, cfg)
+    records, zo = log.records, cfg.zo()
+    task = on_device(task, device) if task is not None else build_task(cfg.model_copy(update={"device": device}))
     if "base_fingerprint" in info:
         found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
         if found != info["base_fingerprint"]:

@@ -192,8 +192,9 @@ def use_instance(task: "Task", name: str | None = None) -> str:
 
 
 def build_task(cfg: "RunConfig") -> "Task":
-    """The task ``cfg.task`` built from the run's configuration."""
-    return task_info(cfg.task).build(cfg)
+    """The task ``cfg.task`` built from the run's configuration, its models on ``cfg.device``."""
+    from .device import on_device
+    return on_device(task_info(cfg.task).build(cfg), cfg.device)
 
 
 def algorithm_family(algorithm: str) -> str:
