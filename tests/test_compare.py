@@ -168,6 +168,7 @@ def test_compare_chooses_the_lr_that_learns(tmp_path, capsys):
          json.loads((out / "runs/hiso/lr0.05/seed0/summary.json").read_text())["communication_per_client"]["bytes_up_mean"]) / 2)
     md = (out / "table.md").read_text()
     assert md.splitlines()[0].startswith("| algorithm | lr | best optimality gap, selected on test | rounds to DeComFL's best")
+    assert "selected on test" in md and "task quadratic has no validation split" in md  # the label and why
     assert "speed-up" in md and "uplink / client" in md and "peak memory" in md and "1 KB = 1000 B" in md
     if sys.platform == "linux":  # peak memory measured per run, not the process's lifetime peak
         assert summ["peak_rss_mb_run"] > 0

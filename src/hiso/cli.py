@@ -91,9 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--reference", help="the algorithm the others are measured against (default: decomfl)")
     cmp.add_argument("--metric", help="eval metric to select and compare on (default: eval_acc, or gap)")
     cmp.add_argument("--select-on", choices=("val", "test"), help=(
-        "select each lr and each run's reported round on a validation split held out from the test examples "
-        "(val; default where the task has one: val_fraction 0.5 unless given) or on the test examples themselves "
-        "(test: optimistic, labelled so in the table)"))
+        "choose each lr and each run's reported round on the validation split (val: the runs need "
+        "--val-fraction > 0, which keeps that share of the held-out examples apart; the table reports the "
+        "test metric at the chosen round) or on the reported test examples themselves (test: optimistic, "
+        "labelled so). Default: val when the runs have a validation split, else test"))
     cmp.add_argument("--force", action="store_true", help="rerun finished runs too")
     cmp.add_argument("--jobs", type=int, default=1,
                      help="runs at a time, each in its own worker process (default 1). A worker starts Python "
@@ -220,9 +221,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .runners.compare import build_plan, compare, parse_cli
 
     shared = {k: getattr(args, k) for k in RunConfig.model_fields if hasattr(args, k)}
-    flags = parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric)
-    if args.select_on is not None:
-        flags["select_on"] = args.select_on
+    flags = parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric, args.select_on)
     plan = build_plan(args.config, shared, flags)
     if args.jobs < 1:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")

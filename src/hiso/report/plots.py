@@ -16,7 +16,10 @@ seeds with a band from the seeds' min to max, aligned by round: a point at round
   seeds with min-max bars; the chosen lr is starred.
 
 The eval panels draw the reference arm's mean best as a dashed horizontal line (the threshold
-of "rounds to reach" in the table). The train loss is the participants' mean loss of each
+of "rounds to reach" in the table). Selected on validation, they draw no line (the threshold
+is a validation value) but mark each arm's reported point: the mean over seeds of the eval
+metric and of x at each run's round of best validation metric; ``lr_sweep.png`` then shows the
+validation metric the lr was chosen by. The train loss is the participants' mean loss of each
 round, smoothed by a trailing moving average (window shown in the panel title) before the
 seeds are combined.
 """
@@ -31,7 +34,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from .table import (ArmResult, Table, best_of, display_name, higher_is_better, human_bytes,
-                    is_percent, metric_label)
+                    is_percent, metric_label, selected_row)
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
           "#7f7f7f", "#bcbd22", "#17becf"]
@@ -121,10 +124,22 @@ X_TITLES = {"round": "rounds", "comm": "communication", "time": "wall time"}
 CURVE_FILES = {"round": "curves_rounds.png", "comm": "curves_comm.png", "time": "curves_time.png"}
 
 
+def _selected_point(run, metric: str, select: str, xkind: str) -> tuple[float, float] | None:
+    """(x, ``metric``) of a run at its round of best ``select`` (None if it has none)."""
+    r = selected_row(run.rows, metric, select, higher_is_better(select, run.config.get("task")))
+    if r is None:
+        return None
+    x = {"round": lambda: r["round"], "time": lambda: r["wall_s"],
+         "comm": lambda: (r["bytes_up"] + r["bytes_down"]) / run.clients}[xkind]()
+    return float(x), float(r[metric])
+
+
 def plot_curves(arms: list[ArmResult], out: str | Path, metric: str, xkind: str,
                 threshold: float | None = None, reference: str | None = None,
-                title: str = "") -> Path:
-    """Eval metric (left) and smoothed train loss (right) vs ``xkind`` (round, comm, time)."""
+                title: str = "", select: str | None = None) -> Path:
+    """Eval metric (left) and smoothed train loss (right) vs ``xkind`` (round, comm, time).
+    ``select`` another metric than ``metric`` (selection on validation): no threshold line
+    (it is a validation value); each arm's reported point is marked instead."""
     pct = 100.0 if is_percent(metric) else 1.0
     rounds = max(int(r.config.get("rounds", 1)) for a in arms for r in a.runs)
     w = max(1, rounds // 30)
@@ -143,7 +158,16 @@ def plot_curves(arms: list[ArmResult], out: str | Path, metric: str, xkind: str,
                 x, y = x[keep], y[:, keep]
             store.append(y)
             _band(ax, x, y, _color(i), label)
-    if threshold is not None and math.isfinite(threshold) and reference is not None:
+    if select and select != metric:  # selected on validation: mark what the table reports
+        for i, arm in enumerate(arms):
+            pts = [_selected_point(r, metric, select, xkind) for r in arm.runs]
+            pts = [p for p in pts if p is not None and (xkind != "comm" or p[0] > 0)]
+            if pts:
+                ax_e.plot([np.mean([p[0] for p in pts])], [np.mean([p[1] for p in pts]) * pct], marker="D", ms=7,
+                          color=_color(i), markeredgecolor="black", ls="none")
+        ax_e.plot([], [], marker="D", ms=7, color="white", markeredgecolor="black", ls="none",
+                  label=f"reported: at the round of best {metric_label(select)} (mean over seeds)")
+    elif threshold is not None and math.isfinite(threshold) and reference is not None:
         ax_e.axhline(threshold * pct, color="0.35", ls="--", lw=1,
                      label=f"{display_name(reference)}'s best (mean over seeds)")
     unit = " (%)" if pct != 1.0 else ""
@@ -291,17 +315,18 @@ def _setup_title(arms: list[ArmResult], wrap: bool = False, band: bool = True) -
 
 
 def plot_all(arms: list[ArmResult], out: str | Path, metric: str, reference: str,
-             table: Table | None = None, select: str | None = None) -> list[Path]:
-    """Every figure of the comparison into ``out``; returns the files written. ``select``: the
-    metric the lr grid was selected on (the lr sweep shows it; default ``metric``)."""
+             table: Table | None = None) -> list[Path]:
+    """Every figure of the comparison into ``out``; returns the files written. Selected on
+    validation (``table.select``), the lr sweep shows the validation metric lr was chosen by."""
     higher = higher_is_better(metric, arms[0].runs[0].config.get("task"))
     ref = next(a for a in arms if a.name == reference)
     threshold = table.threshold if table is not None else float(
         np.mean([best_of(r.rows, metric, higher) for r in ref.runs]))
+    select = table.select if table is not None else metric
     title = _setup_title(arms)
-    paths = [plot_curves(arms, out, metric, k, threshold, reference, title) for k in ("round", "comm", "time")]
+    paths = [plot_curves(arms, out, metric, k, threshold, reference, title, select) for k in ("round", "comm", "time")]
     short = _setup_title(arms, wrap=True, band=False).split("\n")[0]
-    for p in (plot_h_hist(arms, out, title=short), plot_lr_sweep(arms, out, select or metric, title=short)):
+    for p in (plot_h_hist(arms, out, title=short), plot_lr_sweep(arms, out, select, title=short)):
         if p is not None:
             paths.append(p)
     return paths

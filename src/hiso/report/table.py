@@ -3,7 +3,10 @@
 One row per arm (algorithm or variant), at the lr chosen for it (see
 :mod:`hiso.runners.compare`), over its seeds. ``metric`` is the evaluation metric of the
 comparison (``eval_acc`` for classifiers: higher is better; ``eval_loss`` or the quadratic's
-``gap``: lower is better). Definitions:
+``gap``: lower is better). ``select`` is the metric the choices go by: ``metric`` itself
+(selection on test, the header says "selected on test") or its validation counterpart
+(``eval_acc`` -> ``val_acc``, on examples held out apart from the reported ones). Definitions,
+for selection on test:
 
 * **best**: a run's best ``metric`` over its evaluated rounds (row 0, every ``eval_every``
   rounds, and the last); reported as mean +- sample standard deviation (ddof = 1) over seeds,
@@ -21,6 +24,13 @@ comparison (``eval_acc`` for classifiers: higher is better; ``eval_loss`` or the
   to its own best. Wall time depends on the machine and on what else ran beside it (``--jobs``).
 * **speed-up**: the reference's rounds to its own best divided by this arm's rounds to reach
   ``T`` (1.00x for the reference; ``—`` when not reached or when reached at round 0).
+
+Selecting on validation (``select = "val_acc"``), every choice is made on ``select`` and the
+test ``metric`` is only reported: a run's **selected round** is its first evaluated round with
+its best ``select``, and the table reports its ``metric`` at that round (mean +- std over
+seeds; header "eval accuracy (%) at best validation accuracy round"); ``T`` is the reference's
+mean best ``select``, and rounds and time to reach count until ``select`` reaches ``T``, so the
+reference's own row holds its selected rounds (marked "selected round").
 * **communication per client**: the bytes one client sent (uplink) and received (downlink)
   over the whole run, averaged over all clients (a round a client is not sampled in costs it
   nothing), then over seeds; total = up + down. Decimal units: 1 KB = 1000 B, 1 MB = 10^6 B.
@@ -133,13 +143,15 @@ def best_of(rows: list[dict], metric: str, higher: bool) -> float:
 
 
 def val_metric(metric: str) -> str:
-    """The validation split's name of a metric: ``eval_acc`` -> ``val_acc``."""
+    """The validation split's name of an eval metric: ``eval_acc`` -> ``val_acc``."""
+    if not metric.startswith("eval_"):
+        raise ValueError(f"metric {metric!r} has no validation counterpart (only eval_* metrics do)")
     return "val_" + metric.removeprefix("eval_")
 
 
 def selected_row(rows: list[dict], metric: str, select: str, higher: bool) -> dict | None:
-    """The row a run is reported at: the first evaluated row with the best ``select`` value among
-    the rows that also hold ``metric`` (``select == metric``: the run's best row). None if none."""
+    """The row a run is reported at: the first evaluated row with the best ``select`` value
+    among the rows that hold both ``select`` and ``metric`` (NaN ignored); None if none."""
     rows = [r for r in rows if _finite(r.get(select)) and _finite(r.get(metric))]
     if not rows:
         return None
@@ -148,8 +160,8 @@ def selected_row(rows: list[dict], metric: str, select: str, higher: bool) -> di
 
 
 def selected_value(rows: list[dict], metric: str, select: str, higher: bool) -> float:
-    """``metric`` at :func:`selected_row` (NaN if none): the best ``metric`` when ``select`` is it,
-    the test value at the round best on validation when ``select`` is the validation metric."""
+    """A run's reported ``metric``: its best when selecting on ``metric`` itself (``select ==
+    metric``), else its ``metric`` at :func:`selected_row` (the round best on validation); NaN if none."""
     if select == metric:
         return best_of(rows, metric, higher)
     r = selected_row(rows, metric, select, higher)
@@ -291,15 +303,18 @@ class Table:
     rows: list[TableRow]
     metric: str
     reference: str
-    threshold: float  # T: the reference's mean best
-    context: dict  # facts for the footer: seeds, rounds, eval_every, n_eval, clients, task
-    select: str = ""  # the metric lr and round were selected on ("" or == metric: on the reported one)
-    select_note: str = ""  # why selection is on the reported metric although validation was asked for
+    threshold: float  # T: the reference's mean best of ``select``
+    context: dict  # facts for the footer: seeds, rounds, eval_every, n_eval, n_val, clients, task
+    select: str = ""  # the metric lr, round and "rounds to reach" go by ("" = metric: selected on test)
+    select_note: str = ""  # why selection is on the reported examples (shown in the footer)
+
+    def __post_init__(self):
+        self.select = self.select or self.metric
 
     @property
     def on_test(self) -> bool:
-        """Whether lr and round were selected on the very examples reported."""
-        return not self.select or self.select == self.metric
+        """Whether lr and round were selected on the very examples (metric) reported."""
+        return self.select == self.metric
 
     @property
     def higher(self) -> bool:
@@ -313,27 +328,26 @@ def _mean_of(vals: list) -> float | None:
 
 def build_table(arms: list[ArmResult], reference: str, metric: str, select: str | None = None,
                 select_note: str = "") -> Table:
-    """The table of ``metric``; each run reported at its best ``select`` round (default: its best
-    ``metric``; a validation metric: the test value at the round best on validation)."""
+    """The table of ``metric``. ``select`` (default ``metric``): the metric each run's reported
+    round, the threshold T and the rounds to reach it go by. ``select == metric`` (selection on
+    test): a run reports its best ``metric``. A validation metric (``val_acc``): a run reports
+    its ``metric`` at its round of best ``select``; T is the reference's mean best ``select``
+    and "rounds to reach" counts rounds until ``select`` reaches it: every choice is made on
+    validation, the test examples are only reported."""
     select = select or metric
     ref = next((a for a in arms if a.name == reference), None)
     if ref is None:
         raise ValueError(f"reference {reference!r} is not among the arms")
     higher = higher_is_better(metric, ref.runs[0].config.get("task"))
-    ref_bests = [selected_value(r.rows, metric, select, higher) for r in ref.runs]
-    threshold = mean_std(ref_bests)[0]
-    if select == metric:
-        ref_own = rounds_to_own_best([r.rows for r in ref.runs], metric, higher)
-    else:  # the reference's selected rounds
-        ref_own = _reach_of([selected_row(r.rows, metric, select, higher) for r in ref.runs])
+    threshold = mean_std([best_of(r.rows, select, higher) for r in ref.runs])[0]
+    ref_own = rounds_to_own_best([r.rows for r in ref.runs], select, higher)  # = its selected rounds
     rows = []
     for arm in arms:
-        bests = [selected_value(r.rows, metric, select, higher) for r in arm.runs]
-        m, s = mean_std(bests)
+        m, s = mean_std([selected_value(r.rows, metric, select, higher) for r in arm.runs])
         if arm.name == reference:
             reach, rounds = ref_own, ref_own.mean
         else:
-            reach = rounds_to_reach([r.rows for r in arm.runs], metric, threshold, higher)
+            reach = rounds_to_reach([r.rows for r in arm.runs], select, threshold, higher)
             rounds = reach.mean
         comm = [r.summary["communication_per_client"] for r in arm.runs]
         peaks = [r.peak_rss_mb for r in arm.runs if r.peak_rss_mb is not None]
@@ -350,18 +364,15 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
     info = cfg0.get("task_info", {}) or {}
     context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "eval_every": cfg0.get("eval_every"),
                "clients": cfg0.get("clients"), "sampled": cfg0.get("sampled"),
-               "seeds": [r.seed for r in ref.runs], "n_eval": info.get("n_eval")}
-    context["n_val"] = info.get("n_val")
+               "seeds": [r.seed for r in ref.runs], "n_eval": info.get("n_eval"), "n_val": info.get("n_val")}
     return Table(rows, metric, reference, threshold, context, select, select_note)
 
 
-def _best_header(metric: str, table: "Table | None" = None) -> str:
-    pct = " (%)" if is_percent(metric) else ""
-    if table is None:
-        return f"best {metric_label(metric)}{pct}"
+def _best_header(table: Table) -> str:
+    pct = " (%)" if is_percent(table.metric) else ""
     if table.on_test:
-        return f"best {metric_label(metric)}{pct}, selected on test"
-    return f"{metric_label(metric)}{pct} at the round best on validation"
+        return f"best {metric_label(table.metric)}{pct}, selected on test"
+    return f"{metric_label(table.metric)}{pct} at best {metric_label(table.select)} round"
 
 
 def _fmt_best(row: TableRow, metric: str) -> str:
@@ -394,9 +405,10 @@ def _fmt_reach(row: TableRow, own: str = "own best") -> str:
 
 def markdown_columns(table: Table) -> list[str]:
     ref = display_name(table.reference)
-    return ["algorithm", "lr", _best_header(table.metric, table),
-            f"rounds to {ref}'s best ({_fmt_threshold(table.threshold, table.metric)})",
-            f"time to {ref}'s best", "speed-up",
+    best = "best" if table.on_test else f"best {metric_label(table.select)}"
+    return ["algorithm", "lr", _best_header(table),
+            f"rounds to {ref}'s {best} ({_fmt_threshold(table.threshold, table.metric)})",
+            f"time to {ref}'s {best}", "speed-up",
             "uplink / client", "downlink / client", "total / client", "s / round", "peak memory"]
 
 
@@ -404,7 +416,8 @@ def to_markdown(table: Table) -> str:
     cols = markdown_columns(table)
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 1)) + "|"]
     for r in table.rows:
-        cells = [display_name(r.name), f"{r.lr:g}", _fmt_best(r, table.metric), _fmt_reach(r, "own best" if table.on_test else "selected round"),
+        cells = [display_name(r.name), f"{r.lr:g}", _fmt_best(r, table.metric),
+                 _fmt_reach(r, "own best" if table.on_test else "selected round"),
                  human_seconds(r.seconds),
                  "—" if r.speedup is None else f"{r.speedup:.2f}×",
                  human_bytes(r.bytes_up), human_bytes(r.bytes_down), human_bytes(r.bytes_total),
@@ -414,41 +427,53 @@ def to_markdown(table: Table) -> str:
     return "\n".join(lines)
 
 
+def selection_lines(table: Table) -> list[str]:
+    """The footer's lines on what lr and the reported round were selected on."""
+    c, lab = table.context, metric_label(table.metric)
+    better = "highest" if table.higher else "lowest"
+    spread = ("mean ± sample std over seeds" if len(c.get("seeds") or []) > 1 else
+              "1 seed: no spread (give more seeds, e.g. --seeds 0,1,2, for mean ± std)")
+    if table.on_test:
+        note = f" ({table.select_note})" if table.select_note else ""
+        return [
+            f"- selected on test: lr and each run's reported round are chosen on the very examples "
+            f"reported, so the numbers are optimistic{note}.",
+            f"- lr: chosen per algorithm from its grid by the best mean over seeds of the runs' best {lab} "
+            "(selection.json lists the grid).",
+            f"- best {lab}: the {better} {lab} over a run's evaluated rounds; {spread}."]
+    vlab = metric_label(table.select)
+    n_val = f" ({c['n_val']:,} held-out examples, apart from the {c['n_eval']:,} reported)" if (
+        c.get("n_val") and c.get("n_eval")) else ""
+    return [
+        f"- selected on validation{n_val}: lr, each run's reported round and the rounds to reach are "
+        f"chosen on {vlab}; {lab} is measured on the other held-out examples and only reported.",
+        f"- lr: chosen per algorithm from its grid by the best mean over seeds of the runs' best {vlab} "
+        "(selection.json lists the grid).",
+        f"- {lab} at best {vlab} round: a run's {lab} at its first evaluated round with its {better} "
+        f"{vlab}; {spread}."]
+
+
 def footer(table: Table) -> str:
     c, m = table.context, table.metric
     ref = display_name(table.reference)
-    lab = metric_label(m)
+    sel = metric_label(table.select)
     seeds = c.get("seeds") or []
     n_eval = f" on {c['n_eval']:,} held-out examples" if c.get("n_eval") else ""
-    better = "highest" if table.higher else "lowest"
     cmp_word = "≥" if table.higher else "≤"
-    spread = ("mean ± sample std over seeds" if len(seeds) > 1 else
-              "1 seed: no spread (give more seeds, e.g. --seeds 0,1,2, for mean ± std)")
-    if table.on_test:
-        sel = f"the runs' best {lab}"
-        best_line = (f"- best {lab}: the {better} {lab} over a run's evaluated rounds, selected on the test "
-                     f"examples themselves (optimistic: no validation split{'; ' + table.select_note if table.select_note else ''}); "
-                     f"{spread}.")
-    else:
-        vlab = metric_label(table.select)
-        n_val = f" ({c['n_val']:,} held-out examples apart from the test ones)" if c.get("n_val") else ""
-        sel = f"the runs' {better} {vlab}{n_val}"
-        best_line = (f"- {lab}: a run's {lab} at its evaluated round with the {better} {vlab} (lr and round "
-                     f"selected on validation, the test examples only reported); {spread}.")
+    best = "best" if table.on_test else f"best {sel}"
+    own = "its own best" if table.on_test else "its selected round"
     return "\n".join([
         f"Task {c.get('task')}: {c.get('clients')} clients, {c.get('sampled')} sampled per round, "
         f"{c.get('rounds')} rounds, evaluated every {c.get('eval_every')} rounds{n_eval}; "
         f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))}).",
-        f"- lr: chosen per algorithm from its grid by the best mean over seeds of {sel} "
-        "(selection.json lists the grid).",
-        best_line,
-        f"- rounds to {ref}'s best: per seed the first evaluated round with {lab} {cmp_word} "
-        f"{_fmt_threshold(table.threshold, m)} ({ref}'s mean), mean over seeds; "
-        f"'—' if some seed never reaches it. {ref}'s own row: rounds to its "
-        + ("own best" if table.on_test else "selected round") + " (per seed, mean).",
-        f"- time to {ref}'s best: the same, in seconds of training (wall_s at that round; evaluation "
+        *selection_lines(table),
+        f"- rounds to {ref}'s {best}: per seed the first evaluated round with {sel} {cmp_word} "
+        f"{_fmt_threshold(table.threshold, m)} ({ref}'s mean best {sel}), mean over seeds; "
+        f"'—' if some seed never reaches it. {ref}'s own row: rounds to {own} (per seed, mean"
+        + ("" if table.on_test else f"; where it attains its own best {sel}") + ").",
+        f"- time to {ref}'s {best}: the same, in seconds of training (wall_s at that round; evaluation "
         "excluded), mean over seeds; it depends on the machine and on the runs beside it (--jobs).",
-        f"- speed-up: {ref}'s rounds to its own best / this row's rounds to reach it "
+        f"- speed-up: {ref}'s rounds to {own} / this row's rounds to reach it "
         f"(resolution: {c.get('eval_every')} rounds).",
         "- communication: bytes per client over the whole run (mean over all clients, then seeds); "
         "decimal units (1 KB = 1000 B).",
@@ -475,8 +500,11 @@ def lr_warnings(table: Table) -> list[str]:
     return lines
 
 
-def csv_columns(metric: str) -> list[str]:
-    b = f"best_{metric}_pct" if is_percent(metric) else f"best_{metric}"
+def csv_columns(metric: str, select: str | None = None) -> list[str]:
+    """Column names; selecting on validation (``select`` another metric than ``metric``), the
+    reported column is ``<metric>[_pct]_at_best_<select>`` instead of ``best_<metric>[_pct]``."""
+    pct = "_pct" if is_percent(metric) else ""
+    b = f"best_{metric}{pct}" if select in (None, metric) else f"{metric}{pct}_at_best_{select}"
     return ["algorithm", "base_algorithm", "lr", f"{b}_mean", f"{b}_std", "seeds", "reference",
             "rounds_to_reach", "seconds_to_reach", "seeds_reached", "speedup", "bytes_up_per_client",
             "bytes_down_per_client", "bytes_total_per_client", "s_per_round", "peak_rss_mib"]
@@ -486,7 +514,7 @@ def to_csv(table: Table) -> str:
     scale = 100.0 if is_percent(table.metric) else 1.0
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(csv_columns(table.metric))
+    w.writerow(csv_columns(table.metric, table.select))
     for r in table.rows:
         w.writerow([r.name, r.algorithm, repr(r.lr), r.best_mean * scale,
                     "" if r.best_std is None else r.best_std * scale, r.seeds, int(r.is_reference),

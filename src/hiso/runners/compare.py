@@ -15,8 +15,8 @@ compare::
     algorithms = ["hiso", "decomfl", "hiso-nu0.01"]   # the arms, in table order
     seeds = [0, 1, 2]         # every (arm, lr) runs once per seed (default [0])
     reference = "decomfl"     # default: decomfl if it is an arm, else the first arm
-    metric = "eval_acc"       # default: the task's first metric (eval_acc for vision, gap for the quadratic)
-    select_on = "val"         # or "test" (see Selection below)
+    metric = "eval_acc"       # default: eval_acc for vision tasks, gap for the quadratic
+    select_on = "val"         # or "test"; default: val where the runs have a validation split
 
     [compare.lr_grid]         # arm or algorithm name -> lrs to try
     hiso = [3e-4, 1e-3]
@@ -40,8 +40,8 @@ variant's own keys; then its lr and seed. Its lr grid is ``lr_grid[arm name]``, 
 ``lr_grid[its algorithm]`` (variants inherit their algorithm's grid), else the shared ``lr``.
 ``lr``, ``seed`` and ``task`` cannot be set per arm (use ``lr_grid``, ``seeds``, and one
 compare per task). Flags: ``--algorithms a,b``, ``--seeds 0,1,2``, ``--lr-grid NAME=LR,LR``
-(repeatable; replaces that name's grid), ``--reference``, ``--metric`` replace the file's
-values. Every run's configuration is validated before the first run starts.
+(repeatable; replaces that name's grid), ``--reference``, ``--metric``, ``--select-on`` replace
+the file's values. Every run's configuration is validated before the first run starts.
 
 Runs and resuming
 -----------------
@@ -61,32 +61,42 @@ the process is all there is.
 
 Selection and outputs
 ---------------------
-* **Validation** (``select_on = "val"``, ``--select-on val``; the default where the task has a
-  validation split, i.e. registers ``validation=True``: the vision tasks): the runs hold out
-  ``val_fraction`` (default 0.5 here) of the held-out examples, seeded, and report ``val_*`` on
-  them beside ``eval_*`` on the rest. The lr and each run's reported round are selected on the
-  validation metric (``eval_acc`` -> ``val_acc``); the table reports the test metric at that
-  round. ``select_on = "test"`` selects on the reported metric itself, and the table says so
-  ("selected on test"); so does the default for a task without a validation split or with
-  ``val_fraction = 0`` (saying why). Asking for ``val`` where there is none is an error.
-* A run's **best** value of the selection metric is its best over its evaluated rounds (row 0,
-  every ``eval_every`` rounds and the last): the highest or the lowest as the task declares
-  (:func:`hiso.tasks.registry.higher_is_better`). NaN evaluations are ignored; a run with no
+* **What the choices are made on** (``select_on``, ``--select-on``). ``"val"``: on a validation
+  split, so the reported examples are never looked at while choosing. It needs runs with one: a
+  task that supports it (registered with ``validation=True``: mnist, fashion-mnist) and
+  ``val_fraction > 0``, which keeps that share of the held-out examples apart (seeded) and
+  reports ``val_*`` on them beside ``eval_*`` on the rest (the reported examples are then that
+  rest, fewer than without a split). The selection metric is ``metric``'s validation
+  counterpart (``eval_acc`` -> ``val_acc``); it picks each arm's lr (below), each run's
+  **selected round** (its first evaluated round with its best validation value) and the
+  threshold and rounds of "rounds to reach"; the table reports ``metric`` (test) at the
+  selected round. ``"test"``: on ``metric`` itself, the examples reported (optimistic; the
+  table's header says "selected on test"). Default: ``"val"`` where the runs have a validation
+  split, else ``"test"`` with a note in the footer saying why. ``select_on = "val"`` without a
+  split is refused in one line before anything runs (and, should a task that declares one write
+  no ``val_*`` metric, when the runs are collected). Switching it over finished runs reruns
+  nothing. In what follows "metric" is the selection metric.
+* A run's **best** value is the best ``metric`` over its evaluated rounds (row 0, every
+  ``eval_every`` rounds and the last): the highest for accuracies (names ending in ``acc``), the
+  lowest otherwise (losses, the quadratic's gap). NaN evaluations are ignored; a run with no
   finite evaluation has best NaN, which loses against any number.
 * Each arm's **lr** is the grid point with the best mean over seeds of the runs' best values
-  of the selection metric (ties: the one listed first). ``DIR/selection.json`` records, per arm, every lr's per-seed
+  (ties: the one listed first). ``DIR/selection.json`` records, per arm, every lr's per-seed
   best values and mean (null when not finite), and the choice.
 * ``DIR/table.md``, ``DIR/table.csv`` (also printed): see :mod:`hiso.report.table` for the
   precise definitions (rounds to reach the reference's best, speed-up, communication).
 * ``DIR/*.png``: see :mod:`hiso.report.plots`.
-* ``DIR/compare.json``: the resolved plan (shared configuration, arms, grids, seeds). Written
+* ``DIR/compare.json``: the resolved plan (shared configuration, arms, grids, seeds, ``select_on``
+  and ``select_metric``; ``selection.json`` records them too, and, selecting on validation,
+  each lr's per-seed test metric at the selected round). Written
   only once the plan is known to fit the runs already in ``DIR`` (a refused compare leaves it as
   it was).
 
 Progress
 --------
-Each finished run prints one line with its best value and its own time (``wall_s_total`` of its
-``summary.json``: task building and queueing excluded). With ``--jobs`` > 1 the bar counts
+Each finished run prints one line with its best value of the selection metric (``val_acc``
+when selecting on validation: the test metric is not shown while runs are chosen) and its own
+time (``wall_s_total`` of its ``summary.json``: task building and queueing excluded). With ``--jobs`` > 1 the bar counts
 rounds over all runs to do, fed by the workers (each sends its round numbers through a queue),
 and shows each running run's round. A worker process starts Python and torch and builds its own
 task (seconds, and the task's data once per run instead of once per seed), so for runs of a few
@@ -109,15 +119,13 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, one_line, read_toml
-from ..report.table import ArmResult, RunResult, best_of, load_run_result, val_metric
+from ..report.table import ArmResult, RunResult, best_of, load_run_result, selected_value, val_metric
 from ..tasks.registry import higher_is_better, task_info
 
 PER_ARM_FORBIDDEN = {"lr": "use [compare.lr_grid]", "seed": "use [compare] seeds",
                      "task": "compare one task at a time", "algorithm": None}
 SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
                     "seed": "set [compare] seeds (or --seeds)"}
-# the share of the held-out examples a comparison that selects on validation keeps apart for it
-DEFAULT_VAL_FRACTION = 0.5
 # RunConfig fields that do not change the task a run is built on (the task cache's key is
 # every other field, so a new field is assumed to matter until listed here)
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
@@ -141,7 +149,7 @@ class CompareSpec(BaseModel):
     lr_grid: dict[str, list[float]] = {}
     overrides: dict[str, dict[str, Any]] = {}
     variants: dict[str, dict[str, Any]] = {}
-    select_on: Literal["val", "test"] | None = None  # None: val where the task has a validation split
+    select_on: Literal["val", "test"] | None = None  # default: val where the runs have a validation split
 
 
 @dataclass(frozen=True)
@@ -174,12 +182,12 @@ class Plan:
     seeds: list[int]
     reference: str
     metric: str
-    select_on: str = "test"  # "val": lr and round selected on the validation split; "test": on the reported metric
-    select_note: str = ""  # why "test" although "val" was asked for
+    select_on: str = "test"  # "val": lr and reported round chosen on the validation split; "test": on metric
+    select_note: str = ""  # why "test" (when not asked for): shown in the table's footer
 
     @property
     def select_metric(self) -> str:
-        """The metric lr and each run's reported round are selected on."""
+        """The metric lr, each run's reported round and the rounds to reach go by."""
         return val_metric(self.metric) if self.select_on == "val" else self.metric
 
     @property
@@ -209,6 +217,7 @@ class Plan:
         return {"shared": self.shared, "seeds": self.seeds, "reference": self.reference,
                 "metric": self.metric, "higher_is_better": self.higher_is_better,
                 "select_on": self.select_on, "select_metric": self.select_metric,
+                **({"select_note": self.select_note} if self.select_note else {}),
                 "arms": [{"name": a.name, "algorithm": a.algorithm, "overrides": a.overrides,
                           "lr_grid": list(a.lrs)} for a in self.arms]}
 
@@ -235,7 +244,7 @@ def _split(flag: str, text: str, conv: Callable[[str], Any]) -> list:
 
 def parse_cli(algorithms: str | None = None, seeds: str | None = None,
               lr_grid: list[str] | None = None, reference: str | None = None,
-              metric: str | None = None) -> dict[str, Any]:
+              metric: str | None = None, select_on: str | None = None) -> dict[str, Any]:
     """The ``[compare]`` keys given on the command line (only those given)."""
     out: dict[str, Any] = {}
     if algorithms is not None:
@@ -254,6 +263,8 @@ def parse_cli(algorithms: str | None = None, seeds: str | None = None,
         out["reference"] = reference
     if metric is not None:
         out["metric"] = metric
+    if select_on is not None:
+        out["select_on"] = select_on
     return out
 
 
@@ -352,33 +363,45 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
         raise ConfigError(f"compare.reference: {reference!r} is not one of the compared algorithms ({', '.join(spec.algorithms)})")
 
     task = shared.get("task", RunConfig.model_fields["task"].default)
-    info = task_info(task)  # the task registers its metrics (validated above)
-    metric = spec.metric or next(iter(info.metrics))
-    if metric not in info.metrics:
-        raise ConfigError(f"compare.metric: task {task} reports {', '.join(info.metrics)}, not {metric!r}")
+    metrics = task_info(task).metrics  # the task registers its metrics (validated above)
+    metric = spec.metric or next(iter(metrics))
+    if metric not in metrics:
+        raise ConfigError(f"compare.metric: task {task} reports {', '.join(metrics)}, not {metric!r}")
 
-    # selection: on a validation split held out from the test examples where the task has one
-    select_on, note = spec.select_on, ""
-    if select_on == "val" and not info.validation:
-        raise ConfigError(f"select_on = val: task {task} has no validation split to select on (use --select-on test)")
-    if select_on == "val" and shared.get("val_fraction") == 0:
-        raise ConfigError("select_on = val: val_fraction = 0 leaves no validation split to select on: give "
-                          "val_fraction > 0 or --select-on test")
-    if select_on is None:  # the honest default where it exists
-        if not info.validation:
-            select_on, note = "test", f"task {task} has no validation split"
-        elif shared.get("val_fraction") == 0:
-            select_on, note = "test", "val_fraction = 0"
-        else:
-            select_on = "val"
-    if select_on == "val":
-        shared.setdefault("val_fraction", DEFAULT_VAL_FRACTION)
-
+    select_on, note = _select_on(spec.select_on, task, metric, shared.get("val_fraction") or 0.0)
     plan = Plan(shared, arms, list(spec.seeds), reference, metric, select_on, note)
     for arm in arms:  # validate every run's configuration now, not after hours of runs
         for lr in arm.lrs:
             plan.config(arm, lr, spec.seeds[0])
     return plan
+
+
+def _select_on(asked: str | None, task: str, metric: str, val_fraction: float) -> tuple[str, str]:
+    """``("val" | "test", note)``: what lr and the reported round are selected on. Not asked:
+    val where the runs have a validation split (the task has one and val_fraction > 0), else test
+    with a note saying why. Asked for val without a split: a one-line error naming the fix."""
+    validation = task_info(task).validation
+    has_val = metric.startswith("eval_")
+    if asked == "val":
+        if not validation:
+            raise ConfigError(f"compare.select_on: task {task} has no validation split (no val_* metrics) to select "
+                              "on; use --select-on test")
+        if not has_val:
+            raise ConfigError(f"compare.select_on: metric {metric} has no validation counterpart (only eval_* "
+                              "metrics do); use --select-on test")
+        if val_fraction <= 0:
+            raise ConfigError("compare.select_on: val_fraction = 0 leaves no validation split to select on; give "
+                              "--val-fraction 0.5 (val_fraction = 0.5 in the file: that share of the held-out "
+                              "examples is kept apart) or --select-on test")
+        return "val", ""
+    if asked == "test":
+        return "test", ""
+    if validation and has_val and val_fraction > 0:
+        return "val", ""
+    if validation and has_val:
+        return "test", ("val_fraction = 0: no validation split; --val-fraction 0.5 --select-on val selects on "
+                        "held-out examples apart from the reported ones")
+    return "test", f"task {task} has no validation split"
 
 
 # --------------------------------------------------------------------------- running
@@ -543,8 +566,8 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
                     finished_labels.add(spec.label)
                     at.pop(spec.label, None)
                     advance(spec.label, spec.cfg.rounds)  # a diverged run's rounds left count as done
-                    best = summary.get("best", {}).get(plan.metric, float("nan"))
-                    bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.metric} {best:.4g}, "
+                    best = summary.get("best", {}).get(plan.select_metric, float("nan"))
+                    bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.select_metric} {best:.4g}, "
                               f"{_run_seconds(summary)}")
                 running = ", ".join(f"{lab}: {r}/{by_label[lab].cfg.rounds}" for lab, r in sorted(at.items()))
                 bar.set_postfix_str(f"runs {done + skipped}/{len(specs)}" + (f"; {running}" if running else ""))
@@ -629,8 +652,8 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
             done += 1
             bar.update(1)
             if not quiet:
-                best = summary.get("best", {}).get(plan.metric, float("nan"))
-                bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.metric} {best:.4g}, "
+                best = summary.get("best", {}).get(plan.select_metric, float("nan"))
+                bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.select_metric} {best:.4g}, "
                           f"{_run_seconds(summary)}")
     finally:
         bar.close()
@@ -662,29 +685,36 @@ def collect(plan: Plan, out: str | Path) -> tuple[list[ArmResult], dict]:
     out = Path(out)
     higher = plan.higher_is_better
     sel = plan.select_metric
+    rule = (f"per arm, the lr with the best mean over seeds of each run's best {sel} over its evaluated "
+            "rounds (ties: first listed)")
+    rule += (" (selected on test: the reported examples themselves)" if sel == plan.metric else
+             f"; each run reports its {plan.metric} at its first round of best {sel}")
     arms, selection = [], {"metric": plan.metric, "higher_is_better": higher, "seeds": plan.seeds,
                            "reference": plan.reference, "select_on": plan.select_on, "select_metric": sel,
-                           "rule": "per arm, the lr with the best mean over seeds of each run's best "
-                                   f"{sel} over its evaluated rounds (ties: first listed)"
-                                   + (f"; each run reported by its {plan.metric} at its best {sel} round"
-                                      if sel != plan.metric else " (selected on the test examples)"),
-                           "arms": {}}
+                           **({"select_note": plan.select_note} if plan.select_note else {}),
+                           "rule": rule, "arms": {}}
     for arm in plan.arms:
         by_lr: dict[float, list[RunResult]] = {}
         for lr in arm.lrs:
             by_lr[lr] = [load_run_result(run_dir(out, arm.name, lr, s), seed=s) for s in plan.seeds]
         for runs in by_lr.values():
             for r in runs:
-                for m in {plan.metric, sel}:
+                for m in dict.fromkeys((plan.metric, sel)):
                     if not any(m in row for row in r.rows):
+                        fix = " (select on test: --select-on test)" if m == sel != plan.metric else ""
                         raise ConfigError(f"metric {m!r} not in {r.dir}/metrics.jsonl "
-                                          f"(it has: {', '.join(r.eval_keys()) or 'no evaluations'})")
+                                          f"(it has: {', '.join(r.eval_keys()) or 'no evaluations'}){fix}")
         grid = {lr: [best_of(r.rows, sel, higher) for r in runs] for lr, runs in by_lr.items()}
         chosen = select_lr(grid, higher)
+        entries = []
+        for lr, vals in grid.items():
+            e = {"lr": lr, "best_per_seed": dict(zip(map(str, plan.seeds), vals)), "mean_best": sum(vals) / len(vals)}
+            if sel != plan.metric:  # what the table reports for each lr: the test metric at the selected round
+                rep_vals = [selected_value(r.rows, plan.metric, sel, higher) for r in by_lr[lr]]
+                e[f"{plan.metric}_at_selected_per_seed"] = dict(zip(map(str, plan.seeds), rep_vals))
+            entries.append(e)
         selection["arms"][arm.name] = {
-            "algorithm": arm.algorithm, "overrides": arm.overrides, "chosen_lr": chosen,
-            "grid": [{"lr": lr, "best_per_seed": dict(zip(map(str, plan.seeds), vals)),
-                      "mean_best": sum(vals) / len(vals)} for lr, vals in grid.items()],
+            "algorithm": arm.algorithm, "overrides": arm.overrides, "chosen_lr": chosen, "grid": entries,
         }
         arms.append(ArmResult(arm.name, arm.algorithm, chosen, by_lr[chosen], grid=grid))
     return arms, selection
@@ -714,5 +744,5 @@ def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     text = write_table(out, table)
     if plots:
         from ..report.plots import plot_all
-        plot_all(arms, out, plan.metric, plan.reference, table=table, select=plan.select_metric)
+        plot_all(arms, out, plan.metric, plan.reference, table=table)
     return text
