@@ -109,7 +109,7 @@ class Server:
                 replay_s=self.wire.n * d / replay_rate)
         self._snap: tuple[int, bytes] | None = None  # (round, encoded state) of the current round
         self.synced = np.zeros(num_clients, dtype=np.int64)  # round whose start state each client holds
-        self.plan_: RoundPlan | None = None
+        self._plan: RoundPlan | None = None
         self.rejected: list[str] = []  # why the last partial aggregate dropped answers
         # the same as codes: wrong_round, not_sampled, duplicate, shape, non_finite
         self.rejected_reasons: list[str] = []
@@ -118,6 +118,11 @@ class Server:
     @property
     def round(self) -> int:
         return self.first + len(self.history)
+
+    @property
+    def planned(self) -> RoundPlan | None:
+        """The open round's plan (from :meth:`plan`, until it is aggregated or re-planned), or None."""
+        return self._plan
 
     def snapshot_bytes(self) -> int:
         """Bytes of a snapshot downlink now (header and state), 0 without a replica."""
@@ -142,11 +147,11 @@ class Server:
     def plan(self) -> RoundPlan:
         """Sample this round's clients (uniformly, without replacement); its seeds derive from
         the run seed, the round and the attempt (a re-planned round gets fresh ones)."""
-        if self.plan_ is not None:
+        if self._plan is not None:
             raise RuntimeError(f"round {self.round} is already planned; aggregate it first")
-        self.plan_ = RoundPlan(self.round, sample_clients(self._sample_rng, self.M, self.m),
+        self._plan = RoundPlan(self.round, sample_clients(self._sample_rng, self.M, self.m),
                                self.wire.seeds(self.round, self.attempt), self.attempt)
-        return self.plan_
+        return self._plan
 
     def downlink(self, client: int) -> Downlink:
         """The message for a sampled client: the round's seeds and every record it missed, or
@@ -208,7 +213,7 @@ class Server:
             raise MessageError(f"round {plan.round}: no answer from clients {sorted(missing)}")
         self.rejected, self.rejected_reasons = rejected, reasons
         if not by_client:  # nobody computed this round: plan it again, log nothing
-            self.plan_ = None
+            self._plan = None
             self.replanned += 1
             self.attempt += 1
             return None
@@ -220,7 +225,7 @@ class Server:
         rec = RoundRecord(plan.round, plan.seeds, quantize(agg, self.wire.dtype), answered, plan.attempt)
         self._log(rec)
         self.synced[list(answered)] = plan.round
-        self.plan_ = None
+        self._plan = None
         self.attempt = 0
         return rec
 
@@ -235,16 +240,16 @@ class Server:
             raise ValueError(f"round {rec.round}: attempt {rec.attempt} is out of range")
         for _ in range(rec.attempt - self.attempt):
             self.plan()
-            self.plan_ = None
+            self._plan = None
             self.replanned += 1
             self.attempt += 1
         plan = self.plan()
         if not np.array_equal(plan.seeds, rec.seeds) or plan.attempt != rec.attempt:
-            self.plan_ = None
+            self._plan = None
             raise ValueError(f"round {rec.round}: the logged seeds are not the ones this run derives: the log was "
                              f"written with another seed or by hiso before protocol v2")
         if not set(rec.participants) <= set(plan.participants):
-            self.plan_ = None
+            self._plan = None
             raise ValueError(f"round {rec.round}: logged participants {list(rec.participants)} were not "
                              f"sampled ({list(plan.participants)}): the log is not this run's")
         return plan
@@ -256,7 +261,7 @@ class Server:
             raise ValueError(f"record {rec.round} does not match the planned round {plan.round}")
         self._log(rec)
         self.synced[list(rec.participants)] = plan.round
-        self.plan_ = None
+        self._plan = None
         self.attempt = 0
 
     def client_holds(self, client: int, round: int) -> None:
@@ -267,6 +272,6 @@ class Server:
         self.synced[client] = min(int(self.synced[client]), round)
 
     def _current(self) -> RoundPlan:
-        if self.plan_ is None:
+        if self._plan is None:
             raise RuntimeError("no round is planned; call plan() first")
-        return self.plan_
+        return self._plan
