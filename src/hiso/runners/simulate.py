@@ -122,7 +122,7 @@ class Simulation:
             else:
                 msg = decode_downlink(down, wire)
                 batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
-                scalars, loss = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
+                scalars, loss, _ = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
                 up = encode_uplink(Uplink(cid, plan.round, scalars, loss, plan.attempt), wire)
             self.comm.up[cid] += len(up)
             uplinks.append(decode_uplink(up, wire, expect_round=plan.round))
@@ -140,7 +140,7 @@ class Simulation:
         else:
             msg = decode_downlink(down, self.server.wire)
             batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
-            scalars, loss = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
+            scalars, loss, _ = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
             up = Uplink(cid, plan.round, scalars, loss, plan.attempt)
         if attack is not None:
             self.totals["attacked"] += 1
