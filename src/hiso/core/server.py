@@ -17,6 +17,7 @@ keeps the whole history and never sends snapshots.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -263,6 +264,53 @@ class Server:
         self.synced[list(rec.participants)] = plan.round
         self._plan = None
         self.attempt = 0
+
+    def state_dict(self) -> dict:
+        """What this server needs to continue, between rounds (torch.optim style; see
+        :meth:`load_state_dict`): the kept records and ``first``, each client's ``synced``
+        round, the open round's ``attempt``, ``replanned`` and the client sampler's position.
+        The configuration (clients, shape, run seed, rule, weights, replica) is the
+        constructor's; the replica has its own :meth:`ModelState.state_dict`."""
+        if self._plan is not None:
+            raise RuntimeError(f"round {self.round} is planned: save the server between rounds")
+        return {"first": self.first, "history": list(self.history), "synced": self.synced.copy(),
+                "attempt": self.attempt, "replanned": self.replanned,
+                "sampler": copy.deepcopy(self._sample_rng.bit_generator.state)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved into a server built with the same arguments.
+        Everything is checked first (keys, the records' rounds, shape and seeds against this
+        run's seed, one synced round per client), so a mismatch raises ValueError and changes
+        nothing."""
+        if self._plan is not None:
+            raise RuntimeError(f"round {self.round} is planned: load a state between rounds")
+        keys = {"first", "history", "synced", "attempt", "replanned", "sampler"}
+        if set(state) != keys:
+            raise ValueError(f"server state must have keys {sorted(keys)}, got {sorted(state)}")
+        first, history = int(state["first"]), list(state["history"])
+        synced = np.asarray(state["synced"])
+        if synced.shape != self.synced.shape:
+            raise ValueError(f"server state has {synced.size} clients' synced rounds, this server has {self.M} clients")
+        for i, rec in enumerate(history):
+            if rec.round != first + i:
+                raise ValueError(f"server state's record {i} is round {rec.round}, expected {first + i}")
+            if rec.seeds.shape != self.shape:
+                raise ValueError(f"server state's record {rec.round} has shape {rec.seeds.shape}, expected {self.shape}")
+            if not np.array_equal(rec.seeds, self.wire.seeds(rec.round, rec.attempt)):
+                raise ValueError(f"server state's record {rec.round} has seeds of another run seed")
+        rnd = first + len(history)
+        if first < 0 or synced.min(initial=0) < 0 or synced.max(initial=0) > rnd:
+            raise ValueError(f"server state's synced rounds must lie in [0, {rnd}]")
+        sampler = state["sampler"]
+        if sampler.get("bit_generator") != self._sample_rng.bit_generator.state["bit_generator"]:
+            raise ValueError(f"server state's sampler is a {sampler.get('bit_generator')}, "
+                             f"not this server's {self._sample_rng.bit_generator.state['bit_generator']}")
+        self._sample_rng.bit_generator.state = copy.deepcopy(sampler)
+        self.first, self.history = first, history
+        self.synced = synced.astype(np.int64, copy=True)
+        self.attempt, self.replanned = int(state["attempt"]), int(state["replanned"])
+        self._snap = None
+        self.rejected, self.rejected_reasons = [], []
 
     def client_holds(self, client: int, round: int) -> None:
         """A client told us which round's state it holds (e.g. it restarted from an older

@@ -280,15 +280,8 @@ class Simulation:
                 self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
                 if cid in rec.participants:
                     self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire))
-                if self.mode == "faithful" and last.get(cid) == rec.round:
-                    st = self.client(cid).state
-                    for dst, src in zip(st.params, self.state.params):
-                        dst.data.copy_(src.data)
-                    for dst, src in zip(st.h or [], self.state.h or []):
-                        dst.copy_(src)
-                    for dst, src in zip(st.m or [], self.state.m or []):  # momentum buffer
-                        dst.copy_(src)
-                    st.round = rec.round
+                if self.mode == "faithful" and last.get(cid) == rec.round:  # the replica at rec.round
+                    self.client(cid).state.load_state_dict(self.state.state_dict())
             self.server.close_logged(rec)
             self.state.apply(rec)
 
