@@ -15,6 +15,7 @@ from hiso.baselines import messages as fm
 from hiso.cli import main
 from hiso.config import RunConfig
 from hiso.core import MessageError, ModelState, Perturber, ZOConfig, local_update
+from hiso.core.messages import Uplink
 from hiso.core.server import Server
 from hiso.runners import fullmodel
 from hiso.runners.fullmodel import FullModelSimulation
@@ -180,7 +181,7 @@ def test_baselines_sample_the_same_clients_as_hiso():
         sim.step()
         plan = server.plan()
         assert sim.participants == plan.participants
-        server.plan_ = None  # the test only needs the plans, not the aggregation
+        server.aggregate([Uplink(c, plan.round, np.zeros((2, 4), np.float32)) for c in plan.participants])
 
 
 # ---------------------------------------------------------------- bytes on the wire

@@ -54,7 +54,7 @@ def test_local_update_leaves_model_bit_identical_and_modes_agree():
         st = ModelState(task.build_model(), hiso(lr=0.05, perturbations=4, local_steps=3))
         st.h[0].copy_(torch.linspace(0.5, 2.0, st.h[0].numel()).reshape(st.h[0].shape))
         before = [p.clone() for p in st.params]
-        out[mode], _ = local_update(st, Perturber(st.model, st.params, mode), task.loss, batches, seeds)
+        out[mode] = local_update(st, Perturber(st.model, st.params, mode), task.loss, batches, seeds).scalars
         assert all(torch.equal(a, b) for a, b in zip(before, st.params))
     assert np.array_equal(out["hooks"], out["swap"])
     assert np.all(out["hooks"] != 0)
@@ -78,7 +78,7 @@ def test_hooks_perturb_shared_modules_and_tied_weights():
         torch.manual_seed(0)
         st = ModelState(Tied(), decomfl(lr=0.1, perturbations=2))
         assert len(st.params) == 1
-        res[mode], _ = local_update(st, Perturber(st.model, st.params, mode), lambda m, b: m(b), [x], seeds)
+        res[mode] = local_update(st, Perturber(st.model, st.params, mode), lambda m, b: m(b), [x], seeds).scalars
     assert np.array_equal(res["hooks"], res["swap"])
 
 
@@ -134,7 +134,7 @@ def test_zo_forwards_do_not_touch_buffers_or_draw_dropout_masks():
     for _ in range(2):
         st = ModelState(make(), decomfl(lr=0.1, perturbations=3))
         before = {k: v.clone() for k, v in st.model.state_dict().items()}
-        scal, _ = local_update(st, Perturber(st.model, st.params), lambda m, b: m(b).pow(2).mean(), [x], seeds)
+        scal = local_update(st, Perturber(st.model, st.params), lambda m, b: m(b).pow(2).mean(), [x], seeds).scalars
         after = st.model.state_dict()
         assert all(torch.equal(before[k], after[k]) for k in before)
         assert st.model.training  # the caller's mode is restored

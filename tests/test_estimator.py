@@ -31,7 +31,7 @@ def _estimates(state: ModelState) -> tuple[np.ndarray, np.ndarray]:
     """N single-perturbation estimates H^{-1/2} g u (one row each) and the true gradient."""
     model = state.model
     seeds = np.arange(1, N + 1, dtype=np.uint64).reshape(1, N) * np.uint64(7919)
-    scalars, _ = local_update(state, Perturber(model, state.params), lambda m, b: m(b), [None], seeds)
+    scalars = local_update(state, Perturber(model, state.params), lambda m, b: m(b), [None], seeds).scalars
     rows = np.stack([
         step_direction(state.gen, 0, state.params[0], seeds[0, j:j + 1], scalars[0, j:j + 1], state.h_of(0)).clone().numpy()
         for j in range(N)])
@@ -60,3 +60,20 @@ def test_preconditioned_estimate_targets_h_inverse_grad():
     assert np.all(np.abs(mean - target) < 4.5 * se), (mean, target, se)
     # the unpreconditioned gradient is rejected by the same test (the test can fail)
     assert not np.all(np.abs(mean - grad) < 4.5 * se)
+
+
+def test_local_update_returns_one_shape_with_named_fields():
+    seeds = np.arange(1, 7, dtype=np.uint64).reshape(2, 3)
+    outs = {}
+    for with_delta in (False, True):
+        state = ModelState(Quad(), decomfl(lr=0.1, perturbations=3, local_steps=2))
+        outs[with_delta] = local_update(state, Perturber(state.model, state.params), lambda m, b: m(b),
+                                        [None, None], seeds, return_delta=with_delta)
+    plain, full = outs[False], outs[True]
+    assert len(plain) == len(full) == 3 and plain.delta is None
+    assert plain.scalars.shape == (2, 3) and plain.scalars.dtype == np.float32
+    np.testing.assert_array_equal(plain.scalars, full.scalars)  # asking for delta changes nothing else
+    assert plain.loss == full.loss and isinstance(plain.loss, float)
+    assert [d.shape for d in full.delta] == [torch.Size([D])] and bool(full.delta[0].abs().sum() > 0)
+    scalars, loss, delta = full
+    assert scalars is full.scalars and loss == full.loss and delta is full.delta

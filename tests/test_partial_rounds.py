@@ -82,7 +82,7 @@ def test_strict_mode_still_refuses_a_missing_answer():
     ups = [Uplink(c, plan.round, np.zeros((1, 2), np.float32)) for c in plan.participants]
     with pytest.raises(MessageError, match="no answer"):
         srv.aggregate(ups[:-1])
-    assert srv.round == 0 and srv.plan_ is plan  # strict refusal changes nothing
+    assert srv.round == 0 and srv.planned is plan  # strict refusal changes nothing
 
 
 def test_garbage_answers_are_dropped_not_fatal():
@@ -215,3 +215,14 @@ def test_resume_replays_replanned_rounds_from_their_logged_attempt():
     other = Server(6, 2, 1, 3, seed=3)  # another run's log is refused
     with pytest.raises(ValueError, match="not the ones this run derives"):
         other.plan_logged(srv.history[0])
+
+
+def test_planned_is_the_open_plan_and_read_only():
+    srv = Server(6, 3, 1, 2, seed=0)
+    assert srv.planned is None
+    plan = srv.plan()
+    assert srv.planned is plan
+    with pytest.raises(AttributeError):
+        srv.planned = None
+    srv.aggregate([Uplink(c, plan.round, np.zeros((1, 2), np.float32)) for c in plan.participants])
+    assert srv.planned is None and srv.round == 1

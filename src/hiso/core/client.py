@@ -72,7 +72,7 @@ class Client:
         self.catch_up(msg)
         tau = self.state.cfg.local_steps
         batches = [self.batch_fn(msg.round, k) for k in range(tau)]
-        scalars, loss = local_update(self.state, self.perturber, self.loss_fn, batches, msg.seeds)
+        scalars, loss, _ = local_update(self.state, self.perturber, self.loss_fn, batches, msg.seeds)
         return Uplink(self.cid, msg.round, scalars, loss if self.report_loss else None, msg.attempt)
 
     def handle(self, data: bytes) -> bytes:

@@ -13,7 +13,7 @@ tau > 1. After the call the model is bit-identical to x_r, so no reset copy is n
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -25,13 +25,22 @@ from .state import ModelState, step_direction
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
+class LocalResult(NamedTuple):
+    """What :func:`local_update` returns."""
+
+    scalars: np.ndarray  # (tau, P) float32: what the client uploads
+    loss: float  # the mean loss at the local iterates
+    delta: list[torch.Tensor] | None = None  # x_{r,tau} - x_r (float32), only with return_delta
+
+
 @torch.no_grad()
 def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
-                 batches: list[Any], seeds: np.ndarray, return_delta: bool = False):
+                 batches: list[Any], seeds: np.ndarray, return_delta: bool = False) -> LocalResult:
     """Run the local steps on ``batches`` (one per step) with this round's ``seeds`` (tau, P).
 
-    Returns the (tau, P) float32 scalars and the mean loss at the local iterates; with
-    ``return_delta`` also x_{r,tau} - x_r (float32 tensors), which FedZO uploads.
+    Returns a :class:`LocalResult`: the (tau, P) float32 scalars, the mean loss at the local
+    iterates and, with ``return_delta``, x_{r,tau} - x_r (float32 tensors), which FedZO
+    uploads (None without).
     """
     cfg = state.cfg
     tau, P = cfg.shape
@@ -74,6 +83,4 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
                     delta[i].add_(ghat, alpha=-cfg.lr)
     finally:  # also when a forward raises
         model.train(was_training)
-    if return_delta:
-        return scalars, float(np.mean(losses)), delta
-    return scalars, float(np.mean(losses))
+    return LocalResult(scalars, float(np.mean(losses)), delta if return_delta else None)

@@ -17,6 +17,7 @@ keeps the whole history and never sends snapshots.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,7 +110,7 @@ class Server:
                 replay_s=self.wire.n * d / replay_rate)
         self._snap: tuple[int, bytes] | None = None  # (round, encoded state) of the current round
         self.synced = np.zeros(num_clients, dtype=np.int64)  # round whose start state each client holds
-        self.plan_: RoundPlan | None = None
+        self._plan: RoundPlan | None = None
         self.rejected: list[str] = []  # why the last partial aggregate dropped answers
         # the same as codes: wrong_round, not_sampled, duplicate, shape, non_finite
         self.rejected_reasons: list[str] = []
@@ -118,6 +119,11 @@ class Server:
     @property
     def round(self) -> int:
         return self.first + len(self.history)
+
+    @property
+    def planned(self) -> RoundPlan | None:
+        """The open round's plan (from :meth:`plan`, until it is aggregated or re-planned), or None."""
+        return self._plan
 
     def snapshot_bytes(self) -> int:
         """Bytes of a snapshot downlink now (header and state), 0 without a replica."""
@@ -142,11 +148,11 @@ class Server:
     def plan(self) -> RoundPlan:
         """Sample this round's clients (uniformly, without replacement); its seeds derive from
         the run seed, the round and the attempt (a re-planned round gets fresh ones)."""
-        if self.plan_ is not None:
+        if self._plan is not None:
             raise RuntimeError(f"round {self.round} is already planned; aggregate it first")
-        self.plan_ = RoundPlan(self.round, sample_clients(self._sample_rng, self.M, self.m),
+        self._plan = RoundPlan(self.round, sample_clients(self._sample_rng, self.M, self.m),
                                self.wire.seeds(self.round, self.attempt), self.attempt)
-        return self.plan_
+        return self._plan
 
     def downlink(self, client: int) -> Downlink:
         """The message for a sampled client: the round's seeds and every record it missed, or
@@ -208,7 +214,7 @@ class Server:
             raise MessageError(f"round {plan.round}: no answer from clients {sorted(missing)}")
         self.rejected, self.rejected_reasons = rejected, reasons
         if not by_client:  # nobody computed this round: plan it again, log nothing
-            self.plan_ = None
+            self._plan = None
             self.replanned += 1
             self.attempt += 1
             return None
@@ -220,7 +226,7 @@ class Server:
         rec = RoundRecord(plan.round, plan.seeds, quantize(agg, self.wire.dtype), answered, plan.attempt)
         self._log(rec)
         self.synced[list(answered)] = plan.round
-        self.plan_ = None
+        self._plan = None
         self.attempt = 0
         return rec
 
@@ -235,16 +241,16 @@ class Server:
             raise ValueError(f"round {rec.round}: attempt {rec.attempt} is out of range")
         for _ in range(rec.attempt - self.attempt):
             self.plan()
-            self.plan_ = None
+            self._plan = None
             self.replanned += 1
             self.attempt += 1
         plan = self.plan()
         if not np.array_equal(plan.seeds, rec.seeds) or plan.attempt != rec.attempt:
-            self.plan_ = None
+            self._plan = None
             raise ValueError(f"round {rec.round}: the logged seeds are not the ones this run derives: the log was "
                              f"written with another seed or by hiso before protocol v2")
         if not set(rec.participants) <= set(plan.participants):
-            self.plan_ = None
+            self._plan = None
             raise ValueError(f"round {rec.round}: logged participants {list(rec.participants)} were not "
                              f"sampled ({list(plan.participants)}): the log is not this run's")
         return plan
@@ -256,8 +262,55 @@ class Server:
             raise ValueError(f"record {rec.round} does not match the planned round {plan.round}")
         self._log(rec)
         self.synced[list(rec.participants)] = plan.round
-        self.plan_ = None
+        self._plan = None
         self.attempt = 0
+
+    def state_dict(self) -> dict:
+        """What this server needs to continue, between rounds (torch.optim style; see
+        :meth:`load_state_dict`): the kept records and ``first``, each client's ``synced``
+        round, the open round's ``attempt``, ``replanned`` and the client sampler's position.
+        The configuration (clients, shape, run seed, rule, weights, replica) is the
+        constructor's; the replica has its own :meth:`ModelState.state_dict`."""
+        if self._plan is not None:
+            raise RuntimeError(f"round {self.round} is planned: save the server between rounds")
+        return {"first": self.first, "history": list(self.history), "synced": self.synced.copy(),
+                "attempt": self.attempt, "replanned": self.replanned,
+                "sampler": copy.deepcopy(self._sample_rng.bit_generator.state)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved into a server built with the same arguments.
+        Everything is checked first (keys, the records' rounds, shape and seeds against this
+        run's seed, one synced round per client), so a mismatch raises ValueError and changes
+        nothing."""
+        if self._plan is not None:
+            raise RuntimeError(f"round {self.round} is planned: load a state between rounds")
+        keys = {"first", "history", "synced", "attempt", "replanned", "sampler"}
+        if set(state) != keys:
+            raise ValueError(f"server state must have keys {sorted(keys)}, got {sorted(state)}")
+        first, history = int(state["first"]), list(state["history"])
+        synced = np.asarray(state["synced"])
+        if synced.shape != self.synced.shape:
+            raise ValueError(f"server state has {synced.size} clients' synced rounds, this server has {self.M} clients")
+        for i, rec in enumerate(history):
+            if rec.round != first + i:
+                raise ValueError(f"server state's record {i} is round {rec.round}, expected {first + i}")
+            if rec.seeds.shape != self.shape:
+                raise ValueError(f"server state's record {rec.round} has shape {rec.seeds.shape}, expected {self.shape}")
+            if not np.array_equal(rec.seeds, self.wire.seeds(rec.round, rec.attempt)):
+                raise ValueError(f"server state's record {rec.round} has seeds of another run seed")
+        rnd = first + len(history)
+        if first < 0 or synced.min(initial=0) < 0 or synced.max(initial=0) > rnd:
+            raise ValueError(f"server state's synced rounds must lie in [0, {rnd}]")
+        sampler = state["sampler"]
+        if sampler.get("bit_generator") != self._sample_rng.bit_generator.state["bit_generator"]:
+            raise ValueError(f"server state's sampler is a {sampler.get('bit_generator')}, "
+                             f"not this server's {self._sample_rng.bit_generator.state['bit_generator']}")
+        self._sample_rng.bit_generator.state = copy.deepcopy(sampler)
+        self.first, self.history = first, history
+        self.synced = synced.astype(np.int64, copy=True)
+        self.attempt, self.replanned = int(state["attempt"]), int(state["replanned"])
+        self._snap = None
+        self.rejected, self.rejected_reasons = [], []
 
     def client_holds(self, client: int, round: int) -> None:
         """A client told us which round's state it holds (e.g. it restarted from an older
@@ -267,6 +320,6 @@ class Server:
         self.synced[client] = min(int(self.synced[client]), round)
 
     def _current(self) -> RoundPlan:
-        if self.plan_ is None:
+        if self._plan is None:
             raise RuntimeError("no round is planned; call plan() first")
-        return self.plan_
+        return self._plan

@@ -111,6 +111,44 @@ class ModelState:
             out["momentum"] = {n: m for (n, _), m in zip(self.named, self.m)}
         return out
 
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore exactly what :meth:`state_dict` saved (e.g. ``model.pt``) into this replica,
+        built from the same task and config: round, model tensors, H and the momentum buffer,
+        each copied in place, bit for bit. Everything is checked (keys, shapes, dtypes) before
+        anything is written, so a mismatch raises ValueError and leaves the replica as it was."""
+        want = self.state_dict()
+        extra = sorted(set(state) - set(want) - {"base"})  # "base": model.pt's name of a LoRA base
+        if extra:
+            raise ValueError(f"state has {', '.join(map(repr, extra))}, which this replica does not keep"
+                             + (" (its config has no preconditioner/momentum)" if {"h", "momentum"} & set(extra) else ""))
+        missing = sorted(set(want) - set(state))
+        if missing:
+            raise ValueError(f"state lacks {', '.join(map(repr, missing))}, which this replica keeps")
+        rnd = state["round"]
+        if isinstance(rnd, bool) or not isinstance(rnd, (int, np.integer)) or rnd < 0:
+            raise ValueError(f"state's round must be an integer >= 0, got {rnd!r}")
+        pairs = []
+        for part, ours in want.items():
+            if part == "round":
+                continue
+            theirs = state[part]
+            if set(theirs) != set(ours):
+                gone, new = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+                raise ValueError(f"state[{part!r}] does not match this replica: missing {gone[:5]}, "
+                                 f"unexpected {new[:5]}")
+            for name, dst in ours.items():
+                src = theirs[name]
+                if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.dtype != dst.dtype:
+                    got = (tuple(src.shape), src.dtype) if isinstance(src, torch.Tensor) else type(src).__name__
+                    raise ValueError(f"state[{part!r}][{name!r}] is {got}, this replica has "
+                                     f"{(tuple(dst.shape), dst.dtype)}")
+                pairs.append((dst, src))
+        for dst, src in pairs:
+            if dst is not src:
+                dst.copy_(src)
+        self.round = int(rnd)
+
 
 class _HStep:
     """H's update for one round: per coordinate as each tensor's ghat is built, or, for a

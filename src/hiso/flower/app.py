@@ -49,7 +49,8 @@ from ..core.history import RoundRecord
 from ..core.messages import (Hello, MessageError, Wire, check_welcome, decode_hello, decode_uplink, decode_welcome,
                              encode_downlink, encode_hello, encode_welcome, tensors_fingerprint, welcome_for)
 from ..core.state import ModelState
-from ..runners.simulate import Comm, metric_rows, protocol_server
+from ..runners.common import Comm, metric_rows
+from ..runners.simulate import protocol_server
 from ..tasks.base import Task
 
 log = logging.getLogger("hiso.flower")

@@ -201,7 +201,7 @@ class FullModelFederation(FlowerFederation):
         raise RuntimeError(f"round {sim.round}: no client answered in {self.settings.max_replans + 1} attempts")
 
     def run(self, rounds: int):
-        from ..runners.simulate import metric_rows
+        from ..runners.common import metric_rows
         self.wait_for_nodes()
         return metric_rows(self.task, self.sim.model, self.comm, self.step, rounds, self.cfg.eval_every)
 

@@ -34,7 +34,7 @@ from ..core.perturb import Perturber
 from ..core.server import client_sampler, sample_clients
 from ..core.state import ModelState, trainable_params
 from ..tasks.base import Task
-from .simulate import Comm, metric_rows
+from .common import Comm, metric_rows
 
 
 def fedzo_config(cfg: RunConfig) -> ZOConfig:

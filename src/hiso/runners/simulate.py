@@ -24,7 +24,6 @@ failures: it must stay 0).
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal
@@ -42,34 +41,12 @@ from ..core.perturb import Mode, Perturber
 from ..core.server import Server
 from ..core.state import ModelState
 from ..tasks.base import Task
+from .common import Comm, metric_rows
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
 
 log = logging.getLogger("hiso.faults")
 
 SimMode = Literal["fast", "faithful"]
-
-
-@dataclass
-class Comm:
-    """Bytes of encoded messages per client, each direction."""
-
-    up: np.ndarray
-    down: np.ndarray
-
-    @classmethod
-    def zeros(cls, n: int) -> "Comm":
-        return cls(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
-
-    def join(self, client: int, hello: bytes, welcome: bytes) -> None:
-        """Count a client's join: its hello up, the server's welcome down."""
-        self.up[client] += len(hello)
-        self.down[client] += len(welcome)
-
-    def summary(self) -> dict[str, float]:
-        tot = self.up + self.down
-        return {"bytes_up_mean": float(self.up.mean()), "bytes_up_max": int(self.up.max()),
-                "bytes_down_mean": float(self.down.mean()), "bytes_down_max": int(self.down.max()),
-                "bytes_total_mean": float(tot.mean()), "bytes_total_max": int(tot.max())}
 
 
 @dataclass
@@ -145,7 +122,7 @@ class Simulation:
             else:
                 msg = decode_downlink(down, wire)
                 batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
-                scalars, loss = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
+                scalars, loss, _ = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
                 up = encode_uplink(Uplink(cid, plan.round, scalars, loss, plan.attempt), wire)
             self.comm.up[cid] += len(up)
             uplinks.append(decode_uplink(up, wire, expect_round=plan.round))
@@ -163,7 +140,7 @@ class Simulation:
         else:
             msg = decode_downlink(down, self.server.wire)
             batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
-            scalars, loss = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
+            scalars, loss, _ = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
             up = Uplink(cid, plan.round, scalars, loss, plan.attempt)
         if attack is not None:
             self.totals["attacked"] += 1
@@ -303,15 +280,8 @@ class Simulation:
                 self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
                 if cid in rec.participants:
                     self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire))
-                if self.mode == "faithful" and last.get(cid) == rec.round:
-                    st = self.client(cid).state
-                    for dst, src in zip(st.params, self.state.params):
-                        dst.data.copy_(src.data)
-                    for dst, src in zip(st.h or [], self.state.h or []):
-                        dst.copy_(src)
-                    for dst, src in zip(st.m or [], self.state.m or []):  # momentum buffer
-                        dst.copy_(src)
-                    st.round = rec.round
+                if self.mode == "faithful" and last.get(cid) == rec.round:  # the replica at rec.round
+                    self.client(cid).state.load_state_dict(self.state.state_dict())
             self.server.close_logged(rec)
             self.state.apply(rec)
 
@@ -340,31 +310,6 @@ def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int,
     return Server(task.num_clients, clients_per_round, zo.local_steps, zo.perturbations, seed=seed, weights=weights,
                   scalar_dtype=zo.scalar_dtype, replica=replica, snapshot_after=snapshot_after, bandwidth=bandwidth,
                   rule=rule, trim=trim)
-
-
-def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds: int,
-                eval_every: int, start: int = 0, wall: float = 0.0,
-                extra: Callable[[], dict] | None = None) -> Iterator[dict]:
-    """The rows of ``metrics.jsonl`` for any runner whose ``step()`` returns the mean train loss.
-
-    Row 0 is the initial evaluation; ``wall_s`` counts training time only (evaluation is not
-    part of an algorithm's cost); evaluation every ``eval_every`` rounds and at the last.
-    ``start`` > 0: a resumed run, rows from round ``start + 1`` on, ``wall_s`` from ``wall``.
-    ``extra()``, if given, is merged into each round's row after its step.
-    """
-    if start == 0:
-        yield {"round": 0, "train_loss": None, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, **task.evaluate(model)}
-    for r in range(start + 1, rounds + 1):
-        t0 = time.perf_counter()
-        loss = step()
-        wall += time.perf_counter() - t0
-        row = {"round": r, "train_loss": loss, "bytes_up": int(comm.up.sum()),
-               "bytes_down": int(comm.down.sum()), "wall_s": wall}
-        if extra is not None:
-            row.update(extra())
-        if r % eval_every == 0 or r == rounds:
-            row.update(task.evaluate(model))
-        yield row
 
 
 class _Blob:

@@ -1,0 +1,60 @@
+"""Pieces shared by the in-process runners (ZO simulator, full-model baselines, Flower apps):
+per-client byte counting and the rows of ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..tasks.base import Task
+
+
+@dataclass
+class Comm:
+    """Bytes of encoded messages per client, each direction."""
+
+    up: np.ndarray
+    down: np.ndarray
+
+    @classmethod
+    def zeros(cls, n: int) -> "Comm":
+        return cls(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
+
+    def join(self, client: int, hello: bytes, welcome: bytes) -> None:
+        """Count a client's join: its hello up, the server's welcome down."""
+        self.up[client] += len(hello)
+        self.down[client] += len(welcome)
+
+    def summary(self) -> dict[str, float]:
+        tot = self.up + self.down
+        return {"bytes_up_mean": float(self.up.mean()), "bytes_up_max": int(self.up.max()),
+                "bytes_down_mean": float(self.down.mean()), "bytes_down_max": int(self.down.max()),
+                "bytes_total_mean": float(tot.mean()), "bytes_total_max": int(tot.max())}
+
+
+def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds: int,
+                eval_every: int, start: int = 0, wall: float = 0.0,
+                extra: Callable[[], dict] | None = None) -> Iterator[dict]:
+    """The rows of ``metrics.jsonl`` for any runner whose ``step()`` returns the mean train loss.
+
+    Row 0 is the initial evaluation; ``wall_s`` counts training time only (evaluation is not
+    part of an algorithm's cost); evaluation every ``eval_every`` rounds and at the last.
+    ``start`` > 0: a resumed run, rows from round ``start + 1`` on, ``wall_s`` from ``wall``.
+    ``extra()``, if given, is merged into each round's row after its step.
+    """
+    if start == 0:
+        yield {"round": 0, "train_loss": None, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, **task.evaluate(model)}
+    for r in range(start + 1, rounds + 1):
+        t0 = time.perf_counter()
+        loss = step()
+        wall += time.perf_counter() - t0
+        row = {"round": r, "train_loss": loss, "bytes_up": int(comm.up.sum()),
+               "bytes_down": int(comm.down.sum()), "wall_s": wall}
+        if extra is not None:
+            row.update(extra())
+        if r % eval_every == 0 or r == rounds:
+            row.update(task.evaluate(model))
+        yield row
