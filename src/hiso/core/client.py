@@ -24,6 +24,16 @@ from .state import ModelState
 BatchFn = Callable[[int, int], Any]  # (round, local step) -> minibatch
 
 
+def answer(cid: int, state: ModelState, perturber: Perturber, loss_fn: LossFn, batch_fn: BatchFn,
+           msg: Downlink, report_loss: bool = True) -> Uplink:
+    """Client ``cid``'s local update for the round of ``msg`` from ``state`` (which must
+    already hold that round's x_r and H_r): the one computation behind :meth:`Client.train`
+    and the simulator's fast mode, where one shared replica stands for every client."""
+    batches = [batch_fn(msg.round, k) for k in range(state.cfg.local_steps)]
+    res = local_update(state, perturber, loss_fn, batches, msg.seeds)
+    return Uplink(cid, msg.round, res.scalars, res.loss if report_loss else None, msg.attempt)
+
+
 class Client:
     def __init__(self, cid: int, state: ModelState, loss_fn: LossFn, batch_fn: BatchFn,
                  perturb_mode: Mode = "hooks", report_loss: bool = True, wire: Wire | None = None):
@@ -70,10 +80,7 @@ class Client:
 
     def train(self, msg: Downlink) -> Uplink:
         self.catch_up(msg)
-        tau = self.state.cfg.local_steps
-        batches = [self.batch_fn(msg.round, k) for k in range(tau)]
-        scalars, loss, _ = local_update(self.state, self.perturber, self.loss_fn, batches, msg.seeds)
-        return Uplink(self.cid, msg.round, scalars, loss if self.report_loss else None, msg.attempt)
+        return answer(self.cid, self.state, self.perturber, self.loss_fn, self.batch_fn, msg, self.report_loss)
 
     def handle(self, data: bytes) -> bytes:
         """Bytes in, bytes out: what a transport (Flower, a socket) calls."""

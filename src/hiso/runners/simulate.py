@@ -31,9 +31,8 @@ from typing import Callable, Iterator, Literal
 import numpy as np
 import torch
 
-from ..core.client import Client
+from ..core.client import Client, answer
 from ..core.config import ZOConfig
-from ..core.estimator import local_update
 from ..core.history import RoundRecord
 from ..core.messages import (Hello, MessageError, Uplink, decode_downlink, decode_uplink, encode_downlink,
                              encode_hello, encode_uplink, encode_welcome, welcome_for)
@@ -107,6 +106,11 @@ class Simulation:
             self.clients[cid].join(self.welcome)
         return self.clients[cid]
 
+    def _fast_answer(self, cid: int, msg) -> Uplink:
+        """Fast mode: client ``cid``'s answer computed on the shared replica (which holds x_r,
+        as the client would after catching up), by the same function as :meth:`Client.train`."""
+        return answer(cid, self.state, self.perturber, self.task.loss, self._batch_fn(cid), msg)
+
     def step(self) -> tuple[RoundRecord, float]:
         """One round; returns its record and the participants' mean training loss."""
         if self.unreliable:
@@ -120,10 +124,7 @@ class Simulation:
             if self.mode == "faithful":
                 up = self.client(cid).handle(down)
             else:
-                msg = decode_downlink(down, wire)
-                batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
-                scalars, loss, _ = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
-                up = encode_uplink(Uplink(cid, plan.round, scalars, loss, plan.attempt), wire)
+                up = encode_uplink(self._fast_answer(cid, decode_downlink(down, wire)), wire)
             self.comm.up[cid] += len(up)
             uplinks.append(decode_uplink(up, wire, expect_round=plan.round))
         rec = self.server.aggregate(uplinks)
@@ -132,16 +133,13 @@ class Simulation:
             self.on_record(rec)
         return rec, float(np.mean([u.loss for u in uplinks]))
 
-    def _answer(self, cid: int, down: bytes, plan, attack: str | None = None) -> Uplink:
+    def _answer(self, cid: int, down: bytes, attack: str | None = None) -> Uplink:
         """Client ``cid``'s answer to its downlink bytes (an attacker's lie included)."""
         if self.mode == "faithful":
             client = self.client(cid)
             up = client.train(decode_downlink(down, client.wire))
         else:
-            msg = decode_downlink(down, self.server.wire)
-            batches = [self.task.batch(cid, plan.round, k, self.batch_size) for k in range(self.zo.local_steps)]
-            scalars, loss, _ = local_update(self.state, self.perturber, self.task.loss, batches, msg.seeds)
-            up = Uplink(cid, plan.round, scalars, loss, plan.attempt)
+            up = self._fast_answer(cid, decode_downlink(down, self.server.wire))
         if attack is not None:
             self.totals["attacked"] += 1
             up = Uplink(cid, up.round, self.attackers.lie(cid, up.scalars, self.plans, attack), up.loss, up.attempt)
@@ -194,7 +192,7 @@ class Simulation:
                     lost = Uplink(cid, plan.round, np.zeros(wire.shape, np.float32), 0.0, plan.attempt)
                     self.comm.up[cid] += len(encode_uplink(lost, wire)) + (4 if self.sealed else 0)
                     continue
-                data = encode_uplink(self._answer(cid, down, plan, liars.get(cid)), wire, check=cid not in liars)
+                data = encode_uplink(self._answer(cid, down, liars.get(cid)), wire, check=cid not in liars)
                 if self.sealed:
                     data = seal(data)
                 self.comm.up[cid] += len(data) * (2 if fate == "duplicate" else 1)
