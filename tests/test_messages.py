@@ -373,3 +373,26 @@ def test_automatic_snapshot_point_is_where_a_snapshot_gets_cheaper():
     assert srv.snapshot_after == srv.snapshot_bytes() // 10  # 5 float16 scalars a missed round
     fast = Server(20, 3, 1, 5, scalar_dtype="float16", replica=rep, bandwidth=1e7)  # a fast link: replay dominates
     assert fast.snapshot_after < srv.snapshot_after
+
+
+def test_header_errors_of_both_message_families():
+    """The protocol's varint header and the full-model baselines' fixed one share their checks
+    (hiso.core.messages.check_head): same wording, each naming its own family and kinds."""
+    from hiso.baselines import messages as fm
+    from hiso.core.messages import VERSION, encode_hello
+    hello = encode_hello(Hello(3, 0))
+    with pytest.raises(MessageError, match=r"^hello: expected bytes, got str$"):
+        decode_hello("no")
+    with pytest.raises(MessageError, match=rf"^hello: protocol version 99 not supported \(this is version {VERSION}\)$"):
+        decode_hello(bytes([99]))  # refused before the kind is read
+    with pytest.raises(MessageError, match=r"^uplink.*: message kind 1 \(hello\) is not a uplink"):
+        decode_uplink(hello, Wire(1, 1))
+    down = fm.encode_downlink(fm.FullDownlink(0, torch.zeros(3)))
+    with pytest.raises(MessageError, match=r"^full-model uplink: expected bytes, got list$"):
+        fm.decode_uplink([1])
+    bad = bytearray(down)
+    bad[2] = 7
+    with pytest.raises(MessageError, match=r"^full-model downlink: format version 7 not supported \(this is version 1\)$"):
+        fm.decode_downlink(bytes(bad))
+    with pytest.raises(MessageError, match=r"^full-model uplink: message kind 1 is not a full-model uplink$"):
+        fm.decode_uplink(down + bytes(fm._UP.size))

@@ -29,7 +29,7 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from ..core.messages import MessageError
+from ..core.messages import MessageError, check_head, expect_bytes
 
 WireDtype = Literal["float32", "float16", "bfloat16"]
 
@@ -128,17 +128,15 @@ def encode_uplink(msg: FullUplink, dtype: str = "float32") -> bytes:
 
 
 def _header(data, st: struct.Struct, kind: int, what: str) -> tuple:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise MessageError(f"{what}: expected bytes, got {type(data).__name__}")
+    """The fixed header (magic, version, kind, dtype, ...): its own framing, the protocol's
+    checks (:func:`~hiso.core.messages.check_head`)."""
+    expect_bytes(data, what)
     if len(data) < st.size:
         raise MessageError(f"{what}: truncated header ({len(data)} < {st.size} bytes)")
     head = st.unpack_from(data, 0)
     if head[0] != MAGIC:
         raise MessageError(f"{what}: bad magic {head[0]!r}, not a hiso full-model message")
-    if head[1] != VERSION:
-        raise MessageError(f"{what}: format version {head[1]} not supported (this is version {VERSION})")
-    if head[2] != kind:
-        raise MessageError(f"{what}: message kind {head[2]} is not a {what}")
+    check_head(what, head[1], head[2], want_version=VERSION, want_kind=kind, family="format")
     if head[3] not in _NAMES:
         raise MessageError(f"{what}: unknown value dtype code {head[3]}")
     return head

@@ -259,19 +259,34 @@ def _start(kind: int) -> bytearray:
     return out
 
 
-def _head(data, kind: int, what: str) -> int:
-    """Check version and kind; return the offset after them."""
+def expect_bytes(data, what: str) -> None:
+    """A message must be bytes (or a bytes-like view) before anything is decoded."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise MessageError(f"{what}: expected bytes, got {type(data).__name__}")
+
+
+def check_head(what: str, version: int, kind: int | None, *, want_version: int, want_kind: int,
+               kinds: dict[int, str] | None = None, family: str = "protocol") -> None:
+    """The checks every hiso message header makes once its version and kind are read (this
+    module's varint header, and the full-model baselines' fixed one). ``kind`` None: not read
+    yet (only the version is checked)."""
+    if version != want_version:
+        raise MessageError(f"{what}: {family} version {version} not supported (this is version {want_version})")
+    if kind is not None and kind != want_kind:
+        name = "" if kinds is None else f" ({kinds.get(kind, 'unknown')})"
+        raise MessageError(f"{what}: message kind {kind}{name} is not a {what}")
+
+
+def _head(data, kind: int, what: str) -> int:
+    """Check version and kind; return the offset after them."""
+    expect_bytes(data, what)
     if bytes(data[:2]) == b"HS":
         raise MessageError(f"{what}: a protocol version 1 message (an older hiso): every peer must run protocol "
                            f"version {VERSION}")
     version, off = get_varint(data, 0, what)
-    if version != VERSION:
-        raise MessageError(f"{what}: protocol version {version} not supported (this is version {VERSION})")
+    check_head(what, version, None, want_version=VERSION, want_kind=kind)  # before the kind is read
     k, off = get_varint(data, off, what)
-    if k != kind:
-        raise MessageError(f"{what}: message kind {k} ({KINDS.get(k, 'unknown')}) is not a {what}")
+    check_head(what, version, k, want_version=VERSION, want_kind=kind, kinds=KINDS)
     return off
 
 
