@@ -84,7 +84,8 @@ def main() -> None:
         apply(self, rec)
         timers["apply"] += time.perf_counter() - t
 
-    dirs.installed().__enter__()  # for the rest of this process
+    patch = dirs.installed()  # kept referenced: a collected context manager would undo the patch
+    patch.__enter__()  # for the rest of this process
     loss, apply = task.loss, ModelState.apply
     task.loss = timed_loss
     ModelState.apply = timed_apply
