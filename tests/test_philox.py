@@ -180,6 +180,6 @@ def test_numba_kernels_leave_torchs_thread_count_alone():
             "g.fill(3, 0, torch.Size([300000]))\n"
             "g.combine(0, torch.Size([300000]), np.arange(1, 4, dtype=np.uint64), np.ones(3, np.float32))\n"
             "print(torch.get_num_threads())\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(Path(hiso.__file__).parents[1])})
     assert out.stdout.strip() == "1"

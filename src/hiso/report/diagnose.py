@@ -103,9 +103,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     """The numbers of ``hiso diagnose`` for the run in ``run_dir`` (see the module docstring)."""
     from tqdm import tqdm
 
-    from ..core.state import ModelState
-    from ..runners.rundir import read_run_history, saved_config
-    from ..tasks.registry import build_task
+    from ..runners.rundir import saved_config, start_replica
 
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
@@ -115,14 +113,8 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
         raise ValueError(f"curvature must be auto, yes or no, got {curvature!r}")
     if points < 2:
         raise ValueError(f"points must be >= 2, got {points}")
-    hist = run_dir / "history.bin"
-    if not hist.is_file():
-        raise FileNotFoundError(f"{hist} not found: is {run_dir} a finished or interrupted hiso run?")
-    log = read_run_history(run_dir, cfg)
-    records = log.records
+    state, task, cfg, _, records = start_replica(run_dir)  # on the CPU, whatever device the run used
     R = len(records)
-    task = build_task(cfg.model_copy(update={"device": "cpu"}))
-    state = ModelState(task.build_model(), cfg.zo())
     names = [n for n, _ in state.named]
     lr = cfg.lr
     at = sorted(set(np.linspace(0, R, min(points, R + 1)).round().astype(int).tolist()))

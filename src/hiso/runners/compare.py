@@ -465,7 +465,6 @@ def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
     """A killed ``hiso compare`` (SIGTERM, SIGKILL) must not leave its workers computing runs
     nobody waits for: each worker checks its parent every second and exits when it is gone
     (rerunning the compare reruns the runs that did not finish)."""
-    import os
     import threading
 
     def watch() -> None:

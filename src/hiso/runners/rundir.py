@@ -283,7 +283,10 @@ def checkpoint(state: dict, task_info: dict) -> dict:
 def read_run_history(run_dir: str | Path, cfg: RunConfig):
     """``run_dir``'s history.bin, refused unless it is the log of the run ``config.json`` describes
     (shape, and for version 3 logs the run seed, scalar format and direction family)."""
-    log = parse_history(Path(run_dir) / "history.bin")
+    path = Path(run_dir) / "history.bin"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a finished or interrupted hiso/decomfl run?")
+    log = parse_history(path)
     zo = cfg.zo()
     if (log.tau, log.P) != zo.shape:
         raise ValueError(f"history has (tau, P) = {(log.tau, log.P)} but config.json says {zo.shape}")
@@ -293,25 +296,28 @@ def read_run_history(run_dir: str | Path, cfg: RunConfig):
     return log
 
 
-def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu") -> tuple[ModelState, dict]:
-    """x_0 from the run's configuration (or from ``task``, the run's task object), then every
-    logged round replayed on ``device`` (whatever device the run used): the final model.
-
-    Returns the replica and its ``model.pt`` checkpoint. A base model whose weights differ from
-    the run's (fingerprint in ``config.json``) is refused before anything is replayed.
-    """
+def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "cpu"):
+    """A replica of the run in ``run_dir`` at x_0 on ``device``, and what replaying it needs:
+    ``(state, task, cfg, info, records)``. x_0 comes from the run's configuration (or from
+    ``task``, the run's task object); a history that is not the run's, or a base model whose
+    weights differ from the run's (fingerprint in ``config.json``), is refused here."""
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
-    log = read_run_history(run_dir, cfg)
-    records, zo = log.records, cfg.zo()
+    records = read_run_history(run_dir, cfg).records
     task = on_device(task, device) if task is not None else build_task(cfg.model_copy(update={"device": device}))
     if "base_fingerprint" in info:
         found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
         if found != info["base_fingerprint"]:
             raise ValueError(f"base model {info.get('model')!r} here has weights {str(found)[:12]}..., the run "
                              f"started from {info['base_fingerprint'][:12]}...: cannot rebuild on another base")
-    state = ModelState(task.build_model(), zo)
+    return ModelState(task.build_model(), cfg.zo()), task, cfg, info, records
+
+
+def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu") -> tuple[ModelState, dict]:
+    """x_0 (see :func:`start_replica`), then every logged round replayed on ``device`` (whatever
+    device the run used): the final model. Returns the replica and its ``model.pt`` checkpoint."""
+    state, _, _, info, records = start_replica(run_dir, task, device)
     state.replay(records)
     return state, checkpoint(state.state_dict(), info)
