@@ -12,9 +12,12 @@ from hiso.core import directions
 
 class DirectionTimer:
     """``total``: seconds of direction work; ``in_forward``: the part done while ``forward`` is
-    True (hooks perturbation builds shifted tensors inside a model's forward)."""
+    True (hooks perturbation builds shifted tensors inside a model's forward). ``sync`` is called
+    before and after each timed call (``torch.cuda.synchronize`` on a GPU: its launches return
+    before the work is done)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync=None) -> None:
+        self.sync = sync or (lambda: None)
         self.total = self.in_forward = 0.0
         self.forward = False
         self._depth = 0
@@ -27,10 +30,12 @@ class DirectionTimer:
             if self._depth:  # nested (torch-normal's shift calls fill): the outer call counts it
                 return fn(gen, *a, **k)
             self._depth += 1
+            self.sync()
             t = time.perf_counter()
             try:
                 return fn(gen, *a, **k)
             finally:
+                self.sync()
                 self._depth -= 1
                 dt = time.perf_counter() - t
                 self.total += dt

@@ -3,6 +3,10 @@ of a training round against inference alone on the same batch.
 
     python bench/llm_round.py --data-dir ../shared/data/sst2 --lora-r 8 --rounds 3
     python bench/llm_round.py --data-dir ../shared/data/sst2 --rounds 2          # full parameters
+    python bench/llm_round.py --data-dir ../shared/data/sst2 --rounds 3 --device cuda
+
+On a GPU every timer synchronizes the device and the memory reported is also CUDA's peak
+allocation (peak RSS is then the host's share only).
 
 One process per invocation (peak RSS is its own; Linux's /proc/self/clear_refs resets the peak
 between the inference phase and the training phase). A simulated round is m clients' local
@@ -35,6 +39,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--directions", default=None, help="direction family (default: the config's default)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = ap.parse_args()
 
     import torch
@@ -47,7 +52,9 @@ def main() -> None:
     from hiso.tasks.registry import build_task
 
     torch.set_num_threads(args.threads)
-    cfg = load_config(task=args.task, model=args.model, data_dir=args.data_dir, lora_r=args.lora_r,
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cfg = load_config(device=args.device, task=args.task, model=args.model, data_dir=args.data_dir, lora_r=args.lora_r,
                       algorithm=args.algorithm, autocast=args.autocast, clients=6, sampled=2,
                       batch_size=args.batch_size, lr=1e-6, eval_max=16, min_size=2,
                       **({"directions": args.directions} if args.directions else {}))
@@ -61,37 +68,47 @@ def main() -> None:
     with torch.no_grad():
         for _ in range(2):  # warm-up: first touches of the weights' pages
             task.loss(model, batch)
+        sync()
         t0 = time.perf_counter()
         for _ in range(3):
             task.loss(model, batch)
+        sync()
         t_fwd = (time.perf_counter() - t0) / 3
     rss_inference = _vm_hwm_mb()
+    gpu_inference = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
 
     timers = {"forward": 0.0, "apply": 0.0}
-    dirs = DirectionTimer()
+    dirs = DirectionTimer(sync)
 
     def timed_loss(m, b):
         dirs.forward = True
+        sync()
         t = time.perf_counter()
         try:
             return loss(m, b)
         finally:
+            sync()
             timers["forward"] += time.perf_counter() - t
             dirs.forward = False
 
     def timed_apply(self, rec):
+        sync()
         t = time.perf_counter()
         apply(self, rec)
+        sync()
         timers["apply"] += time.perf_counter() - t
 
     patch = dirs.installed()  # kept referenced: a collected context manager would undo the patch
     patch.__enter__()  # for the rest of this process
-    loss, apply = task.loss, ModelState.apply
-    task.loss = timed_loss
+    inner = getattr(task, "task", task)  # under --device the task is wrapped (OnDevice): time the task's own loss
+    loss, apply = inner.loss, ModelState.apply
+    inner.loss = timed_loss
     ModelState.apply = timed_apply
     task._spare = model  # the simulation takes the model inference used (one copy in memory)
     sim = Simulation(task, cfg.zo(), clients_per_round=2, seed=0, batch_size=args.batch_size, eval_every=10**9)
     _reset_peak_rss()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     sim.step()  # warm-up: scratch buffers
     for k in timers:
         timers[k] = 0.0
@@ -99,6 +116,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(args.rounds):
         sim.step()
+    sync()
     total = time.perf_counter() - t0
     R = args.rounds
     fwd = (timers["forward"] - dirs.in_forward) / R
@@ -112,7 +130,10 @@ def main() -> None:
         "s_per_round": per, "forwards_s": fwd, "directions_s": gen, "rest_s": per - fwd - gen,
         "forward_alone_s": t_fwd, "forwards_per_round": n_fwd, "round_over_forwards_alone": per / (n_fwd * t_fwd),
         "catch_up_s_per_missed_round": timers["apply"] / R,
-        "rss_inference_mb": rss_inference, "peak_rss_round_mb": _vm_hwm_mb(),
+        "rss_inference_mb": rss_inference, "peak_rss_round_mb": _vm_hwm_mb(), "device": args.device,
+        "gpu_name": torch.cuda.get_device_name(args.device) if cuda else None,
+        "gpu_inference_mb": gpu_inference,
+        "gpu_peak_round_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
     }
     print(f"{args.task} {args.model} {'LoRA r=' + str(args.lora_r) if args.lora_r else 'full'} "
           f"({out['trainable_params']:,} trainable), {args.algorithm}, {cfg.directions}, autocast {out['autocast']}, {args.threads} threads:")
@@ -122,6 +143,9 @@ def main() -> None:
     print(f"  catch-up: {out['catch_up_s_per_missed_round']:.2f} s per missed round; peak RSS: inference "
           f"{rss_inference:.0f} MB, training round {out['peak_rss_round_mb']:.0f} MB "
           f"({out['peak_rss_round_mb'] - rss_inference:+.0f} MB)")
+    if cuda:
+        print(f"  {out['gpu_name']}: CUDA peak allocation: inference {gpu_inference:.0f} MB, training round "
+              f"{out['gpu_peak_round_mb']:.0f} MB ({out['gpu_peak_round_mb'] - gpu_inference:+.0f} MB)")
     print(json.dumps(out))
 
 

@@ -1,5 +1,6 @@
 """The Philox direction families: known answers, the definition, and equality of the kernels."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -152,9 +153,12 @@ def test_bfloat16_parameters_get_the_rounded_float32_shift(family):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the CPU-vs-CUDA equality "
                     "test runs only where a GPU is present (the known-answer tests above run everywhere)")
 @pytest.mark.parametrize("family", PHILOX)
-def test_cpu_and_cuda_give_identical_directions_and_arithmetic(family):
+@pytest.mark.parametrize("kernel", ["auto", "torch"])  # auto: the fused Triton kernels where Triton imports
+def test_cpu_and_cuda_give_identical_directions_and_arithmetic(family, kernel):
     n, x, d, h = _cases()
-    cpu, gpu = DirectionGenerator(family), DirectionGenerator(family)
+    cpu, gpu = DirectionGenerator(family), DirectionGenerator(family, kernel=kernel)
+    if kernel == "auto" and importlib.util.find_spec("triton") is not None:
+        assert gpu._tr is not None  # the CUDA tensors below go through the Triton kernels
     assert torch.equal(cpu.fill(77, 4, x.shape).clone(), gpu.fill(77, 4, x.shape, "cuda").cpu())
     for hh in (None, h):
         for dd in (None, d):

@@ -106,6 +106,20 @@ def _numba():
     return _philox_numba
 
 
+_TRITON: list = []
+
+
+def _triton():
+    """The fused GPU kernels, or None where Triton cannot be imported (then: torch's integer ops)."""
+    if not _TRITON:
+        try:
+            from . import _philox_triton
+        except ImportError:  # CPU-only torch has no Triton
+            _philox_triton = None
+        _TRITON.append(_philox_triton)
+    return _TRITON[0]
+
+
 def _flat(t: torch.Tensor) -> np.ndarray:
     return t.detach().view(-1).numpy()
 
@@ -115,8 +129,10 @@ class DirectionGenerator:
 
     ``kernel`` picks the CPU implementation of the Philox families: ``"numba"`` (fused,
     multi-threaded with torch's thread count), ``"torch"`` (integer tensor ops, chunked) or
-    ``"auto"`` (numba when importable; ``$HISO_DIRECTION_KERNEL`` overrides). Tensors on a GPU
-    always use the torch kernels, on their device. Both give the same bits.
+    ``"auto"`` (numba when importable; ``$HISO_DIRECTION_KERNEL`` overrides). Tensors on a CUDA
+    device use fused Triton kernels where Triton is importable (it ships with CUDA builds of
+    torch), unless ``kernel="torch"``; else the torch kernels, on their device. All give the
+    same bits.
 
     It also owns the scratch tensors of direction arithmetic (:meth:`scratch`): one buffer per
     (purpose, shape, device), so a round allocates nothing after its first tensor of each shape.
@@ -131,6 +147,7 @@ class DirectionGenerator:
         self.family = family
         self.philox = family.startswith("philox-")
         self._nb = None
+        self._tr = _triton() if self.philox and kernel != "torch" and torch.cuda.is_available() else None
         if self.philox and kernel != "torch":
             self._nb = _numba()
             if self._nb is None and kernel == "numba":
@@ -163,6 +180,11 @@ class DirectionGenerator:
         self._nb.set_threads(torch.get_num_threads())
         return True
 
+    def _use_triton(self, *tensors: torch.Tensor | None) -> bool:
+        if self._tr is None:
+            return False
+        return all(t is None or (t.is_cuda and t.dtype == torch.float32 and t.is_contiguous()) for t in tensors)
+
     def _key(self, seed: int) -> tuple[np.uint64, np.uint64]:
         k0, k1 = philox.key_of(int(seed))
         return np.uint64(k0), np.uint64(k1)
@@ -177,10 +199,12 @@ class DirectionGenerator:
         if self._use_numba(out):
             self._nb.fill(_flat(out).view(np.uint32), self._fam, self._table, *self._key(seed), np.uint64(index))
             return out
-        n = out.numel()
+        if self._use_triton(out):
+            return self._tr.fill(self.family, out, seed, index)
+        n, step = out.numel(), philox._chunk(out.device)
         of = out.view(-1)
-        for a in range(0, n, philox.CHUNK):
-            b = min(a + philox.CHUNK, n)
+        for a in range(0, n, step):
+            b = min(a + step, n)
             of[a:b] = philox.values_torch(self.family, seed, index, a, b - a, out.device)
         return out
 
@@ -205,6 +229,8 @@ class DirectionGenerator:
                            delta is not None, h is not None, np.float32(scale), self._fam, self._table,
                            *self._key(seed), np.uint64(index))
             return out
+        if self._use_triton(out, x, h, delta):
+            return self._tr.shift(self.family, out, x, seed, index, scale, h, delta)
         return philox.shift_torch(self.family, out, x, seed, index, scale, h, delta)
 
     def combine(self, index: int, shape: torch.Size, seeds: np.ndarray, scalars: np.ndarray,
@@ -230,6 +256,8 @@ class DirectionGenerator:
                              np.array([k[0] for k in keys], np.uint64), np.array([k[1] for k in keys], np.uint64),
                              coefs, self._fam, self._table, np.uint64(index))
             return out
+        if self._use_triton(out, h):
+            return self._tr.combine(self.family, out, seeds, coefs, index, h)
         return philox.combine_torch(self.family, out, seeds, coefs, index, h)
 
 

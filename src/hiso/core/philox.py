@@ -3,10 +3,11 @@ direction families, in three implementations that give the same bits:
 
 * :func:`philox4x32_10`: the reference, plain Python integers, one block at a time (the
   known-answer tests check it against Random123's published vectors);
-* :func:`values_torch`: torch int64 tensor operations on any device (the CUDA path, and the
-  CPU path when numba is missing); every product is split so it stays below 2^63, so no
-  integer operation overflows on any device;
-* :mod:`hiso.core._philox_numba`: fused multi-threaded CPU kernels (numba).
+* :func:`values_torch`: torch int64 tensor operations on any device (the CPU path when numba
+  is missing, the GPU path when Triton is); every product is split so it stays below 2^63, so
+  no integer operation overflows on any device;
+* :mod:`hiso.core._philox_numba`: fused multi-threaded CPU kernels (numba);
+* :mod:`hiso.core._philox_triton`: fused CUDA kernels (Triton).
 
 The float32 values are integer functions of the generator's output (a sign, or a table entry
 selected by 16 bits), and what is done with them afterwards (scale, H^{-1/2}, add, sum over p)
@@ -32,7 +33,12 @@ MASK32 = 0xFFFFFFFF
 
 # elements produced by one Philox block (4 x 32 bits) in each family
 PER_BLOCK = {"philox-rademacher": 128, "philox-gaussian": 8}
-CHUNK = 1 << 18  # elements the torch path materialises at a time (a multiple of 128)
+CHUNK = 1 << 18  # elements the torch path materialises at a time on the CPU (a multiple of 128)
+GPU_CHUNK = 1 << 22  # on a GPU: ~100 small kernels per chunk, so fewer, larger chunks (32 MB int64 temporaries)
+
+
+def _chunk(device: torch.device) -> int:
+    return CHUNK if device.type == "cpu" else GPU_CHUNK
 
 
 def philox4x32_10(ctr: tuple[int, int, int, int], key: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -79,6 +85,7 @@ def gaussian_table() -> np.ndarray:
     return t
 
 
+@lru_cache(maxsize=None)
 @lru_cache(maxsize=None)
 def _table_on(device: str) -> torch.Tensor:
     return torch.from_numpy(gaussian_table().copy()).to(device)
@@ -151,9 +158,9 @@ def shift_torch(family: str, out: torch.Tensor, x: torch.Tensor, seed: int, inde
     of, xf = out.view(-1), x.reshape(-1)
     df = None if delta is None else delta.reshape(-1)
     hf = None if h is None else h.reshape(-1)
-    n = of.numel()
-    for a in range(0, n, CHUNK):
-        b = min(a + CHUNK, n)
+    n, step = of.numel(), _chunk(of.device)
+    for a in range(0, n, step):
+        b = min(a + step, n)
         z = values_torch(family, seed, index, a, b - a, of.device)
         if hf is not None:
             z.mul_(_rsqrt_exact(hf[a:b]))
@@ -173,8 +180,9 @@ def combine_torch(family: str, out: torch.Tensor, seeds: list[int], coefs: np.nd
     hf = None if h is None else h.reshape(-1)
     n = of.numel()
     cs = [float(c) for c in np.asarray(coefs, dtype=np.float32)]
-    for a in range(0, n, CHUNK):
-        b = min(a + CHUNK, n)
+    step = _chunk(of.device)
+    for a in range(0, n, step):
+        b = min(a + step, n)
         o = of[a:b].zero_()
         for s, c in zip(seeds, cs):
             o.add_(values_torch(family, s, index, a, b - a, of.device).mul_(c))

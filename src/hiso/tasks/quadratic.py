@@ -73,11 +73,12 @@ class QuadraticTask(Task):
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:
         client, xi = batch
-        return model(self.b[client], xi, self.noise)
+        dev = model.x.device  # the task's data lives on the CPU; the model may not (--device)
+        return model(self.b[client].to(dev), None if xi is None else xi.to(dev), self.noise)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        x = model.x.detach().float()
+        x = model.x.detach().float().cpu()  # evaluated on the CPU: the same numbers whatever the device
         r = x - self.x_star  # F(x) - F(x*) = 0.5 r^T diag(lambda) r exactly, no cancellation
         return {"eval_loss": self._full_loss(x), "gap": float(0.5 * (r.square() * self.lam).sum())}
 

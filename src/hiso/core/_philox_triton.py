@@ -1,0 +1,162 @@
+"""Fused GPU kernels of the Philox direction families (Triton): fill, shift and combine.
+
+The same definition as :func:`hiso.core.philox.values_torch` and the numba CPU kernels, element
+by element: element ``i`` of tensor ``index`` for direction ``seed`` comes from Philox block
+``i // per`` (counter ``(block lo, block hi, index, 0)``, key ``key_of(seed)``). Each element
+computes its block itself (integer work is cheap on a GPU; the kernels are bound by memory).
+
+Float arithmetic is the binary32 ``*``, ``+``, division and square root, each rounded
+once to nearest: the kernels are compiled with ``enable_fp_fusion=False`` (else a multiply
+followed by an add may become one fused multiply-add, rounded once: different bits), and use
+``div_rn``/``sqrt_rn`` (Triton's plain ``/`` and ``sqrt`` are approximate for float32).
+Imported only where a CUDA tensor meets a Philox family and Triton is importable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from . import philox
+
+BLOCK = 1024
+_OPTS = {"enable_fp_fusion": False}
+
+
+@triton.jit
+def _philox_words(i, k0, k1, index, LOG_PER: tl.constexpr):
+    """The four output words of the Philox block holding element ``i`` (int64 offsets)."""
+    b = i >> LOG_PER
+    c0 = (b & 0xFFFFFFFF).to(tl.uint32)
+    c1 = (b >> 32).to(tl.uint32)
+    c2 = tl.zeros_like(c0) + index.to(tl.uint32)
+    c3 = tl.zeros_like(c0)
+    ka = tl.zeros_like(c0) + k0.to(tl.uint32)  # the low 32 bits, whatever integer type came in
+    kb = tl.zeros_like(c0) + k1.to(tl.uint32)
+    m0 = tl.full(c0.shape, 0xD2511F53, tl.uint32)
+    m1 = tl.full(c0.shape, 0xCD9E8D57, tl.uint32)
+    w0 = tl.full(c0.shape, 0x9E3779B9, tl.uint32)
+    w1 = tl.full(c0.shape, 0xBB67AE85, tl.uint32)
+    for r in tl.static_range(10):
+        if r > 0:
+            ka = ka + w0
+            kb = kb + w1
+        hi0 = tl.umulhi(m0, c0)
+        lo0 = m0 * c0
+        hi1 = tl.umulhi(m1, c2)
+        lo1 = m1 * c2
+        c0, c1, c2, c3 = hi1 ^ c1 ^ ka, lo1, hi0 ^ c3 ^ kb, lo0
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _values(i, k0, k1, index, table, GAUSS: tl.constexpr):
+    """Direction element ``i`` as float32: a sign (Rademacher) or a table entry (Gaussian)."""
+    if GAUSS:
+        w0, w1, w2, w3 = _philox_words(i, k0, k1, index, 3)
+        k = (i >> 1) & 3
+        w = tl.where(k == 0, w0, tl.where(k == 1, w1, tl.where(k == 2, w2, w3)))
+        half = (w >> ((i & 1) * 16).to(tl.uint32)) & 0xFFFF
+        return tl.load(table + half.to(tl.int32))
+    else:
+        w0, w1, w2, w3 = _philox_words(i, k0, k1, index, 7)
+        k = (i >> 5) & 3
+        w = tl.where(k == 0, w0, tl.where(k == 1, w1, tl.where(k == 2, w2, w3)))
+        bit = (w >> (i & 31).to(tl.uint32)) & 1
+        return 1.0 - 2.0 * bit.to(tl.float32)
+
+
+@triton.jit
+def _rsqrt_exact(hv):
+    """1 / sqrt(h), square root and division each correctly rounded (the CPU kernels take the
+    float64 root rounded to float32: the same number, see ``philox._rsqrt_exact``)."""
+    s = tl.sqrt_rn(hv)
+    return tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+_SCALARS = ["n", "k0", "k1", "index"]  # never specialised (a key or an index of 1 would become a constant)
+
+
+@triton.jit(do_not_specialize=_SCALARS)
+def _fill_kernel(out, n, k0, k1, index, table, GAUSS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    tl.store(out + i, _values(i, k0, k1, index, table, GAUSS), mask=mask)
+
+
+@triton.jit(do_not_specialize=_SCALARS + ["scale"])
+def _shift_kernel(out, x, delta, h, n, scale, k0, k1, index, table, HAS_DELTA: tl.constexpr,
+                  HAS_H: tl.constexpr, GAUSS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    z = _values(i, k0, k1, index, table, GAUSS)
+    if HAS_H:
+        z = z * _rsqrt_exact(tl.load(h + i, mask=mask, other=1.0))
+    z = z * scale
+    o = tl.load(x + i, mask=mask)
+    if HAS_DELTA:
+        o = o + tl.load(delta + i, mask=mask)
+    tl.store(out + i, o + z, mask=mask)
+
+
+@triton.jit(do_not_specialize=["n", "P", "index"])
+def _combine_kernel(out, h, n, keys0, keys1, coefs, P, index, table, HAS_H: tl.constexpr,
+                    GAUSS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    acc = tl.zeros([BLOCK], tl.float32)
+    for p in range(P):  # in order from p = 0, as the CPU kernels sum
+        acc = acc + _values(i, tl.load(keys0 + p), tl.load(keys1 + p), index, table, GAUSS) * tl.load(coefs + p)
+    if HAS_H:
+        acc = acc * _rsqrt_exact(tl.load(h + i, mask=mask, other=1.0))
+    tl.store(out + i, acc, mask=mask)
+
+
+_TABLES: dict[str, torch.Tensor] = {}
+
+
+def _table(family: str, device: torch.device) -> torch.Tensor:
+    key = f"{family}@{device}"
+    if key not in _TABLES:
+        t = philox.gaussian_table() if family == "philox-gaussian" else np.zeros(1, np.float32)
+        _TABLES[key] = torch.from_numpy(t.copy()).to(device)
+    return _TABLES[key]
+
+
+def _grid(n: int):
+    return (triton.cdiv(n, BLOCK),)
+
+
+def fill(family: str, out: torch.Tensor, seed: int, index: int) -> torch.Tensor:
+    k0, k1 = philox.key_of(int(seed))
+    n = out.numel()
+    _fill_kernel[_grid(n)](out, n, k0, k1, int(index), _table(family, out.device),
+                           GAUSS=family == "philox-gaussian", BLOCK=BLOCK, **_OPTS)
+    return out
+
+
+def shift(family: str, out: torch.Tensor, x: torch.Tensor, seed: int, index: int, scale: float,
+          h: torch.Tensor | None, delta: torch.Tensor | None) -> torch.Tensor:
+    k0, k1 = philox.key_of(int(seed))
+    n = out.numel()
+    _shift_kernel[_grid(n)](out, x, x if delta is None else delta, x if h is None else h, n,
+                            float(np.float32(scale)), k0, k1, int(index), _table(family, out.device),
+                            HAS_DELTA=delta is not None, HAS_H=h is not None,
+                            GAUSS=family == "philox-gaussian", BLOCK=BLOCK, **_OPTS)
+    return out
+
+
+def combine(family: str, out: torch.Tensor, seeds: list[int], coefs: np.ndarray, index: int,
+            h: torch.Tensor | None) -> torch.Tensor:
+    keys = [philox.key_of(int(s)) for s in seeds]
+    dev = out.device
+    k0 = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
+    k1 = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev)
+    c = torch.from_numpy(np.asarray(coefs, dtype=np.float32).copy()).to(dev)
+    n = out.numel()
+    _combine_kernel[_grid(n)](out, out if h is None else h, n, k0, k1, c, len(keys), int(index),
+                              _table(family, dev), HAS_H=h is not None,
+                              GAUSS=family == "philox-gaussian", BLOCK=BLOCK, **_OPTS)
+    return out
