@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import exact
 from .perturb import Perturber, Shift
 from .state import ModelState, step_direction
 
@@ -80,7 +81,7 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
             if delta is not None and (k < tau - 1 or return_delta):
                 for i, prm in enumerate(state.params):
                     ghat = step_direction(gen, i, prm, seeds[k], scalars[k], state.h_of(i))
-                    delta[i].add_(ghat, alpha=-cfg.lr)
+                    exact.axpy_(delta[i], -cfg.lr, ghat)
     finally:  # also when a forward raises
         model.train(was_training)
     return LocalResult(scalars, float(np.mean(losses)), delta if return_delta else None)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import exact
+
 
 @dataclass(frozen=True)
 class MomentumConfig:
@@ -45,4 +47,4 @@ def decay_(m: torch.Tensor, cfg: MomentumConfig) -> torch.Tensor:
 
 def add_(m: torch.Tensor, ghat: torch.Tensor, cfg: MomentumConfig) -> torch.Tensor:
     """m <- m + (1 - beta) ghat for one local step's global direction."""
-    return m.add_(ghat, alpha=1.0 - cfg.beta)
+    return exact.axpy_(m, 1.0 - cfg.beta, ghat)

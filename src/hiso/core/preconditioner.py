@@ -46,6 +46,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from . import exact
+
 
 STATS = ("ghat2", "floor", "denoised")
 GRANULARITIES = ("coordinate", "tensor", "model")
@@ -148,7 +150,7 @@ def statistic(ghat: torch.Tensor, h_round: torch.Tensor, s: float, P: int, cfg: 
         return torch.reciprocal(h_round, out=out).mul_(s / P)
     if cfg.stat == "denoised":  # max((P ghat^2 - S / H_r) / (P + 1), 0)
         torch.reciprocal(h_round, out=out).mul_(-s)
-        return out.addcmul_(ghat, ghat, value=float(P)).div_(P + 1).clamp_(min=0.0)
+        return exact.add_scaled_square_(out, float(P), ghat).div_(P + 1).clamp_(min=0.0)
     torch.mul(ghat, ghat, out=out)
     return out
 
@@ -171,9 +173,9 @@ def update_(h: torch.Tensor, ghat: torch.Tensor, cfg: PreconditionerConfig, t: i
     :func:`statistic`) is given; ``t`` the update's index (bias correction)."""
     a, b = cfg.weights(t)
     if x is None:
-        h.mul_(a).addcmul_(ghat, ghat, value=b)
+        exact.add_scaled_square_(h.mul_(a), b, ghat)
     else:
-        h.mul_(a).add_(x, alpha=b)
+        exact.axpy_(h.mul_(a), b, x)
     _finish_(h, cfg, b)
 
 

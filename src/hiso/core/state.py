@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import exact
 from . import momentum as mo
 from . import preconditioner as pc
 from .config import ZOConfig
@@ -79,13 +80,13 @@ class ModelState:
             for k in range(tau):
                 ghat = step_direction(self.gen, i, p, record.seeds[k], record.scalars[k], h)
                 if m is None:
-                    p.add_(ghat.to(p.dtype), alpha=-lr)
+                    exact.axpy_(p, -lr, ghat)
                 else:
                     mo.add_(m, ghat, mom)
                 if hstep is not None and precond.updates_at(k, tau):
                     hstep.observe(self.gen, i, k, h, ghat)
             if m is not None:
-                p.add_(m.to(p.dtype), alpha=-lr)
+                exact.axpy_(p, -lr, m)
             if hstep is not None:
                 hstep.close_tensor(i, h)
         if hstep is not None:
