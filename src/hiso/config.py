@@ -113,6 +113,9 @@ class RunConfig(BaseModel):
     momentum: float | None = Field(None, gt=0, lt=1, description=(
         "server-side momentum beta on the replayed global update, EMA form m = beta m + (1-beta) ghat (hiso, "
         "decomfl; default: none)"))
+    lr_decay: float | None = Field(None, gt=0, description=(
+        "inverse-time lr decay over rounds: round r steps with lr / (1 + r / lr_decay), half of lr at round "
+        "lr_decay (hiso, decomfl; default: constant lr)"))
     # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
     server_lr: float | None = Field(None, gt=0, description=(
         "server learning rate of full-model baselines (default: 1.0 for fedavg and fedzo, 0.01 for fedadam, "
@@ -215,6 +218,8 @@ class RunConfig(BaseModel):
         if not self.scalar_only and (faults or self.byzantine or self.aggregate != "mean"):
             raise ValueError(f"faults, attackers and robust aggregation are simulated for hiso and decomfl only, "
                              f"not {self.algorithm}")
+        if self.lr_decay is not None and not self.scalar_only:
+            raise ValueError(f"lr_decay is for hiso and decomfl, not {self.algorithm}")
         if self.h_bias_correction and self.nu == 0:
             raise ValueError("h_bias_correction needs nu > 0")
         if self.lr is None:
@@ -241,7 +246,8 @@ class RunConfig(BaseModel):
         momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
-                        directions=self.directions, scalar_dtype=self.scalar_dtype, momentum=momentum)
+                        directions=self.directions, scalar_dtype=self.scalar_dtype, momentum=momentum,
+                        lr_decay=self.lr_decay)
 
 
 def one_line(err: ValidationError, prefix: str | None = None) -> str:

@@ -22,10 +22,13 @@ class ZOConfig:
     directions: str = "philox-rademacher"  # the direction family (see hiso.core.directions.FAMILIES)
     scalar_dtype: str = "float32"  # the scalars' number format on the wire and in the log (float16, bfloat16)
     momentum: MomentumConfig | None = None  # server-side momentum (hiso.core.momentum); None: none
+    lr_decay: float | None = None  # inverse-time decay horizon T (rounds): round r steps with lr / (1 + r / T)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.lr_decay is not None and not self.lr_decay > 0:
+            raise ValueError(f"lr_decay must be > 0 rounds, got {self.lr_decay}")
         if not self.mu > 0:
             raise ValueError(f"mu must be > 0, got {self.mu}")
         if self.perturbations < 1:
@@ -39,6 +42,18 @@ class ZOConfig:
             raise ValueError(f"scalar_dtype must be float32, float16 or bfloat16, got {self.scalar_dtype!r}")
         if self.difference not in ("forward", "central"):
             raise ValueError(f"difference must be 'forward' or 'central', got {self.difference!r}")
+
+    def lr_at(self, round: int) -> float:
+        """The step size of round ``round`` (its local steps and its global step).
+
+        Constant ``lr`` by default; with ``lr_decay = T`` it is ``lr / (1 + round / T)``, the
+        classical inverse-time (Robbins-Monro) schedule: half of lr at round T, no horizon to
+        fix in advance (a run extended later keeps its earlier rounds' steps). A pure function
+        of the round, computed in float64 the same way on every replica, so replays stay exact.
+        """
+        if self.lr_decay is None:
+            return self.lr
+        return self.lr / (1.0 + round / self.lr_decay)
 
     @property
     def shape(self) -> tuple[int, int]:

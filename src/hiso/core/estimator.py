@@ -55,6 +55,7 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
         delta = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in state.params] if need_delta else None
         scalars = np.empty((tau, P), dtype=np.float32)
         losses = []
+        lr = cfg.lr_at(state.round)
 
         def f(batch, seed=None, scale=0.0) -> float:
             if seed is None and delta is None:
@@ -81,7 +82,7 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
             if delta is not None and (k < tau - 1 or return_delta):
                 for i, prm in enumerate(state.params):
                     ghat = step_direction(gen, i, prm, seeds[k], scalars[k], state.h_of(i))
-                    exact.axpy_(delta[i], -cfg.lr, ghat)
+                    exact.axpy_(delta[i], -lr, ghat)
     finally:  # also when a forward raises
         model.train(was_training)
     return LocalResult(scalars, float(np.mean(losses)), delta if return_delta else None)

@@ -72,7 +72,7 @@ class ModelState:
         tau, P = self.cfg.shape
         if record.seeds.shape != (tau, P) or record.scalars.shape != (tau, P):
             raise ValueError(f"record of shape {record.seeds.shape} does not match (tau, P) = {(tau, P)}")
-        lr, precond, mom = self.cfg.lr, self.cfg.precond, self.cfg.momentum
+        lr, precond, mom = self.cfg.lr_at(self.round), self.cfg.precond, self.cfg.momentum
         hstep = _HStep(precond, record, self.round, tau) if precond is not None else None
         for i, p in enumerate(self.params):
             h = self.h_of(i)

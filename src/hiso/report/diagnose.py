@@ -123,9 +123,11 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     def snapshot() -> None:
         hs = [h.detach().reshape(-1).numpy().astype(np.float64) for h in state.h]
         allh = np.concatenate(hs)
+        lr = state.cfg.lr_at(state.round)  # the round's step size (constant unless lr_decay)
         rounds.append({
             "round": state.round,
             "h": _quantiles(allh),
+            "lr": lr,
             "step": {**_quantiles(lr / allh), "mean": float(np.mean(lr / allh))},
             "h_per_tensor_median": {n: float(np.median(h)) for n, h in zip(names, hs)},
         })
@@ -143,7 +145,8 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
         "run": str(run_dir), "algorithm": cfg.algorithm, "task": cfg.task, "lr": lr, "rounds": R,
         "parameters": int(sum(h.numel() for h in final)),
         "variant": {"nu": cfg.nu, "h_granularity": cfg.h_granularity, "h_stat": cfg.h_stat,
-                    "h_bias_correction": cfg.h_bias_correction, "momentum": cfg.momentum},
+                    "h_bias_correction": cfg.h_bias_correction, "momentum": cfg.momentum,
+                    "lr_decay": cfg.lr_decay},
         "effective_step": "lr / H per coordinate (E[ghat] = H^-1 grad f); DeComFL's is lr",
         "over_rounds": rounds,
         "per_tensor": [{"name": n, "numel": int(h.numel()), **_quantiles(h.reshape(-1).double().numpy()),
@@ -242,7 +245,7 @@ def plot(d: dict[str, Any], path: str | Path) -> None:
         ax.fill_between(r, q["p5"], q["p95"], alpha=0.35, color="#1f77b4", label="5-95 %")
         ax.plot(r, q["median"], c="#1f77b4", label="median")
         if key == "step":
-            ax.axhline(d["lr"], ls="--", c="k", lw=1, label="lr (DeComFL)")
+            ax.plot(r, [x.get("lr", d["lr"]) for x in d["over_rounds"]], ls="--", c="k", lw=1, label="lr (DeComFL)")
         ax.set_yscale("log")
         ax.set(title=title, xlabel="round")
         ax.legend(fontsize=7)
