@@ -124,3 +124,30 @@ def test_a_foreign_history_is_refused_and_unused_parameters_have_zero_curvature(
     assert torch.equal(cur.hutchinson[0], torch.tensor([6.0, 12.0]))  # d2/da2 a^3 = 6a, diagonal: exact
     assert torch.equal(cur.grad2[0], torch.tensor([9.0, 144.0]))  # (3a^2)^2
     assert torch.equal(cur.hutchinson[1], torch.zeros(1)) and torch.equal(cur.grad2[1], torch.zeros(1))
+
+
+def test_noise_floor_level_is_the_floor_model_variants_h_and_lr_follows_the_decay(tmp_path):
+    """The noise-floor level is H's average fed with S / (P H) from the scalars: for the
+    ``floor`` statistic at ``model`` granularity that is exactly the run's own (uniform) H, up to
+    its float32 rounding; and the effective step uses the round's lr under ``lr_decay``."""
+    out = tmp_path / "floor"
+    cfg = load_config(task="quadratic", dim=400, clients=5, sampled=2, rounds=ROUNDS, eval_every=8,
+                      algorithm="hiso", lr=0.05, h_stat="floor", h_granularity="model", lr_decay=6.0)
+    run_to_dir(cfg, out)
+    d = diagnose(out, points=5, curvature="no", progress=False)
+    levels = [r["floor_level"] for r in d["over_rounds"]]
+    medians = [r["h"]["median"] for r in d["over_rounds"]]
+    assert levels[0] == 1.0 and levels[-1] != 1.0  # it moved
+    assert np.allclose(levels, medians, rtol=1e-5, atol=0)
+    assert [r["lr"] for r in d["over_rounds"]] == [0.05 / (1 + r / 6.0) for r in (0, 6, 12, 18, 24)]
+    last = d["over_rounds"][-1]
+    assert last["step"]["median"] == pytest.approx(0.05 / (1 + 24 / 6.0) / medians[-1], rel=1e-6)
+
+
+def test_noise_floor_level_differs_from_a_per_coordinate_h_with_signal(run):
+    """On the small quadratic (d = 30, P = 5: little noise per coordinate) HiSo's H carries
+    per-coordinate signal, so the level is a different number from its median: the level is
+    not just a copy of H."""
+    d = diagnose(run, points=3, curvature="no", progress=False)
+    last = d["over_rounds"][-1]
+    assert last["floor_level"] > 0 and abs(last["floor_level"] / last["h"]["median"] - 1) > 1e-3

@@ -9,6 +9,13 @@ replay stops at ``points`` evenly spaced rounds and records:
   ``ghat = H^{-1/2} (1/P) sum_p g_p u_p`` and ``g_p ~ u_p^T H^{-1/2} grad f``, so
   ``E[ghat] = H^{-1} grad f`` (``E[u u^T] = I``): coordinate j moves with step ``lr / H_j``,
   where DeComFL's is ``lr``. Reported: quantiles of lr / H and its mean (the global step).
+* the noise-floor level: what H would be if it held no per-coordinate information at all. With
+  d >> P, E[ghat_i^2] = S / (P H_i) + (1 - 1/P) (H_i^{-1} grad_i f)^2 where S = (1/P) sum_p g_p^2
+  is the round's mean squared scalar, and the first term dominates (see
+  :mod:`hiso.core.preconditioner`). The level is H's own moving average (same nu, weights and
+  clipping) fed with the coordinate mean of that first term, from the logged scalars alone; a
+  median H that sits on it says H is one global step size set by the scalars' power, not a
+  per-coordinate curvature.
 
 For small models (``d <= max_params``, data at hand) H at the last round is set against the
 curvature measured with autograd at the final model, on training batches the run never drew
@@ -103,6 +110,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     """The numbers of ``hiso diagnose`` for the run in ``run_dir`` (see the module docstring)."""
     from tqdm import tqdm
 
+    from ..core.preconditioner import scalar_power
     from ..runners.rundir import saved_config, start_replica
 
     run_dir = Path(run_dir)
@@ -120,7 +128,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     at = sorted(set(np.linspace(0, R, min(points, R + 1)).round().astype(int).tolist()))
     rounds: list[dict] = []
 
-    def snapshot() -> None:
+    def plain_snapshot() -> None:
         hs = [h.detach().reshape(-1).numpy().astype(np.float64) for h in state.h]
         allh = np.concatenate(hs)
         lr = state.cfg.lr_at(state.round)  # the round's step size (constant unless lr_decay)
@@ -132,10 +140,24 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
             "h_per_tensor_median": {n: float(np.median(h)) for n, h in zip(names, hs)},
         })
 
+    pcfg, tau = state.cfg.precond, state.cfg.local_steps
+    level, updates = 1.0, 0
+
+    def snapshot() -> None:
+        plain_snapshot()
+        rounds[-1]["floor_level"] = level
+
     bar = tqdm(total=R, desc="replaying H", unit="round", disable=not progress or None, leave=False)
     for rec in records:
         if state.round in at:
             snapshot()
+        inv_mean = float(sum(torch.reciprocal(h.double()).sum() for h in state.h)) / sum(h.numel() for h in state.h)
+        for k in range(tau):
+            if pcfg.updates_at(k, tau):
+                a, b = pcfg.weights(updates)
+                level = a * level + b * (scalar_power(rec.scalars[k]) / rec.scalars.shape[1] * inv_mean + pcfg.eps)
+                level = float(np.clip(level, pcfg.h_min or 0.0, pcfg.h_max or np.inf))
+                updates += 1
         state.apply(rec)
         bar.update(1)
     bar.close()
@@ -203,6 +225,12 @@ def summary_text(d: dict[str, Any]) -> str:
         f"mean {last['step']['mean']:.3g}, 5%-95% [{last['step']['p5']:.3g}, {last['step']['p95']:.3g}]",
         "median H over rounds: " + ", ".join(f"r{r['round']} {r['h']['median']:.3g}" for r in d["over_rounds"]),
     ]
+    if "floor_level" in last:
+        lines.append(
+            f"noise-floor level (H's average fed with the scalars' power alone, no per-coordinate information): "
+            f"{last['floor_level']:.3g} at round {last['round']}, median H / level "
+            f"{last['h']['median'] / last['floor_level']:.2f}; over rounds: "
+            + ", ".join(f"r{r['round']} {r['floor_level']:.3g}" for r in d["over_rounds"]))
     if "matches_model_pt" in d:
         lines.append("replayed H equals model.pt's H bit for bit" if d["matches_model_pt"]
                      else "WARNING: replayed H differs from model.pt's (incomplete or foreign history?)")
@@ -244,6 +272,9 @@ def plot(d: dict[str, Any], path: str | Path) -> None:
         ax.fill_between(r, q["min"], q["max"], alpha=0.15, color="#1f77b4", label="min-max")
         ax.fill_between(r, q["p5"], q["p95"], alpha=0.35, color="#1f77b4", label="5-95 %")
         ax.plot(r, q["median"], c="#1f77b4", label="median")
+        if key == "h" and "floor_level" in d["over_rounds"][0]:
+            ax.plot(r, [x["floor_level"] for x in d["over_rounds"]], ls=":", c="#d62728", lw=1.5,
+                    label="noise-floor level")
         if key == "step":
             ax.plot(r, [x.get("lr", d["lr"]) for x in d["over_rounds"]], ls="--", c="k", lw=1, label="lr (DeComFL)")
         ax.set_yscale("log")
