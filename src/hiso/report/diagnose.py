@@ -110,7 +110,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     """The numbers of ``hiso diagnose`` for the run in ``run_dir`` (see the module docstring)."""
     from tqdm import tqdm
 
-    from ..core.preconditioner import scalar_power
+    from ..core.preconditioner import scalar_power, update_block_
     from ..runners.rundir import saved_config, start_replica
 
     run_dir = Path(run_dir)
@@ -128,7 +128,11 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     at = sorted(set(np.linspace(0, R, min(points, R + 1)).round().astype(int).tolist()))
     rounds: list[dict] = []
 
-    def plain_snapshot() -> None:
+    pcfg, tau = state.cfg.precond, state.cfg.local_steps
+    level = torch.ones(1)  # the noise-floor level, advanced by the core's own block update
+    updates = 0
+
+    def snapshot() -> None:
         hs = [h.detach().reshape(-1).numpy().astype(np.float64) for h in state.h]
         allh = np.concatenate(hs)
         lr = state.cfg.lr_at(state.round)  # the round's step size (constant unless lr_decay)
@@ -138,14 +142,8 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
             "lr": lr,
             "step": {**_quantiles(lr / allh), "mean": float(np.mean(lr / allh))},
             "h_per_tensor_median": {n: float(np.median(h)) for n, h in zip(names, hs)},
+            "floor_level": float(level),
         })
-
-    pcfg, tau = state.cfg.precond, state.cfg.local_steps
-    level, updates = 1.0, 0
-
-    def snapshot() -> None:
-        plain_snapshot()
-        rounds[-1]["floor_level"] = level
 
     bar = tqdm(total=R, desc="replaying H", unit="round", disable=not progress or None, leave=False)
     for rec in records:
@@ -154,9 +152,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
         inv_mean = float(sum(torch.reciprocal(h.double()).sum() for h in state.h)) / sum(h.numel() for h in state.h)
         for k in range(tau):
             if pcfg.updates_at(k, tau):
-                a, b = pcfg.weights(updates)
-                level = a * level + b * (scalar_power(rec.scalars[k]) / rec.scalars.shape[1] * inv_mean + pcfg.eps)
-                level = float(np.clip(level, pcfg.h_min or 0.0, pcfg.h_max or np.inf))
+                update_block_(level, scalar_power(rec.scalars[k]) / rec.scalars.shape[1] * inv_mean, pcfg, updates)
                 updates += 1
         state.apply(rec)
         bar.update(1)
