@@ -92,9 +92,13 @@ class RunConfig(BaseModel):
     weighted: bool = Field(False, description="weight clients' contributions by their data size (default: plain mean)")
     mode: Literal["fast", "faithful"] = Field("fast", description=(
         "fast: one shared model copy; faithful: a model (and H) per client, rebuilt from its downlink bytes"))
-    perturb_mode: Literal["hooks", "swap"] = Field("hooks", description=(
+    perturb_mode: Literal["hooks", "swap", "batched"] = Field("hooks", description=(
         "hooks: perturb each layer's parameters only while it runs (no copy); swap: shift the whole model (one "
-        "extra copy)"))
+        "extra copy); batched: a local step's P+1 points in one stacked forward (torch.func.vmap; one shifted "
+        "copy of the trainable tensors per point, in chunks of --batch-memory)"))
+    batch_memory: str | int | None = Field(None, description=(
+        "batched perturb mode: bytes of stacked shifted tensors per forward, e.g. 512M or 4G (default: 2G); "
+        "points beyond it run in further forwards"))
     # HiSo's preconditioner (ignored by decomfl); nu weights the NEW value
     nu: float = Field(0.05, ge=0, le=1, description="weight of the new value in H's moving average (HiSo)")
     eps: float = Field(1e-8, ge=0, description="added to ghat^2 in H's update, keeps H above zero (HiSo)")
@@ -220,11 +224,18 @@ class RunConfig(BaseModel):
                              f"not {self.algorithm}")
         if self.lr_decay is not None and not self.scalar_only:
             raise ValueError(f"lr_decay is for hiso and decomfl, not {self.algorithm}")
+        if self.batch_memory is not None:
+            parse_size(self.batch_memory)
         if self.h_bias_correction and self.nu == 0:
             raise ValueError("h_bias_correction needs nu > 0")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self
+
+    @property
+    def batch_memory_bytes(self) -> int | None:
+        """``batch_memory`` in bytes (None: the perturber's default)."""
+        return None if self.batch_memory is None else parse_size(self.batch_memory)
 
     @property
     def scalar_only(self) -> bool:
@@ -248,6 +259,19 @@ class RunConfig(BaseModel):
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
                         directions=self.directions, scalar_dtype=self.scalar_dtype, momentum=momentum,
                         lr_decay=self.lr_decay)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size like ``512M``, ``4G``, ``1.5GiB`` or ``1000`` (powers of 1024)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(?:[iI]?[bB])?\s*", str(text))
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 512M, 4G)")
+    n = float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " ")
+    if n < 1:
+        raise ValueError(f"size must be at least one byte: {text!r}")
+    return int(n)
 
 
 def one_line(err: ValidationError, prefix: str | None = None) -> str:

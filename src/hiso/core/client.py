@@ -36,9 +36,10 @@ def answer(cid: int, state: ModelState, perturber: Perturber, loss_fn: LossFn, b
 
 class Client:
     def __init__(self, cid: int, state: ModelState, loss_fn: LossFn, batch_fn: BatchFn,
-                 perturb_mode: Mode = "hooks", report_loss: bool = True, wire: Wire | None = None):
+                 perturb_mode: Mode = "hooks", report_loss: bool = True, wire: Wire | None = None,
+                 batch_memory: int | None = None):
         self.cid, self.state, self.loss_fn, self.batch_fn = cid, state, loss_fn, batch_fn
-        self.perturber = Perturber(state.model, state.params, perturb_mode)
+        self.perturber = Perturber(state.model, state.params, perturb_mode, batch_memory)
         self.report_loss = report_loss
         self.wire = wire  # set by join()
 

@@ -57,24 +57,21 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
         losses = []
         lr = cfg.lr_at(state.round)
 
-        def f(batch, seed=None, scale=0.0) -> float:
-            if seed is None and delta is None:
-                return float(loss_fn(model, batch))
-            with perturber.at(Shift(gen, seed, scale, h, delta)):
-                return float(loss_fn(model, batch))
-
         for k in range(tau):
             batch = batches[k]
-            f0 = f(batch) if cfg.difference == "forward" else None
-            for p in range(P):
-                s = int(seeds[k, p])
-                fp = f(batch, s, cfg.mu)
-                if f0 is not None:
-                    scalars[k, p] = (fp - f0) / cfg.mu
-                    if p == 0:
-                        losses.append(f0)
-                else:
-                    fm = f(batch, s, -cfg.mu)
+            if cfg.difference == "forward":  # f(x_k), then f(x_k + mu z_p) for each p
+                shifts = [Shift(gen, None, 0.0, h, delta)] + [Shift(gen, int(s), cfg.mu, h, delta) for s in seeds[k]]
+            else:  # f(x_k + mu z_p), f(x_k - mu z_p) for each p
+                shifts = [Shift(gen, int(s), sign * cfg.mu, h, delta) for s in seeds[k] for sign in (1.0, -1.0)]
+            vals = perturber.losses(loss_fn, batch, shifts)
+            if cfg.difference == "forward":
+                f0 = vals[0]
+                for p in range(P):
+                    scalars[k, p] = (vals[1 + p] - f0) / cfg.mu
+                losses.append(f0)
+            else:
+                for p in range(P):
+                    fp, fm = vals[2 * p], vals[2 * p + 1]
                     scalars[k, p] = (fp - fm) / (2 * cfg.mu)
                     losses.append(0.5 * (fp + fm))
             if not np.all(np.isfinite(scalars[k])):

@@ -12,21 +12,35 @@ is built only while it is needed and x itself is never written:
   ``other_module.weight`` inside a different module would be missed: use ``"swap"``).
 * ``mode="swap"``: every parameter is swapped for the whole forward (one extra model copy),
   for models that read parameters outside their module's forward.
+* ``mode="batched"``: the points of a local step (the base point and its P perturbed points)
+  are evaluated as one forward over a stacked group axis (``torch.func.vmap`` of
+  ``torch.func.functional_call``): each group gets its own shifted copy of the trainable
+  tensors, the frozen ones are shared. Under LoRA the base weights' products become one large
+  matrix product over all groups and the adapters one batched product per layer; with full
+  parameters every group carries a model copy, so the groups are evaluated in chunks whose
+  shifted tensors fit ``batch_memory`` bytes. Few large forwards instead of many small ones is
+  what a GPU needs (small forwards are launch-bound there); on a CPU it is measured in
+  ``bench/llm_round.py``. The loss must be batchable by ``vmap`` (no ``.item()`` or
+  data-dependent branches on values that depend on the parameters).
 
-Both build the same shifted tensors with :func:`shifted`, so they give identical losses.
+All modes build the same shifted tensors with :meth:`Shift.shifted`, so hooks and swap give
+identical losses, and batched gives them up to the rounding of a differently shaped product.
 """
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
-from typing import Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from torch import nn
 
 from .directions import DirectionGenerator
 
-Mode = Literal["hooks", "swap"]
+Mode = Literal["hooks", "swap", "batched"]
+MODES = ("hooks", "swap", "batched")
+DEFAULT_BATCH_MEMORY = 2 << 30  # bytes of stacked shifted tensors per batched forward
 
 
 class Shift:
@@ -54,10 +68,15 @@ class Shift:
 class Perturber:
     """Runs forwards of ``model`` at shifted points; see the module docstring."""
 
-    def __init__(self, model: nn.Module, params: list[nn.Parameter], mode: Mode = "hooks"):
-        if mode not in ("hooks", "swap"):
-            raise ValueError(f"perturbation mode must be 'hooks' or 'swap', got {mode!r}")
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], mode: Mode = "hooks",
+                 batch_memory: int | None = None):
+        if mode not in MODES:
+            raise ValueError(f"perturbation mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if batch_memory is not None and batch_memory <= 0:
+            raise ValueError(f"batch_memory must be positive, got {batch_memory}")
         self.model, self.params, self.mode = model, params, mode
+        self.batch_memory = DEFAULT_BATCH_MEMORY if batch_memory is None else int(batch_memory)
+        self._stacks: dict[tuple, torch.Tensor] = {}  # batched mode: stacked shifted tensors by (G, shape)
         self._free: dict[tuple, list[torch.Tensor]] = {}  # reusable buffers for shifted values
         index = {id(p): i for i, p in enumerate(params)}
         # each module's own trainable parameters, with their protocol index
@@ -129,3 +148,87 @@ class Perturber:
                 h.remove()
             for i, x in saved.items():  # shared parameters, and any left by an exception
                 self._swap_out(self.params[i], x)
+
+    # ------------------------------------------------------------------ several points at once
+
+    def losses(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batch: Any,
+               shifts: list[Shift]) -> list[float]:
+        """``loss_fn(model, batch)`` at each shifted point, in order.
+
+        In hooks and swap mode one forward per point (a point with neither seed nor delta is the
+        model itself, evaluated directly); in batched mode as few stacked forwards as
+        ``batch_memory`` allows.
+        """
+        if self.mode != "batched":
+            out = []
+            for s in shifts:
+                if s.seed is None and s.delta is None:
+                    out.append(float(loss_fn(self.model, batch)))
+                else:
+                    with self.at(s):
+                        out.append(float(loss_fn(self.model, batch)))
+            return out
+        per_point = sum(p.numel() * p.element_size() for p in self.params)
+        chunk = max(1, min(len(shifts), self.batch_memory // max(per_point, 1)))
+        out = []
+        for a in range(0, len(shifts), chunk):
+            out.extend(self._stacked_losses(loss_fn, batch, shifts[a:a + chunk]))
+        return out
+
+    def _names(self) -> list[str]:
+        names = getattr(self, "_param_names", None)
+        if names is None:
+            by_id = {id(p): n for n, p in self.model.named_parameters()}
+            missing = [i for i, p in enumerate(self.params) if id(p) not in by_id]
+            if missing:
+                raise ValueError(f"batched perturbation: trainable tensors {missing} are not parameters of the model")
+            names = self._param_names = [by_id[id(p)] for p in self.params]
+        return names
+
+    def _stack(self, shifts: list[Shift]) -> list[torch.Tensor]:
+        """Per trainable tensor, a (G, *shape) buffer whose g-th slice is point g's value."""
+        G, stacks = len(shifts), []
+        for i, p in enumerate(self.params):
+            x = p.data
+            key = (G, i, x.shape, x.dtype, x.device)
+            buf = self._stacks.get(key)
+            if buf is None:
+                buf = self._stacks[key] = torch.empty((G, *x.shape), dtype=x.dtype, device=x.device)
+            for g, s in enumerate(shifts):
+                s.shifted(i, x, buf[g])
+            stacks.append(buf)
+        return stacks
+
+    def _stacked_losses(self, loss_fn, batch, shifts: list[Shift]) -> list[float]:
+        names = ["model." + n for n in self._names()]
+        stacks = self._stack(shifts)
+        wrapper = _LossOf(self.model, loss_fn)
+
+        def one(*tensors):
+            return torch.func.functional_call(wrapper, dict(zip(names, tensors)), (batch,), strict=False)
+
+        with warnings.catch_warnings():
+            # attention kernels without a batching rule run group by group: slower, same numbers
+            warnings.filterwarnings("ignore", message=".*performance drop because we have not yet implemented the batching rule")
+            try:
+                vals = torch.func.vmap(one)(*stacks)
+            except (RuntimeError, ValueError) as e:
+                if "vmap" not in str(e) and "Batching rule" not in str(e) and "batched" not in str(e):
+                    raise
+                raise RuntimeError(f"perturb mode 'batched' needs a loss torch.func.vmap can batch ({e}); "
+                                   "use --perturb-mode hooks") from e
+        if vals.shape != (len(shifts),):
+            raise ValueError(f"batched perturbation: the loss must be a scalar per point, got shape {tuple(vals.shape[1:])}")
+        return vals.detach().cpu().tolist()
+
+
+class _LossOf(nn.Module):
+    """``loss_fn(model, batch)`` as a module, so functional_call can swap the model's tensors."""
+
+    def __init__(self, model: nn.Module, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, batch):
+        return self.loss_fn(self.model, batch)

@@ -473,7 +473,7 @@ def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, 
     task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
     t1 = time.perf_counter()
     client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode,
-                    wire=_wire(cfg, rep))
+                    wire=_wire(cfg, rep), batch_memory=cfg.batch_memory_bytes)
     rep.begin()
     try:
         up = client.handle(down)

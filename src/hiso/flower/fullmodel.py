@@ -255,7 +255,7 @@ def train_full(cfg: RunConfig, pid: int, arrays, rnd: int, cfg_json: str | None 
             p.copy_(v)
     if cfg.algorithm == "fedzo":
         state = ModelState(model, fedzo_config(cfg))
-        delta, loss = zo_local(state, Perturber(model, state.params, cfg.perturb_mode), task, pid, rnd,
+        delta, loss = zo_local(state, Perturber(model, state.params, cfg.perturb_mode, cfg.batch_memory_bytes), task, pid, rnd,
                                cfg.seed, cfg.batch_size)
     else:
         delta, loss = sgd_local(model, params, task, pid, rnd, cfg.lr, cfg.local_steps, cfg.batch_size)

@@ -85,7 +85,7 @@ class Worker:
         t1 = time.perf_counter()
         from .app import _wire
         client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode,
-                        wire=_wire(cfg, rep))
+                        wire=_wire(cfg, rep), batch_memory=cfg.batch_memory_bytes)
         rep.begin()
         try:
             up = client.handle(payload)

@@ -129,7 +129,7 @@ SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
 # RunConfig fields that do not change the task a run is built on (the task cache's key is
 # every other field, so a new field is assumed to matter until listed here)
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
-                   "difference", "batch_size", "eval_every", "weighted", "mode", "perturb_mode",
+                   "difference", "batch_size", "eval_every", "weighted", "mode", "perturb_mode", "batch_memory",
                    "nu", "eps", "h_min", "h_max", "h_source", "server_lr", "beta1", "beta2",
                    "server_tau", "wire_dtype", "threads", "diverge_factor"}
 # RunConfig fields that may differ between a finished run and the one asked for now

@@ -75,7 +75,8 @@ class FullModelSimulation:
         self._load_worker = not shared
         if self.is_zo:
             self._zo_state = ModelState(self.worker, fedzo_config(cfg))
-            self._perturber = Perturber(self.worker, self._zo_state.params, cfg.perturb_mode)
+            self._perturber = Perturber(self.worker, self._zo_state.params, cfg.perturb_mode,
+                                        cfg.batch_memory_bytes)
 
     @torch.no_grad()
     def _local(self, cid: int, rnd: int, received: torch.Tensor) -> tuple[list[torch.Tensor], float]:

@@ -66,6 +66,7 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
                                per_round=cfg.byzantine_per_round) if cfg.byzantine else None)
         return Simulation(task, cfg.zo(), clients_per_round=cfg.sampled, seed=cfg.seed,
                           batch_size=cfg.batch_size, mode=cfg.mode, perturb_mode=cfg.perturb_mode,
+                          batch_memory=cfg.batch_memory_bytes,
                           weighted=cfg.weighted, eval_every=cfg.eval_every, on_record=on_record,
                           rule=cfg.aggregate, trim=cfg.trim, faults=faults if faults.active else None,
                           attackers=attackers, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth)

@@ -57,6 +57,7 @@ class Simulation:
     batch_size: int = 16
     mode: SimMode = "fast"
     perturb_mode: Mode = "hooks"
+    batch_memory: int | None = None  # batched perturb mode: bytes of stacked tensors per forward
     weighted: bool = False
     eval_every: int = 10
     on_record: Callable[[RoundRecord], None] | None = None
@@ -76,7 +77,7 @@ class Simulation:
         self.server = protocol_server(self.task, self.zo, self.clients_per_round, self.seed, self.weighted,
                                       self.state, self.snapshot_after, self.bandwidth, self.rule, self.trim)
         self.welcome = encode_welcome(welcome_for(self.zo, self.seed, self.state.params))
-        self.perturber = Perturber(self.state.model, self.state.params, self.perturb_mode)
+        self.perturber = Perturber(self.state.model, self.state.params, self.perturb_mode, self.batch_memory)
         self.comm = Comm.zeros(M)
         # unreliable mode: partial rounds, counted rejections (off: the exact old path)
         self.unreliable = bool((self.faults and self.faults.active) or (self.attackers and self.attackers.active))
@@ -102,7 +103,8 @@ class Simulation:
         """The faithful-mode client ``cid``, created at x_0 the first time it is sampled."""
         if cid not in self.clients:
             st = ModelState(self.task.build_model(), self.zo)
-            self.clients[cid] = Client(cid, st, self.task.loss, self._batch_fn(cid), self.perturb_mode)
+            self.clients[cid] = Client(cid, st, self.task.loss, self._batch_fn(cid), self.perturb_mode,
+                                      batch_memory=self.batch_memory)
             self.clients[cid].join(self.welcome)
         return self.clients[cid]
 
