@@ -4,14 +4,16 @@ of a training round against inference alone on the same batch.
     python bench/llm_round.py --data-dir ../shared/data/sst2 --lora-r 8 --rounds 3
     python bench/llm_round.py --data-dir ../shared/data/sst2 --rounds 2          # full parameters
     python bench/llm_round.py --data-dir ../shared/data/sst2 --rounds 3 --device cuda
+    python bench/llm_round.py --data-dir ../shared/data/sst2 --rounds 3 --device cuda --perturb-mode batched
 
 On a GPU every timer synchronizes the device and the memory reported is also CUDA's peak
 allocation (peak RSS is then the host's share only).
 
 One process per invocation (peak RSS is its own; Linux's /proc/self/clear_refs resets the peak
 between the inference phase and the training phase). A simulated round is m clients' local
-updates (tau (P + 1) forwards each, hooks perturbation: each perturbed layer's direction is
-generated inside the forward) plus the server's replay of the round's record, which is exactly
+updates (tau (P + 1) forwards each; hooks perturbation: each perturbed layer's direction is
+generated inside the forward; batched: the P + 1 points in one stacked forward, their shifted
+tensors built before it) plus the server's replay of the round's record, which is exactly
 what a client pays per missed round when it catches up. All shares come from the same run.
 
 "Directions" is all direction work, timed at the outermost call of the generator's ``fill``,
@@ -40,6 +42,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--directions", default=None, help="direction family (default: the config's default)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--perturb-mode", default="hooks", help="hooks, swap or batched")
+    ap.add_argument("--batch-memory", default=None, help="batched mode's budget of stacked tensors, e.g. 4G")
     args = ap.parse_args()
 
     import torch
@@ -57,6 +61,7 @@ def main() -> None:
     cfg = load_config(device=args.device, task=args.task, model=args.model, data_dir=args.data_dir, lora_r=args.lora_r,
                       algorithm=args.algorithm, autocast=args.autocast, clients=6, sampled=2,
                       batch_size=args.batch_size, lr=1e-6, eval_max=16, min_size=2,
+                      perturb_mode=args.perturb_mode, batch_memory=args.batch_memory,
                       **({"directions": args.directions} if args.directions else {}))
     t0 = time.perf_counter()
     task = build_task(cfg)
@@ -105,7 +110,8 @@ def main() -> None:
     inner.loss = timed_loss
     ModelState.apply = timed_apply
     task._spare = model  # the simulation takes the model inference used (one copy in memory)
-    sim = Simulation(task, cfg.zo(), clients_per_round=2, seed=0, batch_size=args.batch_size, eval_every=10**9)
+    sim = Simulation(task, cfg.zo(), clients_per_round=2, seed=0, batch_size=args.batch_size, eval_every=10**9,
+                     perturb_mode=cfg.perturb_mode, batch_memory=cfg.batch_memory_bytes)
     _reset_peak_rss()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -123,13 +129,18 @@ def main() -> None:
     gen = dirs.total / R
     per = total / R
     n_fwd = 2 * cfg.local_steps * (cfg.perturbations + 1)
+    # work of the round's forwards, a lower bound: 2 x non-embedding parameters x tokens (the
+    # attention products and the label head left out)
+    body = sum(p.numel() for n, p in sim.state.model.named_parameters() if "embed" not in n and "lm_head" not in n)
+    flops = 2 * body * int(batch["attention_mask"].numel()) * n_fwd
     out = {
         "task": args.task, "model": args.model, "lora_r": args.lora_r, "algorithm": args.algorithm,
         "directions": cfg.directions, "autocast": getattr(task, "autocast", "none"), "threads": args.threads, "batch_size": args.batch_size,
         "trainable_params": sum(p.numel() for p in sim.state.params), "load_s": load_s,
         "s_per_round": per, "forwards_s": fwd, "directions_s": gen, "rest_s": per - fwd - gen,
         "forward_alone_s": t_fwd, "forwards_per_round": n_fwd, "round_over_forwards_alone": per / (n_fwd * t_fwd),
-        "catch_up_s_per_missed_round": timers["apply"] / R,
+        "catch_up_s_per_missed_round": timers["apply"] / R, "perturb_mode": cfg.perturb_mode,
+        "forward_tflop": flops / 1e12, "tflops_round": flops / per / 1e12, "tflops_forwards": flops / fwd / 1e12,
         "rss_inference_mb": rss_inference, "peak_rss_round_mb": _vm_hwm_mb(), "device": args.device,
         "gpu_name": torch.cuda.get_device_name(args.device) if cuda else None,
         "gpu_inference_mb": gpu_inference,
@@ -139,7 +150,9 @@ def main() -> None:
           f"({out['trainable_params']:,} trainable), {args.algorithm}, {cfg.directions}, autocast {out['autocast']}, {args.threads} threads:")
     print(f"  {per:.2f} s/round = forwards {fwd:.2f} s ({100 * fwd / per:.0f}%) + directions {gen:.2f} s "
           f"({100 * gen / per:.0f}%) + rest {per - fwd - gen:.2f} s; round = {out['round_over_forwards_alone']:.2f}x "
-          f"its {n_fwd} forwards alone ({t_fwd:.2f} s each)")
+          f"its {n_fwd} forwards alone ({t_fwd:.2f} s each); perturbation {cfg.perturb_mode}")
+    print(f"  work: {flops / 1e12:.2f} TFLOP of forwards a round: {out['tflops_round']:.3f} TFLOP/s over the round, "
+          f"{out['tflops_forwards']:.3f} over its forwards")
     print(f"  catch-up: {out['catch_up_s_per_missed_round']:.2f} s per missed round; peak RSS: inference "
           f"{rss_inference:.0f} MB, training round {out['peak_rss_round_mb']:.0f} MB "
           f"({out['peak_rss_round_mb'] - rss_inference:+.0f} MB)")

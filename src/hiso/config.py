@@ -6,6 +6,7 @@ on the command line (``--local-steps`` for ``local_steps``) and in ``config.json
 
 from __future__ import annotations
 
+import functools
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from .core.config import ZOConfig
 from .core.momentum import MomentumConfig
 from .core.preconditioner import PreconditionerConfig
+from .core.privacy import DPConfig
 
 ZO_SCALAR = ("hiso", "decomfl")  # scalar-only protocol (seeds + scalars on the wire)
 FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
@@ -120,6 +122,22 @@ class RunConfig(BaseModel):
     lr_decay: float | None = Field(None, gt=0, description=(
         "inverse-time lr decay over rounds: round r steps with lr / (1 + r / lr_decay), half of lr at round "
         "lr_decay (hiso, decomfl; default: constant lr)"))
+    # client-level differential privacy of the scalars (hiso, decomfl; see hiso.core.privacy)
+    dp_clip: float | None = Field(None, gt=0, description=(
+        "differential privacy: clip each client's scalars of a round to this L2 norm (turns DP on; default: off)"))
+    dp_noise_multiplier: float | None = Field(None, ge=0, description=(
+        "DP: Gaussian noise std as a multiple of dp_clip, added to the sum of the clipped answers (central) or "
+        "to each answer (local); or give dp_epsilon"))
+    dp_epsilon: float | None = Field(None, gt=0, description=(
+        "DP: the privacy budget: the noise multiplier is solved so that the run's rounds spend at most this "
+        "epsilon at dp_delta, and a run extended past it stops"))
+    dp_delta: float | None = Field(None, gt=0, lt=1, description="DP: the delta of (epsilon, delta)-DP reported and targeted")
+    dp_mode: Literal["central", "local"] = Field("central", description=(
+        "DP: central (the server clips and adds one noise draw to the sum) or local (each client clips and "
+        "noises what it sends)"))
+    dp_noise_seed: int | None = Field(None, ge=0, lt=2**63, description=(
+        "DP: secret key of the noise (default: drawn at the run's start and kept in DIR/dp_secret.json, never "
+        "sent); set it only for reproducible experiments"))
     # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
     server_lr: float | None = Field(None, gt=0, description=(
         "server learning rate of full-model baselines (default: 1.0 for fedavg and fedzo, 0.01 for fedadam, "
@@ -224,6 +242,20 @@ class RunConfig(BaseModel):
                              f"not {self.algorithm}")
         if self.lr_decay is not None and not self.scalar_only:
             raise ValueError(f"lr_decay is for hiso and decomfl, not {self.algorithm}")
+        if self.dp_clip is None:
+            given = [n for n in ("dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_seed")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need dp_clip (the clip norm that turns DP on)")
+        else:
+            if not self.scalar_only:
+                raise ValueError(f"differential privacy is for hiso and decomfl, not {self.algorithm}")
+            if (self.dp_noise_multiplier is None) == (self.dp_epsilon is None):
+                raise ValueError("DP needs exactly one of dp_noise_multiplier and dp_epsilon")
+            if self.dp_epsilon is not None and self.dp_delta is None:
+                raise ValueError("dp_epsilon needs dp_delta (e.g. 1e-5, below 1 / clients)")
+            if self.aggregate != "mean" or self.weighted:
+                raise ValueError("DP is accounted for the plain mean: use aggregate mean without weighted")
         if self.batch_memory is not None:
             parse_size(self.batch_memory)
         if self.h_bias_correction and self.nu == 0:
@@ -231,6 +263,23 @@ class RunConfig(BaseModel):
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self
+
+    @property
+    def dp_noise(self) -> float | None:
+        """The DP noise multiplier: as given, or solved from dp_epsilon (None without DP)."""
+        if self.dp_clip is None:
+            return None
+        if self.dp_noise_multiplier is not None:
+            return self.dp_noise_multiplier
+        return _solved_noise(self.dp_epsilon, self.rounds, self.dp_delta, self.clients, self.sampled, self.dp_mode)
+
+    def dp_spent(self, rounds: int, participations: int | None = None) -> float | None:
+        """Epsilon at dp_delta after ``rounds`` rounds (None without DP or without a delta)."""
+        if self.dp_clip is None or self.dp_delta is None:
+            return None
+        from .core.privacy import epsilon
+        return epsilon(self.dp_noise, rounds, self.dp_delta, clients=self.clients, sampled=self.sampled,
+                       mode=self.dp_mode, participations=participations)
 
     @property
     def batch_memory_bytes(self) -> int | None:
@@ -255,10 +304,17 @@ class RunConfig(BaseModel):
                                            granularity=self.h_granularity,
                                            bias_correction=self.h_bias_correction)
         momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
+        dp = None if self.dp_clip is None else DPConfig(self.dp_clip, self.dp_noise, self.dp_mode)
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
                         directions=self.directions, scalar_dtype=self.scalar_dtype, momentum=momentum,
-                        lr_decay=self.lr_decay)
+                        lr_decay=self.lr_decay, dp=dp)
+
+
+@functools.lru_cache(maxsize=64)
+def _solved_noise(eps: float, rounds: int, delta: float, clients: int, sampled: int, mode: str) -> float:
+    from .core.privacy import noise_for
+    return noise_for(eps, rounds, delta, clients=clients, sampled=sampled, mode=mode)
 
 
 def parse_size(text: str) -> int:

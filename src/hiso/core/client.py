@@ -13,34 +13,43 @@ the run's seed, from which every round's seeds derive.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Callable
 
 from .estimator import LossFn, local_update
 from .messages import (Downlink, Hello, MessageError, Uplink, Wire, check_welcome, decode_downlink,
                        decode_welcome, encode_hello, encode_uplink, load_state, tensors_fingerprint)
 from .perturb import Mode, Perturber
+from .privacy import private_answer
 from .state import ModelState
 
 BatchFn = Callable[[int, int], Any]  # (round, local step) -> minibatch
 
 
 def answer(cid: int, state: ModelState, perturber: Perturber, loss_fn: LossFn, batch_fn: BatchFn,
-           msg: Downlink, report_loss: bool = True) -> Uplink:
+           msg: Downlink, report_loss: bool = True, dp_seed: int = 0) -> Uplink:
     """Client ``cid``'s local update for the round of ``msg`` from ``state`` (which must
     already hold that round's x_r and H_r): the one computation behind :meth:`Client.train`
-    and the simulator's fast mode, where one shared replica stands for every client."""
+    and the simulator's fast mode, where one shared replica stands for every client.
+
+    Under local differential privacy the scalars are clipped and noised here, before they
+    leave (``dp_seed``: the client's secret for its noise; see :mod:`hiso.core.privacy`)."""
     batches = [batch_fn(msg.round, k) for k in range(state.cfg.local_steps)]
     res = local_update(state, perturber, loss_fn, batches, msg.seeds)
-    return Uplink(cid, msg.round, res.scalars, res.loss if report_loss else None, msg.attempt)
+    scalars, dp = res.scalars, state.cfg.dp
+    if dp is not None and dp.mode == "local":
+        scalars = private_answer(scalars, dp, dp_seed, msg.round, msg.attempt, cid)
+    return Uplink(cid, msg.round, scalars, res.loss if report_loss else None, msg.attempt)
 
 
 class Client:
     def __init__(self, cid: int, state: ModelState, loss_fn: LossFn, batch_fn: BatchFn,
                  perturb_mode: Mode = "hooks", report_loss: bool = True, wire: Wire | None = None,
-                 batch_memory: int | None = None):
+                 batch_memory: int | None = None, dp_seed: int | None = None):
         self.cid, self.state, self.loss_fn, self.batch_fn = cid, state, loss_fn, batch_fn
         self.perturber = Perturber(state.model, state.params, perturb_mode, batch_memory)
         self.report_loss = report_loss
+        self.dp_seed = secrets.randbits(63) if dp_seed is None else dp_seed  # local DP: this client's secret
         self.wire = wire  # set by join()
 
     def hello(self) -> bytes:
@@ -81,7 +90,8 @@ class Client:
 
     def train(self, msg: Downlink) -> Uplink:
         self.catch_up(msg)
-        return answer(self.cid, self.state, self.perturber, self.loss_fn, self.batch_fn, msg, self.report_loss)
+        return answer(self.cid, self.state, self.perturber, self.loss_fn, self.batch_fn, msg, self.report_loss,
+                      self.dp_seed)
 
     def handle(self, data: bytes) -> bytes:
         """Bytes in, bytes out: what a transport (Flower, a socket) calls."""

@@ -7,6 +7,7 @@ from typing import Literal
 
 from .momentum import MomentumConfig
 from .preconditioner import PreconditionerConfig
+from .privacy import DPConfig
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ZOConfig:
     scalar_dtype: str = "float32"  # the scalars' number format on the wire and in the log (float16, bfloat16)
     momentum: MomentumConfig | None = None  # server-side momentum (hiso.core.momentum); None: none
     lr_decay: float | None = None  # inverse-time decay horizon T (rounds): round r steps with lr / (1 + r / T)
+    dp: DPConfig | None = None  # client-level differential privacy of the scalars (hiso.core.privacy); None: none
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

@@ -25,6 +25,7 @@ import numpy as np
 from .aggregate import check_rule, combine
 from .history import RoundRecord
 from .messages import Downlink, MessageError, Uplink, Wire, encode_state, quantize, state_size, varint_size
+from .privacy import DPConfig, private_mean
 
 # parameter-directions replayed per second, for the automatic snapshot choice with a bandwidth
 # (one direction of one parameter: a Gaussian draw and a multiply-add; measured order on a CPU)
@@ -80,7 +81,8 @@ class Server:
                  perturbations: int, seed: int = 0, weights: list[float] | None = None, *,
                  rule: str = "mean", trim: float = 0.25,
                  scalar_dtype: str = "float32", replica=None, snapshot_after: int | None = None,
-                 bandwidth: float | None = None, replay_rate: float = REPLAY_RATE):
+                 bandwidth: float | None = None, replay_rate: float = REPLAY_RATE,
+                 dp: DPConfig | None = None, noise_seed: int = 0):
         if num_clients < 1:
             raise ValueError(f"need at least one client, got {num_clients}")
         if not 1 <= clients_per_round <= num_clients:
@@ -88,6 +90,10 @@ class Server:
         if weights is not None and (len(weights) != num_clients or min(weights) <= 0):
             raise ValueError("weights must be one positive number per client")
         check_rule(rule, trim)
+        if dp is not None and (rule != "mean" or weights is not None):
+            raise ValueError("differential privacy is accounted for the plain mean: use --aggregate mean without --weighted")
+        # central DP: the server clips and noises the sum (the noise keyed by a secret, never sent)
+        self.dp, self._noise_seed = dp, int(noise_seed)
         self.M, self.m = num_clients, clients_per_round
         self.rule, self.trim = rule, trim  # how answers are combined (see hiso.core.aggregate)
         self.shape = (local_steps, perturbations)
@@ -221,7 +227,10 @@ class Server:
         answered = tuple(c for c in plan.participants if c in by_client)
         g = np.stack([by_client[c].scalars.astype(np.float64) for c in answered])
         w = np.ones(len(g)) if self.weights is None else self.weights[list(answered)]
-        agg = combine(g, w, self.rule, self.trim).astype(np.float32)
+        if self.dp is not None and self.dp.mode == "central":
+            agg = private_mean(g, self.dp, self._noise_seed, plan.round, plan.attempt).astype(np.float32)
+        else:
+            agg = combine(g, w, self.rule, self.trim).astype(np.float32)
         # logged (and so applied by every replica) as the wire carries it: exact by construction
         rec = RoundRecord(plan.round, plan.seeds, quantize(agg, self.wire.dtype), answered, plan.attempt)
         self._log(rec)

@@ -44,7 +44,7 @@ from ..core.state import ModelState
 from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task, higher_is_better
-from .simulate import Simulation
+from .simulate import PrivacyBudgetSpent, Simulation
 
 
 def peak_rss_mb() -> float:
@@ -66,12 +66,59 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
                                per_round=cfg.byzantine_per_round) if cfg.byzantine else None)
         return Simulation(task, cfg.zo(), clients_per_round=cfg.sampled, seed=cfg.seed,
                           batch_size=cfg.batch_size, mode=cfg.mode, perturb_mode=cfg.perturb_mode,
-                          batch_memory=cfg.batch_memory_bytes,
                           weighted=cfg.weighted, eval_every=cfg.eval_every, on_record=on_record,
                           rule=cfg.aggregate, trim=cfg.trim, faults=faults if faults.active else None,
-                          attackers=attackers, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth)
+                          attackers=attackers, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth,
+                          batch_memory=cfg.batch_memory_bytes, dp_seed=cfg.dp_noise_seed,
+                          privacy=privacy_metrics(cfg), dp_budget=privacy_budget(cfg))
     from .fullmodel import FullModelSimulation
     return FullModelSimulation(task, cfg)
+
+
+def privacy_metrics(cfg: RunConfig) -> Callable[[int], dict] | None:
+    """round -> the DP figures of a metrics row (epsilon spent at dp_delta, the noise multiplier)."""
+    if cfg.dp_clip is None:
+        return None
+
+    def row(r: int) -> dict:
+        out = {"dp_noise_multiplier": cfg.dp_noise}
+        if cfg.dp_delta is not None:
+            out["dp_epsilon"] = cfg.dp_spent(r)
+        return out
+
+    return row
+
+
+def privacy_budget(cfg: RunConfig) -> Callable[[int], str | None] | None:
+    """round -> why the round may not run under the run's dp_epsilon (None: it may)."""
+    if cfg.dp_epsilon is None:
+        return None
+
+    def check(r: int) -> str | None:
+        spent = cfg.dp_spent(r)
+        if spent > cfg.dp_epsilon * (1 + 1e-9):
+            return (f"privacy budget spent: round {r} would reach epsilon {spent:.3g} > dp_epsilon {cfg.dp_epsilon:g} "
+                    f"at delta {cfg.dp_delta:g} (the run stops with its state saved)")
+        return None
+
+    return check
+
+
+def dp_secret(out: Path, cfg: RunConfig, resume: bool) -> RunConfig:
+    """The run's configuration with its DP noise key: as given, or the one an earlier start of
+    this run drew (DIR/dp_secret.json), or a fresh secret written there (not to config.json:
+    whoever knows the key can subtract the noise)."""
+    if cfg.dp_clip is None or cfg.dp_noise_seed is not None:
+        return cfg
+    path = out / "dp_secret.json"
+    if resume and path.exists():
+        key = int(json.loads(path.read_text())["noise_seed"])
+    else:
+        import secrets
+        key = secrets.randbits(63)
+        _write_atomic(path, json.dumps({"noise_seed": key}))
+        path.chmod(0o600)
+    return cfg.model_copy(update={"dp_noise_seed": key})
 
 
 def finite(tensors) -> bool:
@@ -193,7 +240,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                 raise FloatingPointError(f"the model or H became non-finite in round {rec.round + 1} (lower lr)")
             hist.write(rec)
 
-        sim = (runner or build_simulation)(cfg, task, log if hist else None)
+        sim = (runner or build_simulation)(dp_secret(out, cfg, resume), task, log if hist else None)
         if getattr(sim, "unreliable", False):  # every rejected message, with its reason
             handler = logging.FileHandler(out / "rejections.log", mode="w")
             handler.setFormatter(logging.Formatter("%(message)s"))
@@ -203,7 +250,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             stack.callback(flog.removeHandler, handler)
             stack.callback(handler.close)
         row = {}
-        diverged = None
+        diverged = stopped = None
         first_loss = None
 
         def account(row) -> dict | None:  # best/final metrics and the divergence test, per row
@@ -235,6 +282,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                     progress(row)
                 if diverged is not None:  # this round's model is finite (checked above): it is kept
                     break
+        except PrivacyBudgetSpent as e:
+            stopped = str(e)
+            print(f"hiso: {stopped}", file=sys.stderr)
         except FloatingPointError as e:
             # a diverged run is a result (too large an lr), not a crash: keep what it logged. A
             # non-finite scalar stops the round before it is aggregated; a round that made x or H
@@ -259,6 +309,10 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     }
     if getattr(sim, "unreliable", False):
         summary["reliability"] = sim.reliability()
+    if cfg.dp_clip is not None:
+        summary["privacy"] = {"mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise,
+                              "delta": cfg.dp_delta, "epsilon_budget": cfg.dp_epsilon, "stopped": stopped,
+                              "epsilon": cfg.dp_spent(row.get("round", 0))}
     _write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 

@@ -24,6 +24,7 @@ failures: it must stay 0).
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal
@@ -43,6 +44,12 @@ from ..tasks.base import Task
 from .common import Comm, metric_rows
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
 
+
+
+class PrivacyBudgetSpent(RuntimeError):
+    """The next round would spend more than the run's DP budget (dp_epsilon)."""
+
+
 log = logging.getLogger("hiso.faults")
 
 SimMode = Literal["fast", "faithful"]
@@ -58,6 +65,9 @@ class Simulation:
     mode: SimMode = "fast"
     perturb_mode: Mode = "hooks"
     batch_memory: int | None = None  # batched perturb mode: bytes of stacked tensors per forward
+    dp_seed: int | None = None  # DP: the secret key of the noise (None: a fresh secret)
+    privacy: Callable[[int], dict] | None = None  # DP: round -> {"dp_epsilon": ...} for the metrics rows
+    dp_budget: Callable[[int], str | None] | None = None  # DP: why round r may not run (budget spent), or None
     weighted: bool = False
     eval_every: int = 10
     on_record: Callable[[RoundRecord], None] | None = None
@@ -73,9 +83,12 @@ class Simulation:
         if self.mode not in ("fast", "faithful"):
             raise ValueError(f"mode must be 'fast' or 'faithful', got {self.mode!r}")
         M = self.task.num_clients
+        if self.dp_seed is None:
+            self.dp_seed = secrets.randbits(63)
         self.state = ModelState(self.task.build_model(), self.zo)  # the server's x_r, for evaluation
         self.server = protocol_server(self.task, self.zo, self.clients_per_round, self.seed, self.weighted,
-                                      self.state, self.snapshot_after, self.bandwidth, self.rule, self.trim)
+                                      self.state, self.snapshot_after, self.bandwidth, self.rule, self.trim,
+                                      noise_seed=self.dp_seed)
         self.welcome = encode_welcome(welcome_for(self.zo, self.seed, self.state.params))
         self.perturber = Perturber(self.state.model, self.state.params, self.perturb_mode, self.batch_memory)
         self.comm = Comm.zeros(M)
@@ -104,17 +117,21 @@ class Simulation:
         if cid not in self.clients:
             st = ModelState(self.task.build_model(), self.zo)
             self.clients[cid] = Client(cid, st, self.task.loss, self._batch_fn(cid), self.perturb_mode,
-                                      batch_memory=self.batch_memory)
+                                      batch_memory=self.batch_memory, dp_seed=self.dp_seed)
             self.clients[cid].join(self.welcome)
         return self.clients[cid]
 
     def _fast_answer(self, cid: int, msg) -> Uplink:
         """Fast mode: client ``cid``'s answer computed on the shared replica (which holds x_r,
         as the client would after catching up), by the same function as :meth:`Client.train`."""
-        return answer(cid, self.state, self.perturber, self.task.loss, self._batch_fn(cid), msg)
+        return answer(cid, self.state, self.perturber, self.task.loss, self._batch_fn(cid), msg, dp_seed=self.dp_seed)
 
     def step(self) -> tuple[RoundRecord, float]:
         """One round; returns its record and the participants' mean training loss."""
+        if self.dp_budget is not None:
+            why = self.dp_budget(self.server.round + 1)
+            if why is not None:
+                raise PrivacyBudgetSpent(why)
         if self.unreliable:
             return self._step_unreliable()
         plan = self.server.plan()
@@ -260,8 +277,15 @@ class Simulation:
     def run(self, rounds: int, start: int = 0, wall: float = 0.0) -> Iterator[dict]:
         """Yield one metrics row per round (plus row 0: the initial evaluation). ``start`` > 0
         continues after round ``start`` (see :meth:`resume`), ``wall`` its rows' ``wall_s``."""
+        def extra() -> dict:
+            r = self.server.round
+            row = dict(self.round_stats) if self.unreliable else {}
+            if self.privacy is not None and (r % self.eval_every == 0 or r == rounds):
+                row.update(self.privacy(r))
+            return row
+
         return metric_rows(self.task, self.state.model, self.comm, lambda: self.step()[1], rounds, self.eval_every,
-                           start=start, wall=wall, extra=(lambda: self.round_stats) if self.unreliable else None)
+                           start=start, wall=wall, extra=extra)
 
     def resume(self, records: list[RoundRecord]) -> None:
         """Bring a new simulation to the end of an interrupted run's logged rounds, exactly as
@@ -302,14 +326,17 @@ class Simulation:
 
 def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int, weighted: bool,
                     replica: ModelState, snapshot_after: int | None = None, bandwidth: float | None = None,
-                    rule: str = "mean", trim: float = 0.25) -> Server:
+                    rule: str = "mean", trim: float = 0.25, noise_seed: int | None = None) -> Server:
     """The core Server a runner (this simulator, the Flower ServerApp) drives for ``zo``: the
     task's clients, the run seed, the scalar dtype, and snapshots of ``replica`` (the runner's
-    x_r) for clients more than ``snapshot_after`` rounds behind (None: when cheaper)."""
+    x_r) for clients more than ``snapshot_after`` rounds behind (None: when cheaper). Under
+    DP, ``noise_seed`` keys the server's noise (None: a fresh secret)."""
     weights = task.client_sizes() if weighted else None
+    if noise_seed is None:
+        noise_seed = secrets.randbits(63)
     return Server(task.num_clients, clients_per_round, zo.local_steps, zo.perturbations, seed=seed, weights=weights,
                   scalar_dtype=zo.scalar_dtype, replica=replica, snapshot_after=snapshot_after, bandwidth=bandwidth,
-                  rule=rule, trim=trim)
+                  rule=rule, trim=trim, dp=zo.dp, noise_seed=noise_seed)
 
 
 class _Blob:

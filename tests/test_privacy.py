@@ -1,0 +1,165 @@
+"""Differential privacy of the scalars: clipping by hand, the noise's spread, the accountant
+against dp-accounting's own, replicas of DP runs bit-identical, budgets, bad settings."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hiso.core import ModelState, hiso
+from hiso.core.privacy import DPConfig, clip, epsilon, noise, noise_for, private_answer, private_mean
+from hiso.runners.simulate import Simulation
+
+from conftest import TinyTask
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_helpers import run_cli  # noqa: E402
+
+
+def test_clip_scales_to_the_norm_by_hand():
+    g = np.array([[3.0, 0.0], [0.0, 4.0]])  # norm 5
+    np.testing.assert_allclose(clip(g, 1.0), [[0.6, 0.0], [0.0, 0.8]], rtol=1e-15)
+    np.testing.assert_array_equal(clip(g, 5.0), g)  # at the norm: untouched
+    np.testing.assert_array_equal(clip(g, 10.0), g)
+    assert clip(np.zeros(3), 1.0).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_noise_has_the_configured_std_and_is_keyed_by_secret_and_round():
+    draws = noise(7, 3, 0, (40000,), std=2.5)
+    assert abs(draws.std() - 2.5) < 0.05 and abs(draws.mean()) < 0.05
+    assert np.array_equal(draws, noise(7, 3, 0, (40000,), std=2.5))  # a resumed run draws the same
+    for other in (noise(8, 3, 0, (40000,), 2.5), noise(7, 4, 0, (40000,), 2.5), noise(7, 3, 1, (40000,), 2.5),
+                  noise(7, 3, 0, (40000,), 2.5, client=0)):
+        assert abs(np.corrcoef(draws, other)[0, 1]) < 0.03
+
+
+def test_private_mean_is_the_noised_mean_of_the_clipped_answers():
+    answers = np.array([[[3.0, 4.0]], [[0.3, 0.4]]])  # norms 5 and 0.5
+    cfg = DPConfig(clip=1.0, noise_multiplier=0.0)
+    np.testing.assert_allclose(private_mean(answers, cfg, 1, 0), [[(0.6 + 0.3) / 2, (0.8 + 0.4) / 2]])
+    cfg = DPConfig(clip=1.0, noise_multiplier=2.0)
+    expect = (np.array([[0.9, 1.2]]) + noise(1, 5, 0, (1, 2), 2.0)) / 2
+    np.testing.assert_allclose(private_mean(answers, cfg, 1, 5), expect, rtol=0, atol=1e-15)
+    local = private_answer(answers[0], cfg, 1, 5, 0, client=3)
+    np.testing.assert_allclose(local, np.array([[0.6, 0.8]]) + noise(1, 5, 0, (1, 2), 2.0, client=3), atol=1e-6)
+
+
+def test_accountant_equals_dp_accounting_for_the_same_mechanism_and_schedule():
+    dpa = pytest.importorskip("dp_accounting")
+    from hiso.core.privacy import RDP_ORDERS
+    acc = dpa.rdp.RdpAccountant(list(RDP_ORDERS), dpa.NeighboringRelation.REPLACE_ONE)
+    # 40 rounds, 8 of 64 clients sampled without replacement, noise std z C, replace-one sensitivity 2C
+    acc.compose(dpa.SelfComposedDpEvent(dpa.SampledWithoutReplacementDpEvent(64, 8, dpa.GaussianDpEvent(1.5 / 2)), 40))
+    assert epsilon(1.5, 40, 1e-5, clients=64, sampled=8) == acc.get_epsilon(1e-5)
+    # more rounds or less noise spend more; local mode (no amplification) spends more than central
+    assert epsilon(1.5, 80, 1e-5, clients=64, sampled=8) > acc.get_epsilon(1e-5)
+    assert epsilon(1.0, 40, 1e-5, clients=64, sampled=8) > acc.get_epsilon(1e-5)
+    assert epsilon(1.5, 40, 1e-5, clients=64, sampled=8, mode="local") > acc.get_epsilon(1e-5)
+    z = noise_for(8.0, 40, 1e-5, clients=64, sampled=8)
+    assert epsilon(z, 40, 1e-5, clients=64, sampled=8) <= 8.0 < epsilon(z * 0.97, 40, 1e-5, clients=64, sampled=8)
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.params, b.params)) and all(
+        torch.equal(x, y) for x, y in zip(a.h, b.h))
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_dp_run_replicas_are_bit_identical_and_apply_only_the_noised_record(mode):
+    dp = DPConfig(clip=0.5, noise_multiplier=1.0, mode=mode)
+    zo = hiso(lr=0.02, perturbations=3, local_steps=1, dp=dp)
+    task = TinyTask(num_clients=12)
+    sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,
+                     snapshot_after=1000, dp_seed=42)
+    plain = Simulation(TinyTask(num_clients=12), hiso(lr=0.02, perturbations=3, local_steps=1), clients_per_round=3,
+                       seed=1, batch_size=8, mode="faithful", eval_every=1000)
+    for _ in range(25):
+        rec, _ = sim.step()
+        ref, _ = plain.step()
+    assert not np.allclose(rec.scalars, ref.scalars)  # the noise is in the log
+    sim.sync_all()
+    for c in sim.clients.values():
+        assert _same(c.state, sim.state), f"client {c.cid} drifted"
+    # a replica fed only the logged (noised) records lands on the server's model
+    rebuilt = ModelState(task.build_model(), zo)
+    rebuilt.replay(list(sim.server.history))
+    assert _same(rebuilt, sim.state)
+    # the same secret gives the same run; another secret another one
+    again = Simulation(TinyTask(num_clients=12), zo, clients_per_round=3, seed=1, batch_size=8, dp_seed=42)
+    other = Simulation(TinyTask(num_clients=12), zo, clients_per_round=3, seed=1, batch_size=8, dp_seed=43)
+    for _ in range(25):
+        ra, _ = again.step()
+        rb, _ = other.step()
+    assert np.array_equal(ra.scalars, rec.scalars) and not np.array_equal(rb.scalars, rec.scalars)
+
+
+def test_central_noise_is_added_after_clipping_the_answers():
+    dp = DPConfig(clip=1e-3, noise_multiplier=0.0)  # clip hard, no noise: every answer has norm <= C
+    zo = hiso(lr=0.02, perturbations=3, local_steps=1, dp=dp)
+    sim = Simulation(TinyTask(num_clients=12), zo, clients_per_round=3, seed=1, batch_size=8, dp_seed=0)
+    for _ in range(5):
+        rec, _ = sim.step()
+        assert np.sqrt(np.sum(rec.scalars.astype(np.float64) ** 2)) <= 1e-3 * (1 + 1e-6)
+
+
+def _quad(tmp_path, name, *extra):
+    return ["run", "--rounds", "6", "--eval-every", "3", "--out", str(tmp_path / name), "--quiet", *extra]
+
+
+def test_dp_run_reports_epsilon_keeps_its_secret_and_rebuilds(tmp_path, capsys):
+    pytest.importorskip("dp_accounting")
+    code, _, err = run_cli(_quad(tmp_path, "r", "--dp-clip", "10", "--dp-noise-multiplier", "1.0", "--dp-delta", "1e-5"),
+                           capsys)
+    assert code == 0, err
+    out = tmp_path / "r"
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    eps = [r["dp_epsilon"] for r in rows if "dp_epsilon" in r]
+    assert [r["round"] for r in rows if "dp_epsilon" in r] == [3, 6] and eps[0] < eps[1]
+    cfg = json.loads((out / "config.json").read_text())
+    secret = json.loads((out / "dp_secret.json").read_text())["noise_seed"]
+    assert cfg["dp_noise_seed"] is None and str(secret) not in (out / "config.json").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["privacy"]["epsilon"] == eps[1]
+    code, _, err = run_cli(["rebuild", str(out), "--out", str(tmp_path / "rb.pt")], capsys)
+    assert code == 0, err
+    a, b = torch.load(out / "model.pt"), torch.load(tmp_path / "rb.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_a_budget_stops_the_run_with_its_state_saved(tmp_path, capsys):
+    pytest.importorskip("dp_accounting")
+    from hiso.config import load_config
+    from hiso.runners.rundir import privacy_budget, run_to_dir
+    cfg = load_config(None, rounds=6, dp_clip=10.0, dp_epsilon=5.0, dp_delta=1e-5, eval_every=3)
+    check = privacy_budget(cfg)
+    assert check(6) is None and "budget" in check(7)  # the noise is solved for the run's rounds
+    # a run whose next round would pass its budget (a guard: the noise is solved for the run's
+    # rounds) stops there with its state saved
+    from hiso.runners.rundir import build_simulation
+
+    def runner(c, task, on_record):
+        sim = build_simulation(c, task, on_record)
+        sim.dp_budget = lambda r: "privacy budget spent" if r > 3 else None
+        return sim
+
+    summary = run_to_dir(cfg, tmp_path / "b", runner=runner)
+    assert summary["rounds_done"] == 3 and "budget" in summary["privacy"]["stopped"]
+    assert torch.load(tmp_path / "b" / "model.pt")["round"] == 3
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--dp-clip", "-1", "--dp-noise-multiplier", "1"], "dp_clip"),
+    (["--dp-clip", "1", "--dp-epsilon", "3"], "dp_delta"),
+    (["--dp-clip", "1", "--dp-epsilon", "3", "--dp-delta", "1e-5", "--dp-noise-multiplier", "1"], "exactly one"),
+    (["--dp-clip", "1"], "exactly one"),
+    (["--dp-noise-multiplier", "1"], "dp_clip"),
+    (["--dp-clip", "1", "--dp-noise-multiplier", "1", "--aggregate", "median"], "mean"),
+    (["--dp-clip", "1", "--dp-noise-multiplier", "1", "--algorithm", "fedavg"], "hiso and decomfl"),
+])
+def test_bad_dp_settings_are_one_line_exit_2(tmp_path, capsys, args, msg):
+    code, _, err = run_cli(_quad(tmp_path, "bad", *args), capsys)
+    assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "bad").exists()
