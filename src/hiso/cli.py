@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
+    rb.add_argument("--round", type=int, help="rebuild x_R, the model after the first R logged rounds (default: all)")
     dg = sub.add_parser("diagnose", help="what a HiSo run's preconditioner H learned: its range over rounds, the "
                         "effective step lr/H, per tensor, and against measured curvature (PNG + text)")
     dg.add_argument("run_dir")
@@ -240,7 +241,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     from .runners.rundir import rebuild
 
-    state, ckpt = rebuild(args.run_dir, device=args.device)
+    state, ckpt = rebuild(args.run_dir, device=args.device, round=args.round)
     torch.save(ckpt, args.out)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
     return 0

@@ -315,9 +315,21 @@ def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "
     return ModelState(task.build_model(), cfg.zo()), task, cfg, info, records
 
 
-def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu") -> tuple[ModelState, dict]:
-    """x_0 (see :func:`start_replica`), then every logged round replayed on ``device`` (whatever
-    device the run used): the final model. Returns the replica and its ``model.pt`` checkpoint."""
+def logged_rounds(records: list, round: int | None, run_dir: str | Path) -> list:
+    """The first ``round`` records of a run's log (all of them for None): what x_round replays;
+    a round the log does not reach is refused."""
+    if round is None:
+        return records
+    if isinstance(round, bool) or not isinstance(round, int) or not 0 <= round <= len(records):
+        raise ValueError(f"round {round} is not in {run_dir}: its log holds rounds 0..{len(records)}")
+    return records[:round]
+
+
+def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu",
+            round: int | None = None) -> tuple[ModelState, dict]:
+    """x_0 (see :func:`start_replica`), then the logged rounds replayed on ``device`` (whatever
+    device the run used): every one (the final model) or the first ``round`` (x_round, the model a
+    run stopped at that round saves). Returns the replica and its ``model.pt`` checkpoint."""
     state, _, _, info, records = start_replica(run_dir, task, device)
-    state.replay(records)
+    state.replay(logged_rounds(records, round, run_dir))
     return state, checkpoint(state.state_dict(), info)
