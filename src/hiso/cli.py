@@ -123,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
     rb.add_argument("--round", type=int, help="rebuild x_R, the model after the first R logged rounds (default: all)")
+    ex = sub.add_parser("export", help="a run's model (any round) as a PEFT adapter, a Hugging Face model directory "
+                        "or safetensors")
+    ex.add_argument("run_dir")
+    ex.add_argument("--out", required=True, help="directory to create (written whole or not at all)")
+    ex.add_argument("--format", choices=("peft", "merged", "state-dict"), help="peft: the LoRA adapter for "
+                    "PeftModel.from_pretrained; merged: a model directory for AutoModelForCausalLM.from_pretrained; "
+                    "state-dict: model.safetensors (any task). Default: merged for language runs, else state-dict")
+    ex.add_argument("--round", type=int, help="export x_R, rebuilt from the first R logged rounds (default: the last)")
+    ex.add_argument("--force", action="store_true", help="replace --out if it exists")
     dg = sub.add_parser("diagnose", help="what a HiSo run's preconditioner H learned: its range over rounds, the "
                         "effective step lr/H, per tensor, and against measured curvature (PNG + text)")
     dg.add_argument("run_dir")
@@ -247,6 +256,15 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .runners.export import export
+
+    done = export(args.run_dir, args.out, args.format, round=args.round, force=args.force)
+    print(f"exported round {done['round']} of {args.run_dir} as {done['format']} into {done['out']}/: "
+          f"{len(done['files'])} files, {done['bytes'] / 1e6:.1f} MB, {done['seconds']:.1f} s")
+    return 0
+
+
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from .report.diagnose import diagnose, summary_text, write
 
@@ -320,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_flower(args)
         if args.command == "diagnose":
             return cmd_diagnose(args)
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))
