@@ -132,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "state-dict: model.safetensors (any task). Default: merged for language runs, else state-dict")
     ex.add_argument("--round", type=int, help="export x_R, rebuilt from the first R logged rounds (default: the last)")
     ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+    ev = sub.add_parser("eval", help="evaluate a run's model (any round) on its task, or on other data of the task")
+    ev.add_argument("run_dir")
+    ev.add_argument("--round", type=int, help="evaluate x_R, rebuilt from the first R logged rounds (default: the last)")
+    ev.add_argument("--data-dir", help="the task's data from here instead of the run's")
+    ev.add_argument("--eval-max", type=int, help="at most this many held-out examples, a seeded subset (default: the run's)")
+    ev.add_argument("--split", choices=("dev", "test"), help="dev: the validation share (val_*, runs with "
+                    "--val-fraction); test: the held-out examples a run reports (eval_*). Default: both")
+    ev.add_argument("--out", help="file for the metrics (default: RUN/eval.json)")
+    ev.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     dg = sub.add_parser("diagnose", help="what a HiSo run's preconditioner H learned: its range over rounds, the "
                         "effective step lr/H, per tensor, and against measured curvature (PNG + text)")
     dg.add_argument("run_dir")
@@ -265,6 +274,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .runners.evaluate import evaluate_run, write_eval
+    from .runners.rundir import saved_config
+
+    saved_config(args.run_dir)  # a run directory, before anything else is said about it
+    out = Path(args.out) if args.out else Path(args.run_dir) / "eval.json"
+    if not out.parent.is_dir():
+        return _fail(f"--out {out}: directory {out.parent} does not exist")
+    if args.eval_max is not None and args.eval_max < 1:
+        return _fail(f"--eval-max must be >= 1, got {args.eval_max}")
+    result = evaluate_run(args.run_dir, args.round, args.data_dir, args.eval_max, args.split, args.device)
+    print(f"round {result['round']} of {args.run_dir}: "
+          + ", ".join(f"{k}={v:.6g}" for k, v in result["metrics"].items()) + f" ({result['seconds']:.1f} s)")
+    write_eval(result, out)
+    print(f"written: {out}")
+    return 0
+
+
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from .report.diagnose import diagnose, summary_text, write
 
@@ -340,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_diagnose(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "eval":
+            return cmd_eval(args)
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))
