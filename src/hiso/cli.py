@@ -67,6 +67,21 @@ def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) ->
                            metavar="{" + ",".join(choices) + "}" if choices else None)
 
 
+def _add_tracking_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensorboard", metavar="DIR", help="also log each round to TensorBoard event files under "
+                   "DIR/<run name> (pip install 'hiso[track]')")
+    p.add_argument("--mlflow", metavar="URI", help="also log each round to MLflow: a tracking URI, or a directory "
+                   "for a local file store (pip install 'hiso[track]')")
+
+
+def _tracking(args: argparse.Namespace, name: str):
+    from .report.tracking import Tracking
+
+    t = Tracking(args.tensorboard, args.mlflow, name=name)
+    t.check()
+    return t if t.active else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hiso", description="Federated zeroth-order fine-tuning with scalar-only communication.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -78,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--show-partition", action="store_true", help="print each client's label histogram")
+    _add_tracking_flags(run)
     _add_run_flags(run)
     cmp = sub.add_parser("compare", allow_abbrev=False,
                          help="run algorithms x lr grid x seeds into --out DIR; table and plots")
@@ -101,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "and torch and builds its own task (a few seconds), so for runs of a few seconds each, "
                      "--jobs 2 can be slower than serial; set --threads 1 with it")
     cmp.add_argument("--quiet", action="store_true", help="no progress output, only the table")
+    _add_tracking_flags(cmp)
     _add_run_flags(cmp, exclude=("algorithm", "seed"))
     fl = sub.add_parser("flower", help="run on a Flower federation: a SuperLink and --nodes SuperNodes on 127.0.0.1 "
                         "(or --simulation: Flower's simulation engine)")
@@ -198,6 +215,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if (out / "config.json").exists() and not args.force:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
+    tracking = _tracking(args, out.resolve().name)
     task = build_task(cfg)
     if args.show_partition:
         hist = getattr(task, "label_hist", None)
@@ -221,7 +239,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        summary = run_to_dir(cfg, out, progress, task=task, resume=args.resume is not None)
+        summary = run_to_dir(cfg, out, progress, task=task, resume=args.resume is not None, tracking=tracking)
     finally:
         bar.close()
     comm = summary["communication_per_client"]
@@ -245,7 +263,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")
     try:
-        text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs)
+        text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs,
+                       tracking=_tracking(args, "compare"))
     except KeyboardInterrupt:
         return _fail(f"interrupted; finished runs are kept in {args.out}/runs (rerun the same command to resume)")
     print(text, end="")

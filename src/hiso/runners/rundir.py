@@ -147,7 +147,8 @@ def resume_point(out: Path, shape: tuple[int, int], cfg: RunConfig | None = None
 
 
 def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None,
-               task: Task | None = None, resume: bool = False, runner: Callable | None = None) -> dict:
+               task: Task | None = None, resume: bool = False, runner: Callable | None = None,
+               tracking=None) -> dict:
     """Run ``cfg`` and write DIR. ``progress(row)`` is called after every round.
 
     ``runner(cfg, task, on_record)`` builds the runner (default :func:`build_simulation`); a
@@ -156,6 +157,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     ``resume``: DIR holds an interrupted run of ``cfg`` (same ``config.json``): continue it
     (see the module's docstring). Scalar-only algorithms only: the full-model baselines keep
     no log to rebuild their server (and optimiser) state from.
+
+    ``tracking`` (:class:`hiso.report.tracking.Tracking`): each row also goes to TensorBoard / MLflow.
     """
     out = Path(out)
     if resume and not cfg.scalar_only:
@@ -201,6 +204,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             flog.addHandler(handler)
             stack.callback(flog.removeHandler, handler)
             stack.callback(handler.close)
+        tracker = tracking.open(cfg) if tracking is not None and tracking.active else None
+        if tracker is not None:
+            stack.callback(tracker.close, False)  # closed as failed on an exception (a no-op once closed)
         row = {}
         diverged = None
         first_loss = None
@@ -229,6 +235,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             for row in rows:
                 mf.write(json.dumps(row) + "\n")
                 mf.flush()
+                if tracker is not None:
+                    tracker.log(row, getattr(getattr(sim, "state", None), "h", None))
                 diverged = account(row)
                 if progress is not None:
                     progress(row)
@@ -239,6 +247,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             # non-finite scalar stops the round before it is aggregated; a round that made x or H
             # non-finite is rolled back below (the full-model runner never writes such a step)
             diverged = {"round": row.get("round", 0) + 1, "error": str(e)}
+        if tracker is not None:
+            tracker.close(diverged is None)
     state = sim.state_dict()
     if diverged is not None and cfg.scalar_only and not (finite(sim.state.params) and
                                                          (sim.state.h is None or finite(sim.state.h))):
