@@ -105,7 +105,8 @@ def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | N
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True) if ckpt_path.is_file() else None
     if ckpt is not None and ckpt["round"] == len(upto):
         state.load_state_dict(ckpt)  # what the run saved at this round: the replay's result, bit for bit
-    else:
-        state.replay(upto)
+    else:  # ModelState.replay, round by round with a progress bar (on a terminal): minutes for a long full run
+        from tqdm import tqdm
+        state.replay(tqdm(upto, desc=f"replaying {len(upto)} rounds", unit="round", leave=False, disable=None))
     return RunModel(state.model, task, cfg, info, state.round, run_dir)
 
