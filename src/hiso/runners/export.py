@@ -34,9 +34,6 @@ from .runmodel import RunModel, load_run_model
 
 FORMATS = ("peft", "merged", "state-dict")
 
-# the hub names of the short model names (what a model card's base_model means)
-_HUB = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
-
 
 def default_format(info: dict) -> str:
     """merged for language runs (loads with transformers alone), state-dict otherwise."""
@@ -98,8 +95,11 @@ def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
 
 def model_card(meta: dict, info: dict) -> str:
     """A short README.md (Hugging Face model card) naming the base, the run and how to load it."""
+    from ..tasks.lm import SHORT_NAMES
+
     base = meta.get("base_model")
-    hub = _HUB.get(base, base) if base and not Path(base).expanduser().exists() else None
+    # a hub name is the card's base_model; a short name's weights are a GGUF dequantized here, not the hub's
+    hub = base if base and base not in SHORT_NAMES and not Path(base).expanduser().exists() else None
     front = ["---", *( [f"base_model: {hub}"] if hub else []),
              f"library_name: {'peft' if meta['format'] == 'peft' else 'transformers'}",
              "tags: [hiso, federated-learning, zeroth-order]", "---", ""]
@@ -110,7 +110,8 @@ def model_card(meta: dict, info: dict) -> str:
              f"- run: `{meta['run_dir']}`, seed {meta['seed']}, round {meta['round']}",
              f"- configuration sha256: `{meta['config_sha256']}`"]
     if base:
-        lines += [f"- base model: `{base}`" + (f" ({hub})" if hub and hub != base else ""),
+        lines += [f"- base model: `{base}`" + (f", {SHORT_NAMES[base]}" if base in SHORT_NAMES else "")
+                  + (f", read from `{info['model_source']}`" if info.get("model_source", base) != base else ""),
                   f"- base weights sha256 (hiso fingerprint): `{meta['base_fingerprint']}`"]
     if meta.get("lora"):
         lo = meta["lora"]
