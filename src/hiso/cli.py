@@ -151,9 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--force", action="store_true", help="replace --out if it exists")
     ev = sub.add_parser("eval", help="evaluate a run's model (any round) on its task, or on other data of the task")
     ev.add_argument("run_dir")
-    ev.add_argument("--round", type=int, help="evaluate x_R, rebuilt from the first R logged rounds (default: the last)")
+    ev.add_argument("--round", type=int, help="evaluate x_R, rebuilt from the first R logged rounds "
+                    "(default: the last)")
     ev.add_argument("--data-dir", help="the task's data from here instead of the run's")
-    ev.add_argument("--eval-max", type=int, help="at most this many held-out examples, a seeded subset (default: the run's)")
+    ev.add_argument("--eval-max", type=int, help="at most this many held-out examples, a seeded subset "
+                    "(default: the run's)")
     ev.add_argument("--split", choices=("dev", "test"), help="dev: the validation share (val_*, runs with "
                     "--val-fraction); test: the held-out examples a run reports (eval_*). Default: both")
     ev.add_argument("--out", help="file for the metrics (default: RUN/eval.json)")

@@ -127,7 +127,8 @@ def model_card(meta: dict, info: dict) -> str:
                   f"base = AutoModelForCausalLM.from_pretrained({info.get('model_source', base)!r})",
                   "model = PeftModel.from_pretrained(base, DIR)"]
     else:
-        lines += ["from safetensors.torch import load_file", "model.load_state_dict(load_file(DIR + '/model.safetensors'))"]
+        lines += ["from safetensors.torch import load_file",
+                  "model.load_state_dict(load_file(DIR + '/model.safetensors'))"]
     lines += ["```", ""]
     return "\n".join(front + lines)
 
