@@ -44,6 +44,10 @@ def check_format(fmt: str, cfg, info: dict) -> None:
     """Refuse a format the run cannot give, before anything is loaded."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r} (choose from {', '.join(FORMATS)})")
+    import importlib.util
+
+    if importlib.util.find_spec("safetensors") is None:
+        raise ValueError("hiso export writes safetensors: pip install safetensors (or 'hiso[llm]')")
     language = info.get("task") == "language"
     if fmt == "peft" and not (language and info.get("lora")):
         why = "trains all parameters (use --format merged)" if language else \
