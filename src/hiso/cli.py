@@ -67,6 +67,21 @@ def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) ->
                            metavar="{" + ",".join(choices) + "}" if choices else None)
 
 
+def _add_tracking_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensorboard", metavar="DIR", help="also log each round to TensorBoard event files under "
+                   "DIR/<run name> (pip install 'hiso[track]')")
+    p.add_argument("--mlflow", metavar="URI", help="also log each round to MLflow: a tracking URI, or a directory "
+                   "for a local file store (pip install 'hiso[track]')")
+
+
+def _tracking(args: argparse.Namespace, name: str):
+    from .report.tracking import Tracking
+
+    t = Tracking(args.tensorboard, args.mlflow, name=name)
+    t.check()
+    return t if t.active else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hiso", description="Federated zeroth-order fine-tuning with scalar-only communication.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -78,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--show-partition", action="store_true", help="print each client's label histogram")
+    _add_tracking_flags(run)
     _add_run_flags(run)
     cmp = sub.add_parser("compare", allow_abbrev=False,
                          help="run algorithms x lr grid x seeds into --out DIR; table and plots")
@@ -101,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "and torch and builds its own task (a few seconds), so for runs of a few seconds each, "
                      "--jobs 2 can be slower than serial; set --threads 1 with it")
     cmp.add_argument("--quiet", action="store_true", help="no progress output, only the table")
+    _add_tracking_flags(cmp)
     _add_run_flags(cmp, exclude=("algorithm", "seed"))
     fl = sub.add_parser("flower", help="run on a Flower federation: a SuperLink and --nodes SuperNodes on 127.0.0.1 "
                         "(or --simulation: Flower's simulation engine)")
@@ -122,6 +139,27 @@ def build_parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
+    rb.add_argument("--round", type=int, help="rebuild x_R, the model after the first R logged rounds (default: all)")
+    ex = sub.add_parser("export", help="a run's model (any round) as a PEFT adapter, a Hugging Face model directory "
+                        "or safetensors")
+    ex.add_argument("run_dir")
+    ex.add_argument("--out", required=True, help="directory to create (written whole or not at all)")
+    ex.add_argument("--format", choices=("peft", "merged", "state-dict"), help="peft: the LoRA adapter for "
+                    "PeftModel.from_pretrained; merged: a model directory for AutoModelForCausalLM.from_pretrained; "
+                    "state-dict: model.safetensors (any task). Default: merged for language runs, else state-dict")
+    ex.add_argument("--round", type=int, help="export x_R, rebuilt from the first R logged rounds (default: the last)")
+    ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+    ev = sub.add_parser("eval", help="evaluate a run's model (any round) on its task, or on other data of the task")
+    ev.add_argument("run_dir")
+    ev.add_argument("--round", type=int, help="evaluate x_R, rebuilt from the first R logged rounds "
+                    "(default: the last)")
+    ev.add_argument("--data-dir", help="the task's data from here instead of the run's")
+    ev.add_argument("--eval-max", type=int, help="at most this many held-out examples, a seeded subset "
+                    "(default: the run's)")
+    ev.add_argument("--split", choices=("dev", "test"), help="dev: the validation share (val_*, runs with "
+                    "--val-fraction); test: the held-out examples a run reports (eval_*). Default: both")
+    ev.add_argument("--out", help="file for the metrics (default: RUN/eval.json)")
+    ev.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     dg = sub.add_parser("diagnose", help="what a HiSo run's preconditioner H learned: its range over rounds, the "
                         "effective step lr/H, per tensor, and against measured curvature (PNG + text)")
     dg.add_argument("run_dir")
@@ -179,6 +217,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if (out / "config.json").exists() and not args.force:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
+    tracking = _tracking(args, out.resolve().name)
     task = build_task(cfg)
     if args.show_partition:
         hist = getattr(task, "label_hist", None)
@@ -202,7 +241,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        summary = run_to_dir(cfg, out, progress, task=task, resume=args.resume is not None)
+        summary = run_to_dir(cfg, out, progress, task=task, resume=args.resume is not None, tracking=tracking)
     finally:
         bar.close()
     comm = summary["communication_per_client"]
@@ -226,7 +265,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")
     try:
-        text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs)
+        text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs,
+                       tracking=_tracking(args, "compare"))
     except KeyboardInterrupt:
         return _fail(f"interrupted; finished runs are kept in {args.out}/runs (rerun the same command to resume)")
     print(text, end="")
@@ -240,9 +280,36 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     from .runners.rundir import rebuild
 
-    state, ckpt = rebuild(args.run_dir, device=args.device)
+    state, ckpt = rebuild(args.run_dir, device=args.device, round=args.round)
     torch.save(ckpt, args.out)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .runners.export import export
+
+    done = export(args.run_dir, args.out, args.format, round=args.round, force=args.force)
+    print(f"exported round {done['round']} of {args.run_dir} as {done['format']} into {done['out']}/: "
+          f"{len(done['files'])} files, {done['bytes'] / 1e6:.1f} MB, {done['seconds']:.1f} s")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .runners.evaluate import evaluate_run, write_eval
+    from .runners.rundir import saved_config
+
+    saved_config(args.run_dir)  # a run directory, before anything else is said about it
+    out = Path(args.out) if args.out else Path(args.run_dir) / "eval.json"
+    if not out.parent.is_dir():
+        return _fail(f"--out {out}: directory {out.parent} does not exist")
+    if args.eval_max is not None and args.eval_max < 1:
+        return _fail(f"--eval-max must be >= 1, got {args.eval_max}")
+    result = evaluate_run(args.run_dir, args.round, args.data_dir, args.eval_max, args.split, args.device)
+    print(f"round {result['round']} of {args.run_dir}: "
+          + ", ".join(f"{k}={v:.6g}" for k, v in result["metrics"].items()) + f" ({result['seconds']:.1f} s)")
+    write_eval(result, out)
+    print(f"written: {out}")
     return 0
 
 
@@ -319,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_flower(args)
         if args.command == "diagnose":
             return cmd_diagnose(args)
+        if args.command == "export":
+            return cmd_export(args)
+        if args.command == "eval":
+            return cmd_eval(args)
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))

@@ -492,19 +492,28 @@ def _round_reporter(label: str, rounds: int, every_s: float = 0.2) -> Callable[[
     return report
 
 
-def _run_in_worker(spec: RunSpec) -> dict:
+def _run_in_worker(spec: RunSpec, tracking=None) -> dict:
     """One run in a worker process (``--jobs`` > 1): its own task, its own peak memory."""
     from ..tasks.registry import build_task
     from .rundir import run_to_dir
 
     reset = _reset_peak_rss()
     task = build_task(spec.cfg)
-    summary = run_to_dir(spec.cfg, spec.dir, _round_reporter(spec.label, spec.cfg.rounds), task=task)
+    summary = run_to_dir(spec.cfg, spec.dir, _round_reporter(spec.label, spec.cfg.rounds), task=task,
+                         tracking=tracking)
     hwm = _vm_hwm_mb() if reset else None
     if hwm is not None:
         summary["peak_rss_mb_run"] = hwm
         (spec.dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _tracked(tracking, spec: RunSpec):
+    """``tracking`` (:class:`hiso.report.tracking.Tracking`) for one run: named arm/lr/seed, tagged so."""
+    if tracking is None:
+        return None
+    return tracking.for_run(f"{spec.arm.name}/{lr_dirname(spec.lr)}/seed{spec.seed}", arm=spec.arm.name,
+                            algorithm=spec.arm.algorithm, lr=spec.lr, seed=spec.seed)
 
 
 def _run_seconds(summary: dict) -> str:
@@ -520,7 +529,7 @@ def _summary_seconds(d: Path) -> float:
         return 0.0
 
 
-def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], jobs: int, bar) -> int:
+def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], jobs: int, bar, tracking=None) -> int:
     """Runs spread over ``jobs`` worker processes (spawned: forking after torch starts its
     thread pools can hang). Each finished run is reported as it lands; returns how many ran."""
     import multiprocessing as mp
@@ -553,7 +562,7 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
     finished_labels: set[str] = set()
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
                              initargs=(rounds_q, os.getpid())) as pool:
-        pending = {pool.submit(_run_in_worker, spec): spec for spec in todo}
+        pending = {pool.submit(_run_in_worker, spec, _tracked(tracking, spec)): spec for spec in todo}
         try:
             while pending:
                 finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -580,7 +589,7 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
 
 
 def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
-            jobs: int = 1) -> dict[str, int]:
+            jobs: int = 1, tracking=None) -> dict[str, int]:
     """Run every unfinished run of ``plan`` into ``out``; returns counts run / skipped.
 
     ``jobs`` > 1 runs that many runs at once in worker processes (set ``threads = 1`` then).
@@ -607,7 +616,7 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
                       "few seconds --jobs 1 is faster")
         t_start = time.perf_counter()
         try:
-            done = _execute_parallel(plan, specs, todo, jobs, bar)
+            done = _execute_parallel(plan, specs, todo, jobs, bar, tracking)
         finally:
             bar.close()
         if not quiet:
@@ -639,7 +648,7 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
             reset = _reset_peak_rss()
             t0 = time.perf_counter()
             try:
-                summary = run_to_dir(spec.cfg, spec.dir, progress, task=tasks[key])
+                summary = run_to_dir(spec.cfg, spec.dir, progress, task=tasks[key], tracking=_tracked(tracking, spec))
             except BaseException:
                 bar.write(f"{spec.label}: failed after {time.perf_counter() - t0:.0f} s; {done + skipped} "
                           f"of {len(specs)} runs are finished and kept (rerun the same command to resume)")
@@ -731,12 +740,12 @@ def _json_safe(x):
 
 
 def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
-            plots: bool = True, jobs: int = 1) -> str:
+            plots: bool = True, jobs: int = 1, tracking=None) -> str:
     """Run, select, write selection.json, the table and the plots; returns the printed table."""
     from ..report.table import build_table, write_table
 
     out = Path(out)
-    execute(plan, out, force=force, quiet=quiet, jobs=jobs)
+    execute(plan, out, force=force, quiet=quiet, jobs=jobs, tracking=tracking)
     arms, selection = collect(plan, out)
     (out / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
     table = build_table(arms, plan.reference, plan.metric, plan.select_metric, plan.select_note)

@@ -195,7 +195,8 @@ def resume_point(out: Path, shape: tuple[int, int], cfg: RunConfig | None = None
 
 
 def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None,
-               task: Task | None = None, resume: bool = False, runner: Callable | None = None) -> dict:
+               task: Task | None = None, resume: bool = False, runner: Callable | None = None,
+               tracking=None) -> dict:
     """Run ``cfg`` and write DIR. ``progress(row)`` is called after every round.
 
     ``runner(cfg, task, on_record)`` builds the runner (default :func:`build_simulation`); a
@@ -204,6 +205,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     ``resume``: DIR holds an interrupted run of ``cfg`` (same ``config.json``): continue it
     (see the module's docstring). Scalar-only algorithms only: the full-model baselines keep
     no log to rebuild their server (and optimiser) state from.
+
+    ``tracking`` (:class:`hiso.report.tracking.Tracking`): each row also goes to TensorBoard / MLflow.
     """
     out = Path(out)
     if resume and not cfg.scalar_only:
@@ -249,6 +252,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             flog.addHandler(handler)
             stack.callback(flog.removeHandler, handler)
             stack.callback(handler.close)
+        tracker = tracking.open(cfg) if tracking is not None and tracking.active else None
+        if tracker is not None:
+            stack.callback(tracker.close, False)  # closed as failed on an exception (a no-op once closed)
         row = {}
         diverged = stopped = None
         first_loss = None
@@ -277,6 +283,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             for row in rows:
                 mf.write(json.dumps(row) + "\n")
                 mf.flush()
+                if tracker is not None:
+                    tracker.log(row, getattr(getattr(sim, "state", None), "h", None))
                 diverged = account(row)
                 if progress is not None:
                     progress(row)
@@ -290,6 +298,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             # non-finite scalar stops the round before it is aggregated; a round that made x or H
             # non-finite is rolled back below (the full-model runner never writes such a step)
             diverged = {"round": row.get("round", 0) + 1, "error": str(e)}
+        if tracker is not None:
+            tracker.close(diverged is None)
     state = sim.state_dict()
     if diverged is not None and cfg.scalar_only and not (finite(sim.state.params) and
                                                          (sim.state.h is None or finite(sim.state.h))):
@@ -370,9 +380,21 @@ def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "
     return ModelState(task.build_model(), cfg.zo()), task, cfg, info, records
 
 
-def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu") -> tuple[ModelState, dict]:
-    """x_0 (see :func:`start_replica`), then every logged round replayed on ``device`` (whatever
-    device the run used): the final model. Returns the replica and its ``model.pt`` checkpoint."""
+def logged_rounds(records: list, round: int | None, run_dir: str | Path) -> list:
+    """The first ``round`` records of a run's log (all of them for None): what x_round replays;
+    a round the log does not reach is refused."""
+    if round is None:
+        return records
+    if isinstance(round, bool) or not isinstance(round, int) or not 0 <= round <= len(records):
+        raise ValueError(f"round {round} is not in {run_dir}: its log holds rounds 0..{len(records)}")
+    return records[:round]
+
+
+def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu",
+            round: int | None = None) -> tuple[ModelState, dict]:
+    """x_0 (see :func:`start_replica`), then the logged rounds replayed on ``device`` (whatever
+    device the run used): every one (the final model) or the first ``round`` (x_round, the model a
+    run stopped at that round saves). Returns the replica and its ``model.pt`` checkpoint."""
     state, _, _, info, records = start_replica(run_dir, task, device)
-    state.replay(records)
+    state.replay(logged_rounds(records, round, run_dir))
     return state, checkpoint(state.state_dict(), info)

@@ -1,0 +1,54 @@
+"""``hiso eval``: a run's model (any round) evaluated on its task, or on other data of the same task.
+
+The model is x_R (:func:`hiso.runners.runmodel.load_run_model`); the task is the run's, built
+from ``config.json`` with ``--data-dir`` / ``--eval-max`` in place of the run's, so with neither
+given it scores exactly the examples the run scored, in the same batches, and reproduces the
+run's own metrics at that round to the last digit. Language tasks evaluate in batches of
+``eval_batch_size`` with a progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .rundir import _write_atomic, saved_config
+from .runmodel import load_run_model, run_task
+
+SPLITS = ("dev", "test")
+_PREFIX = {"dev": "val_", "test": ("eval_", "gap")}
+
+
+def evaluate_run(run_dir: str | Path, round: int | None = None, data_dir: str | None = None,
+                 eval_max: int | None = None, split: str | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Evaluate round ``round`` (None: the last) of the run in ``run_dir``.
+
+    ``split``: ``test`` keeps the metrics of the held-out examples a run reports (``eval_*``),
+    ``dev`` those of its validation share (``val_*``, runs with ``val_fraction`` > 0); None both.
+    """
+    run_dir = Path(run_dir)
+    cfg, _ = saved_config(run_dir)
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"split must be dev or test, got {split!r}")
+    if split == "dev" and cfg.val_fraction == 0:
+        raise ValueError(f"{run_dir} has no validation split (val_fraction 0): its held-out examples are "
+                         f"reported as eval_* (--split test)")
+    task, cfg, info = run_task(run_dir, device, data_dir=data_dir, eval_max=eval_max)
+    rm = load_run_model(run_dir, round, task=task, device=device)
+    t0 = time.perf_counter()
+    metrics = task.evaluate(rm.model)
+    seconds = time.perf_counter() - t0
+    if split is not None:
+        metrics = {k: v for k, v in metrics.items() if k.startswith(_PREFIX[split])}
+    return {"metrics": metrics, "round": rm.round, "split": split or "all",
+            "data_dir": data_dir or cfg.data_dir, "eval_max": eval_max or cfg.eval_max,
+            "seconds": seconds, **{k: v for k, v in rm.identity().items() if k != "round"}}
+
+
+def write_eval(result: dict, path: str | Path) -> Path:
+    """``result`` as JSON at ``path``, whole or not at all."""
+    path = Path(path)
+    _write_atomic(path, json.dumps(result, indent=2) + "\n")
+    return path

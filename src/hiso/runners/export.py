@@ -1,0 +1,207 @@
+"""``hiso export``: a run's model (any round) in the formats the ecosystem loads.
+
+* ``peft``: ``adapter_config.json`` + ``adapter_model.safetensors`` (and the tokenizer), what
+  ``PeftModel.from_pretrained(base, DIR)`` loads: LoRA runs only, a few MB;
+* ``merged``: a Hugging Face model directory (``config.json``, ``model.safetensors``, the
+  tokenizer), what ``AutoModelForCausalLM.from_pretrained(DIR)`` loads, vLLM serves and llama.cpp's
+  converter reads: the LoRA adapter merged into the base, or the fully trained parameters;
+* ``state-dict``: ``model.safetensors``, the model's ``state_dict()`` (LoRA merged) for any task,
+  vision and users' own included: ``model.load_state_dict(safetensors.torch.load_file(...))``.
+
+Every export says where it came from: ``hiso.json`` and a model card (``README.md``) hold the
+run's identity (directory, configuration sha256, algorithm, seed, round) and, for language runs,
+the base model's name and weight fingerprint; ``merged`` also puts them in ``config.json``
+(key ``hiso``), ``state-dict`` in the safetensors header. A run is exported only onto the base it
+started from. Everything is written to a temporary directory beside ``--out`` and renamed at the
+end, so a refused or failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .rundir import saved_config
+from .runmodel import RunModel, load_run_model
+
+FORMATS = ("peft", "merged", "state-dict")
+
+
+def default_format(info: dict) -> str:
+    """merged for language runs (loads with transformers alone), state-dict otherwise."""
+    return "merged" if info.get("task") == "language" else "state-dict"
+
+
+def check_format(fmt: str, cfg, info: dict) -> None:
+    """Refuse a format the run cannot give, before anything is loaded."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r} (choose from {', '.join(FORMATS)})")
+    import importlib.util
+
+    if importlib.util.find_spec("safetensors") is None:
+        raise ValueError("hiso export writes safetensors: pip install safetensors (or 'hiso[llm]')")
+    language = info.get("task") == "language"
+    if fmt == "peft" and not (language and info.get("lora")):
+        why = "trains all parameters (use --format merged)" if language else \
+            f"is a {cfg.task} run, not a language model (use --format state-dict)"
+        raise ValueError(f"--format peft needs a LoRA run; this run {why}")
+    if fmt == "merged" and not language:
+        raise ValueError(f"--format merged is a Hugging Face model directory, for language runs; this is a "
+                         f"{cfg.task} run (use --format state-dict)")
+
+
+def _plain_model(rm: RunModel):
+    """The run's model without LoRA wrappers: the adapter merged into the base (a new module)."""
+    from peft import PeftModel
+
+    if isinstance(rm.model, PeftModel):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return rm.model.merge_and_unload()
+    return rm.model
+
+
+def _metrics_at(run_dir: Path, rnd: int) -> dict:
+    """The evaluation metrics the run logged at round ``rnd`` (none if it did not evaluate then)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("round") == rnd:
+            return {k: v for k, v in row.items() if k.startswith(("eval_", "val_", "gap"))}
+    return {}
+
+
+def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
+    """hiso.json: the export's format, the run's identity, its base and the metrics logged then."""
+    from .. import __version__
+
+    meta = {"hiso_version": __version__, "format": fmt, **rm.identity()}
+    if rm.info.get("lora"):
+        meta["lora"] = rm.info["lora"]
+    logged = _metrics_at(rm.run_dir, rm.round)
+    if logged:
+        meta["metrics_logged_at_round"] = logged
+    return meta
+
+
+def model_card(meta: dict, info: dict) -> str:
+    """A short README.md (Hugging Face model card) naming the base, the run and how to load it."""
+    from ..tasks.lm import SHORT_NAMES
+
+    base = meta.get("base_model")
+    # a hub name is the card's base_model; a short name's weights are a GGUF dequantized here, not the hub's
+    hub = base if base and base not in SHORT_NAMES and not Path(base).expanduser().exists() else None
+    front = ["---", *( [f"base_model: {hub}"] if hub else []),
+             f"library_name: {'peft' if meta['format'] == 'peft' else 'transformers'}",
+             "tags: [hiso, federated-learning, zeroth-order]", "---", ""]
+    task = info.get("dataset", meta["task"])
+    lines = [f"# {task} fine-tuned with hiso ({meta['algorithm']}, round {meta['round']})", "",
+             f"Federated zeroth-order fine-tuning with hiso (seeds and scalars on the wire); exported by "
+             f"`hiso export --format {meta['format']}`.", "",
+             f"- run: `{meta['run_dir']}`, seed {meta['seed']}, round {meta['round']}",
+             f"- configuration sha256: `{meta['config_sha256']}`"]
+    if base:
+        lines += [f"- base model: `{base}`" + (f", {SHORT_NAMES[base]}" if base in SHORT_NAMES else "")
+                  + (f", read from `{info['model_source']}`" if info.get("model_source", base) != base else ""),
+                  f"- base weights sha256 (hiso fingerprint): `{meta['base_fingerprint']}`"]
+    if meta.get("lora"):
+        lo = meta["lora"]
+        lines.append(f"- LoRA r = {lo['r']}, alpha = {lo['alpha']:g}, targets {', '.join(lo['targets'])}")
+    for k, v in meta.get("metrics_logged_at_round", {}).items():
+        lines.append(f"- {k} logged by the run at this round: {v:.6g}")
+    lines += ["", "## Load", "", "```python"]
+    if meta["format"] == "merged":
+        lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer",
+                  "model = AutoModelForCausalLM.from_pretrained(DIR)", "tok = AutoTokenizer.from_pretrained(DIR)"]
+    elif meta["format"] == "peft":
+        lines += ["from peft import PeftModel", "from transformers import AutoModelForCausalLM",
+                  f"base = AutoModelForCausalLM.from_pretrained({info.get('model_source', base)!r})",
+                  "model = PeftModel.from_pretrained(base, DIR)"]
+    else:
+        lines += ["from safetensors.torch import load_file",
+                  "model.load_state_dict(load_file(DIR + '/model.safetensors'))"]
+    lines += ["```", ""]
+    return "\n".join(front + lines)
+
+
+def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict) -> None:
+    tok = getattr(rm.task, "tok", None)
+    if fmt == "peft":
+        rm.model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
+        cfg_path = tmp / "adapter_config.json"
+        acfg = json.loads(cfg_path.read_text())
+        acfg["base_model_name_or_path"] = rm.info.get("model_source") or acfg.get("base_model_name_or_path")
+        cfg_path.write_text(json.dumps(acfg, indent=2))
+    elif fmt == "merged":
+        model = _plain_model(rm)
+        model.config.hiso = meta  # config.json's "hiso": the run and the base it came from
+        try:
+            model.save_pretrained(tmp)
+        finally:
+            del model.config.hiso
+    else:
+        from safetensors.torch import save_file
+
+        model = _plain_model(rm) if rm.info.get("lora") else rm.model
+        # clones: tied tensors (an LM's embedding and head) are stored under both names
+        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+        save_file(tensors, tmp / "model.safetensors", metadata={"hiso": json.dumps(meta)})
+    if tok is not None and fmt != "state-dict":
+        tok.save_pretrained(tmp)
+    (tmp / "hiso.json").write_text(json.dumps(meta, indent=2))
+    (tmp / "README.md").write_text(model_card(meta, rm.info))
+
+
+def _usual_modes(root: Path) -> None:
+    """Modes as if created plainly (mkdtemp makes 0700; some writers 0600): readable by whom the umask allows."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in [root, *root.rglob("*")]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
+
+
+def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: int | None = None,
+           force: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """Export round ``round`` (None: the last) of the run in ``run_dir`` into the directory ``out``.
+
+    Returns what was written: format, round, files, bytes and seconds. Bad input raises
+    ValueError / FileNotFoundError before anything is written.
+    """
+    t0 = time.perf_counter()
+    run_dir, out = Path(run_dir), Path(out)
+    cfg, info = saved_config(run_dir)
+    fmt = fmt or default_format(info)
+    check_format(fmt, cfg, info)
+    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists (use --force to replace it)")
+    if out.resolve() == run_dir.resolve() or out.resolve() in run_dir.resolve().parents:
+        raise ValueError(f"--out {out} would replace the run directory {run_dir} itself: export elsewhere")
+    rm = load_run_model(run_dir, round, device=device)
+    meta = metadata(rm, fmt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        _write(rm, fmt, tmp, meta)
+        _usual_modes(tmp)
+        if out.exists():  # --force (checked above)
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    return {"format": fmt, "round": rm.round, "out": str(out), "files": [str(p.relative_to(out)) for p in files],
+            "bytes": sum(p.stat().st_size for p in files), "seconds": time.perf_counter() - t0}

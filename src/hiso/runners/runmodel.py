@@ -1,0 +1,112 @@
+"""A run's model at any round, as a usable ``nn.Module``: what ``hiso export`` and ``hiso eval`` read.
+
+Scalar-only runs (hiso, decomfl): round R is x_0 plus the first R logged records replayed, the
+path ``hiso rebuild --round R`` takes (:func:`hiso.runners.rundir.start_replica`); the final round
+is read from ``model.pt`` instead, which that replay equals bit for bit, because replaying a long
+full-parameter run costs minutes. Full-model baselines keep no log: only their final model
+(``model.pt``) exists. A language run's base model must be the one it started from (fingerprint
+in ``config.json``), or nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import RunConfig
+from ..tasks.base import Task
+from ..tasks.device import on_device
+from ..tasks.registry import build_task
+from .rundir import logged_rounds, saved_config, start_replica
+
+
+@dataclass
+class RunModel:
+    """x_R of a run, in its task's model (a ``PeftModel`` for LoRA runs)."""
+
+    model: nn.Module
+    task: Task
+    cfg: RunConfig
+    info: dict  # config.json's task_info
+    round: int
+    run_dir: Path
+
+    def identity(self) -> dict[str, Any]:
+        """What names this model: the run (directory, configuration hash, round) and its base."""
+        out = {"run_dir": str(self.run_dir.resolve()), "algorithm": self.cfg.algorithm, "task": self.cfg.task,
+               "seed": self.cfg.seed, "round": self.round, "config_sha256": config_sha256(self.cfg)}
+        if "base_fingerprint" in self.info:
+            out["base_model"] = self.info.get("model")
+            out["base_fingerprint"] = self.info["base_fingerprint"]
+        return out
+
+
+def config_sha256(cfg: RunConfig) -> str:
+    """sha256 of the resolved run configuration (keys sorted): two runs with equal hashes ran the
+    same experiment."""
+    return hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()
+
+
+def _check_base(task: Task, info: dict, run_dir: Path) -> None:
+    if "base_fingerprint" not in info:
+        return
+    found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
+    if found != info["base_fingerprint"]:
+        raise ValueError(f"base model {info.get('model')!r} here has weights {str(found)[:12]}..., the run "
+                         f"{run_dir} started from {info['base_fingerprint'][:12]}...: not the run's base model")
+
+
+def run_task(run_dir: str | Path, device: str = "cpu", **overrides: Any) -> tuple[Task, RunConfig, dict]:
+    """The run's task (optionally with RunConfig ``overrides``, e.g. another ``data_dir``), its
+    configuration and task_info; refused if the base model here is not the run's."""
+    run_dir = Path(run_dir)
+    cfg, info = saved_config(run_dir)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    task = build_task(RunConfig(**{**cfg.model_dump(), **given, "device": device}))
+    _check_base(task, info, run_dir)
+    return task, cfg, info
+
+
+def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | None = None,
+                   device: str = "cpu") -> RunModel:
+    """x_``round`` of the run in ``run_dir`` (None: its last round) on ``device``.
+
+    ``task``: the run's task object (default: built from ``config.json``). Refused (ValueError,
+    nothing loaded): a round the log does not hold, another round than the last of a full-model
+    run, a base model that is not the run's.
+    """
+    run_dir = Path(run_dir)
+    cfg, info = saved_config(run_dir)
+    if task is None:
+        task, _, _ = run_task(run_dir, device)
+    else:
+        task = on_device(task, device)
+        _check_base(task, info, run_dir)
+    ckpt_path = run_dir / "model.pt"
+    if not cfg.scalar_only:
+        if not ckpt_path.is_file():
+            raise ValueError(f"{run_dir} has no model.pt: an unfinished {cfg.algorithm} run (full-model algorithms "
+                             f"keep no log to rebuild a model from)")
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        if round is not None and round != ckpt["round"]:
+            raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no log, so only its "
+                             f"last round ({ckpt['round']}) exists")
+        model = task.build_model()
+        model.load_state_dict(ckpt["model"])
+        return RunModel(model, task, cfg, info, int(ckpt["round"]), run_dir)
+    state, task, cfg, info, records = start_replica(run_dir, task, device)
+    upto = logged_rounds(records, round, run_dir)
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True) if ckpt_path.is_file() else None
+    if ckpt is not None and ckpt["round"] == len(upto):
+        state.load_state_dict(ckpt)  # what the run saved at this round: the replay's result, bit for bit
+    else:  # ModelState.replay, round by round with a progress bar (on a terminal): minutes for a long full run
+        from tqdm import tqdm
+        state.replay(tqdm(upto, desc=f"replaying {len(upto)} rounds", unit="round", leave=False, disable=None))
+    return RunModel(state.model, task, cfg, info, state.round, run_dir)
+
