@@ -107,7 +107,7 @@ class FlowerFederation:
         self.state = ModelState(self.task.build_model(), self.zo)
         self.server = protocol_server(self.task, self.zo, self.cfg.sampled, self.cfg.seed, self.cfg.weighted,
                                       self.state, self.cfg.snapshot_after, self.cfg.bandwidth,
-                                      self.cfg.aggregate, self.cfg.trim)
+                                      self.cfg.aggregate, self.cfg.trim, noise_seed=self.cfg.dp_noise_seed)
         self.welcome = encode_welcome(welcome_for(self.zo, self.cfg.seed, self.state.params))
         self.comm = Comm.zeros(M)
         self._seen: set[int] = set()
