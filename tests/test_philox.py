@@ -172,6 +172,101 @@ def test_cpu_and_cuda_give_identical_directions_and_arithmetic(family, kernel):
         assert torch.equal(a, b.cpu())
 
 
+# ---------------------------------------------------------------- shift_all: many tensors, one seed
+
+GROUP_SHAPES = [(300,), (5, 7), (1,), (1025,), (0,), (2048,)]  # ragged, across BLOCK = 1024, empty
+GROUP_INDICES = [4, 0, 9, 2**31 + 5, 3, 270]
+
+
+def _group(device="cpu"):
+    torch.manual_seed(1)
+    xs = [torch.randn(s, device=device) for s in GROUP_SHAPES]
+    hs = [torch.rand(s, device=device) * 4 + 1e-3 for s in GROUP_SHAPES]
+    ds = [1e-3 * torch.randn(s, device=device) for s in GROUP_SHAPES]
+    return xs, hs, ds
+
+
+def _one_by_one(gen, xs, seeds, scale, hs, ds):
+    return [gen.shift(torch.empty_like(x), x, s, i, scale, None if hs is None else hs[j], None if ds is None else ds[j])
+            for j, (x, s, i) in enumerate(zip(xs, seeds, GROUP_INDICES))]
+
+
+@pytest.mark.parametrize("family", PHILOX)
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_shift_all_gives_the_bits_of_shift_per_tensor(family, kernel):
+    gen = DirectionGenerator(family, kernel=kernel)
+    xs, hs, ds = _group()
+    seeds = [2**64 - 3 - j for j in range(len(xs))]
+    for hh in (None, hs):
+        for dd in (None, ds):
+            want = _one_by_one(gen, xs, [77] * len(xs), -1e-3, hh, dd)
+            got = gen.shift_all([torch.empty_like(x) for x in xs], xs, 77, GROUP_INDICES, -1e-3, hh, dd)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            want = _one_by_one(gen, xs, seeds, 2e-3, hh, dd)  # a seed per tensor (the P points in one call)
+            got = gen.shift_all([torch.empty_like(x) for x in xs], xs, seeds, GROUP_INDICES, 2e-3, hh, dd)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    xb = [x.to(torch.bfloat16) for x in xs]  # bfloat16 parameters: each the rounded float32 shift
+    got = gen.shift_all([torch.empty_like(x) for x in xb], xb, 5, GROUP_INDICES, 1e-2)
+    assert all(torch.equal(a, gen.shift(torch.empty_like(x), x, 5, i, 1e-2))
+               for a, x, i in zip(got, xb, GROUP_INDICES))
+    with pytest.raises(ValueError):
+        gen.shift_all([torch.empty(3)], [torch.empty(3), torch.empty(3)], 5, [0], 1.0)
+
+
+_INTERPRETED = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_philox import GROUP_INDICES, _group, _one_by_one
+from triton.runtime.interpreter import InterpretedFunction
+from hiso.core import _philox_triton
+from hiso.core.directions import DirectionGenerator
+assert isinstance(_philox_triton._shift_all_kernel, InterpretedFunction)
+xs, hs, ds = _group()
+seeds = [2**64 - 3, 1, 2**32, 77, 5, 2**63 + 11]
+for family in ("philox-rademacher", "philox-gaussian"):
+    cpu = DirectionGenerator(family)
+    for hh, dd in ((None, None), (hs, ds)):
+        want = _one_by_one(cpu, xs, seeds, -1e-3, hh, dd)
+        got = _philox_triton.shift_all(family, [torch.full_like(x, float("nan")) for x in xs], xs, seeds,
+                                       GROUP_INDICES, -1e-3, hh, dd)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (family, hh is None)
+print("equal")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install "
+                    "triton): the grouped GPU kernel cannot be run under its interpreter")
+def test_grouped_triton_shift_gives_the_cpu_bits_under_the_interpreter():
+    """One launch of the grouped kernel over ragged tensors equals the CPU kernels' shift per tensor,
+    for both families, run by Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before Triton
+    is imported, hence a fresh process)."""
+    code = _INTERPRETED.format(tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(hiso.__file__).parents[1]), "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "equal", out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="no CUDA device with Triton here: the grouped kernel is checked under Triton's "
+                    "interpreter above")
+@pytest.mark.parametrize("family", PHILOX)
+def test_cuda_shift_all_is_one_grouped_launch_with_the_cpu_bits(family, monkeypatch):
+    cpu, gpu = DirectionGenerator(family), DirectionGenerator(family)
+    assert gpu._tr is not None
+    xs, hs, ds = _group()
+
+    def per_tensor(*a, **k):
+        raise AssertionError("shift_all fell back to one launch per tensor")
+    monkeypatch.setattr(gpu._tr, "shift", per_tensor)
+    for hh in (None, hs):
+        for dd in (None, ds):
+            want = _one_by_one(cpu, xs, [9] * len(xs), 1e-3, hh, dd)
+            got = gpu.shift_all([torch.empty_like(x, device="cuda") for x in xs], [x.cuda() for x in xs], 9,
+                                GROUP_INDICES, 1e-3, None if hh is None else [h.cuda() for h in hh],
+                                None if dd is None else [d.cuda() for d in dd])
+            assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got))
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: numba's pool cannot change torch's thread count")
 def test_numba_kernels_leave_torchs_thread_count_alone():
     """numba's OpenMP pool, once started, must not raise torch's thread count (with --threads 1
