@@ -214,7 +214,7 @@ def test_shift_all_gives_the_bits_of_shift_per_tensor(family, kernel):
 
 
 _INTERPRETED = """
-import sys, torch
+import sys, numpy as np, torch
 sys.path.insert(0, {tests!r})
 from test_philox import GROUP_INDICES, _group, _one_by_one
 from triton.runtime.interpreter import InterpretedFunction
@@ -230,6 +230,16 @@ for family in ("philox-rademacher", "philox-gaussian"):
         got = _philox_triton.shift_all(family, [torch.full_like(x, float("nan")) for x in xs], xs, seeds,
                                        GROUP_INDICES, -1e-3, hh, dd)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (family, hh is None)
+    x, h = xs[3], hs[3]  # and the per-tensor kernels: fill, shift, combine (its device arguments cached)
+    assert torch.equal(_philox_triton.fill(family, torch.empty_like(x), 2**63 + 1, 7), cpu.fill(2**63 + 1, 7, x.shape))
+    assert torch.equal(_philox_triton.shift(family, torch.empty_like(x), x, 9, 2, 1e-3, h, ds[3]),
+                       cpu.shift(torch.empty_like(x), x, 9, 2, 1e-3, h, ds[3]))
+    for ss, cc in (([3, 2**64 - 1], [1.5, -0.25]), ([3, 2**64 - 1], [1.5, 0.5]), ([4, 2**64 - 1], [1.5, -0.25])) * 2:
+        seeds_, c = np.array(ss, dtype=np.uint64), np.array(cc, dtype=np.float32)
+        coefs = (c.astype(np.float64) / 2).astype(np.float32)
+        for hh in (None, h):
+            got = _philox_triton.combine(family, torch.empty_like(x), [int(s) for s in seeds_], coefs, 5, hh)
+            assert torch.equal(got, cpu.combine(5, x.shape, seeds_, c, hh)), (family, ss, cc)
 print("equal")
 """
 

@@ -230,15 +230,33 @@ def shift(family: str, out: torch.Tensor, x: torch.Tensor, seed: int, index: int
     return out
 
 
+_COMBINE_ARGS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _combine_args(seeds: list[int], coefs: np.ndarray, dev: torch.device):
+    """The keys and coefficients on the device. A round's replay combines the same (seeds, coefs)
+    for every tensor, so they are copied once per round, not three blocking copies per tensor."""
+    c32 = np.asarray(coefs, dtype=np.float32)
+    key = (tuple(int(s) for s in seeds), c32.tobytes(), str(dev))
+    args = _COMBINE_ARGS.get(key)
+    if args is None:
+        keys = [philox.key_of(s) for s in key[0]]
+        pin = dev.type == "cuda"
+        k = torch.tensor([[a for a, _ in keys], [b for _, b in keys]], dtype=torch.int64, pin_memory=pin)
+        c = torch.from_numpy(c32.copy())
+        k, c = k.to(dev, non_blocking=True), (c.pin_memory() if pin else c).to(dev, non_blocking=True)
+        if len(_COMBINE_ARGS) >= 8:
+            _COMBINE_ARGS.pop(next(iter(_COMBINE_ARGS)))
+        args = _COMBINE_ARGS[key] = (k[0], k[1], c)
+    return args
+
+
 def combine(family: str, out: torch.Tensor, seeds: list[int], coefs: np.ndarray, index: int,
             h: torch.Tensor | None) -> torch.Tensor:
-    keys = [philox.key_of(int(s)) for s in seeds]
     dev = out.device
-    k0 = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
-    k1 = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev)
-    c = torch.from_numpy(np.asarray(coefs, dtype=np.float32).copy()).to(dev)
+    k0, k1, c = _combine_args(seeds, coefs, dev)
     n = out.numel()
-    _combine_kernel[_grid(n)](out, out if h is None else h, n, k0, k1, c, len(keys), int(index),
+    _combine_kernel[_grid(n)](out, out if h is None else h, n, k0, k1, c, len(seeds), int(index),
                               _table(family, dev), HAS_H=h is not None,
                               GAUSS=family == "philox-gaussian", BLOCK=BLOCK, **_OPTS)
     return out
