@@ -189,3 +189,64 @@ def test_pack_refuses_a_non_empty_out_and_a_non_model(packed, tmp_path):
     assert code == 2 and "config.json" in err and not (tmp_path / "p").exists()
     code, _, err = _cli(["cache", "pack", "--model", "no/such/model", "--out", str(tmp_path / "p")])
     assert code == 2 and "nothing to pack" in err and not (tmp_path / "p").exists()
+
+
+# ---------------------------------------------------------------- --gguf: the GGUF travels, dequantized there
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+    """A short name whose 'GGUF' dequantizes to the tiny model ``tmp_path/dequant`` (the loader is
+    pointed at that directory, as test_language's cache test does): the packing and checking are
+    real, the dequantization is the tiny model's loading. Returns a function that sets what the
+    dequantization yields (another seed: other weights)."""
+    write_tiny_lm(tmp_path / "cacheA" / "models" / SHORT)
+    gguf = tmp_path / "ggufsrc" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(bytes(range(256)) * 40)
+    monkeypatch.setattr(lm, "_gguf_file", lambda short: gguf)
+    model_fn, tok_fn = lm._model, lm._tokenizer
+    monkeypatch.setattr(lm, "_model", lambda src, gguf_file=None: model_fn(tmp_path / "dequant"))
+    monkeypatch.setattr(lm, "_tokenizer", lambda src, gguf_file=None: tok_fn(tmp_path / "dequant"))
+
+    def dequantizes_to(seed):
+        shutil.rmtree(tmp_path / "dequant", ignore_errors=True)
+        write_tiny_lm(tmp_path / "dequant", seed=seed)
+    dequantizes_to(0)
+    monkeypatch.setenv("HISO_CACHE_DIR", str(tmp_path / "cacheA"))
+    code, _, err = _cli(["cache", "pack", "--model", SHORT, "--out", str(tmp_path / "pack"), "--gguf",
+                         "--part-size", "4K", "--quiet"])
+    assert code == 0, err
+    monkeypatch.setenv("HISO_CACHE_DIR", str(tmp_path / "cacheB"))
+    return dequantizes_to
+
+
+def test_a_gguf_pack_carries_the_gguf_and_is_dequantized_and_checked_there(fake_gguf, tmp_path):
+    m = json.loads((tmp_path / "pack" / "manifest.json").read_text())
+    assert m["gguf"] == "gguf/tiny.gguf" and not any(f["path"].endswith(".safetensors") for f in m["files"])
+    code, out, err = _cli(["cache", "unpack", str(tmp_path / "pack"), "--quiet"])
+    assert code == 0, err
+    src, target = _tree(tmp_path / "cacheA" / "models" / SHORT), _tree(tmp_path / "cacheB" / "models" / SHORT)
+    assert sorted(target) == sorted(src) and all(target[k] == src[k] for k in src if not k.endswith(".safetensors"))
+    ids = torch.tensor([[3, 9, 12, 20, 7]])
+    with torch.no_grad():
+        from transformers import AutoModelForCausalLM
+        a = AutoModelForCausalLM.from_pretrained(tmp_path / "cacheA" / "models" / SHORT)(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(lm.resolve_model(SHORT))(ids).logits
+    assert torch.equal(a, b)
+    assert [p.name for p in (tmp_path / "cacheB" / "models").iterdir()] == [SHORT]
+    code, out, _ = _cli(["cache", "unpack", str(tmp_path / "pack"), "--quiet"])
+    assert code == 0 and "already unpacked" in out
+
+
+def test_a_gguf_dequantized_to_other_weights_is_refused(fake_gguf, tmp_path):
+    fake_gguf(1)  # this machine's dequantization gives other numbers
+    code, out, err = _cli(["cache", "unpack", str(tmp_path / "pack"), "--quiet"])
+    assert code == 2 and err.startswith("hiso: error:") and err.count("\n") == 1 and "without --gguf" in err
+    assert not (tmp_path / "cacheB" / "models" / SHORT).exists()
+    assert list((tmp_path / "cacheB" / "models").iterdir()) == []  # no temporary directory left either
+
+
+def test_gguf_packs_only_short_names(packed, tmp_path):
+    code, _, err = _cli(["cache", "pack", "--model", str(packed["src"]), "--out", str(tmp_path / "p"), "--gguf"])
+    assert code == 2 and "short name" in err and not (tmp_path / "p").exists()

@@ -6,6 +6,11 @@ local ``from_pretrained`` directory) as parts of at most ``--part-size`` bytes p
 ``manifest.json``. ``hiso cache unpack DIR`` puts it back into the model cache
 (:func:`hiso.tasks.lm.cache_dir`), where ``--model NAME`` finds it with no GGUF package.
 
+``--gguf`` packs a short name's GGUF file instead of its float32 weights (SmolLM2-135M: 94 MiB
+instead of 517; Gemma-3-270M: 242 MiB instead of about 1 GiB) with the fingerprint of the
+weights dequantized on the packing machine; unpacking dequantizes it again (transformers and the
+``gguf`` package needed there) and refuses weights whose fingerprint differs.
+
 The files of the model directory, in sorted order, are concatenated into one byte stream that is
 cut into parts (no compression: the dequantized float32 weights shrank only to 0.63-0.71 of
 their size under zlib, lzma and byte shuffling, measured on SmolLM2-135M). The manifest records
@@ -98,8 +103,28 @@ def _sha(path: Path) -> str:
     return h.hexdigest()
 
 
-def pack(model: str, out: str | Path, part_size: int | str = DEFAULT_PART_SIZE, quiet: bool = False) -> dict:
-    """Write ``model``'s directory as parts and a manifest into ``out`` (new or empty); return the manifest."""
+def weights_fingerprint(d: Path) -> str:
+    """:func:`hiso.tasks.lm.fingerprint` of every tensor in the directory's safetensors files."""
+    from safetensors.torch import load_file
+
+    from .lm import fingerprint
+
+    tensors = {}
+    for f in sorted(d.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    if not tensors:
+        raise PackError(f"{d} holds no safetensors weights")
+    return fingerprint(tensors)
+
+
+def pack(model: str, out: str | Path, part_size: int | str = DEFAULT_PART_SIZE, quiet: bool = False,
+         gguf: bool = False) -> dict:
+    """Write ``model``'s directory as parts and a manifest into ``out`` (new or empty); return the manifest.
+
+    ``gguf``: a short name's GGUF file instead of its float32 weights (4-5x fewer bytes), with the
+    fingerprint of the weights dequantized here; the far side dequantizes it again on unpacking
+    (needs the ``gguf`` package there) and refuses weights with another fingerprint.
+    """
     from .. import __version__
 
     size = parse_size(part_size) if isinstance(part_size, str) else int(part_size)
@@ -108,6 +133,16 @@ def pack(model: str, out: str | Path, part_size: int | str = DEFAULT_PART_SIZE, 
         raise PackError(f"{out} exists and is not an empty directory")
     name, root = _source(model)
     files = _files(root)
+    extra: dict = {}
+    if gguf:
+        from . import lm
+
+        if model not in lm.SHORT_NAMES:
+            raise PackError(f"--gguf packs a short name's GGUF file ({', '.join(lm.SHORT_NAMES)}), not {model!r}")
+        source = lm._gguf_file(model)
+        files = [f for f in files if f.suffix != ".safetensors" and not f.name.endswith(".safetensors.index.json")]
+        extra = {"gguf": f"gguf/{source.name}", "weights_fingerprint": weights_fingerprint(root)}
+        files.append(source)
     total = sum(p.stat().st_size for p in files)
     entries, parts = [], []
     out.mkdir(parents=True, exist_ok=True)
@@ -139,11 +174,11 @@ def pack(model: str, out: str | Path, part_size: int | str = DEFAULT_PART_SIZE, 
                             part_len += len(piece)
                             if part_len == size:
                                 close_part()
-                entries.append({"path": path.relative_to(root).as_posix(), "size": path.stat().st_size,
-                                "sha256": fh.hexdigest()})
+                rel = extra["gguf"] if extra and path.suffix == ".gguf" else path.relative_to(root).as_posix()
+                entries.append({"path": rel, "size": path.stat().st_size, "sha256": fh.hexdigest()})
             close_part()
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": name, "hiso_version": __version__,
-                    "part_size": size, "total_size": total, "files": entries, "parts": parts}
+                    "part_size": size, "total_size": total, "files": entries, "parts": parts, **extra}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     except BaseException:
         if part is not None:
@@ -181,6 +216,9 @@ def _check_manifest(m) -> dict:
     paths = [e["path"] for e in m["files"]]
     if len(set(paths)) < len(paths):
         bad("a file is listed twice")
+    if "gguf" in m and (m["gguf"] not in paths or not m["gguf"].endswith(".gguf")
+                        or not _HEX64.match(str(m.get("weights_fingerprint")))):
+        bad("its gguf entry names no .gguf file of the pack or has no weights fingerprint")
     if not sum(e["size"] for e in m["files"]) == sum(e["size"] for e in m["parts"]) == m.get("total_size"):
         bad("the parts' sizes, the files' sizes and total_size disagree")
     return m
@@ -263,11 +301,19 @@ def verify(src: str | Path, quiet: bool = False) -> dict:
 
 
 def _same_files(target: Path, m: dict) -> bool:
+    """Whether ``target`` holds the pack's model: its files (a GGUF pack: its other files and the
+    fingerprint of the weights)."""
+    gguf = m.get("gguf")
     have = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file())
-    if have != sorted(e["path"] for e in m["files"]):
+    want = [e for e in m["files"] if e["path"] != gguf]
+    if gguf:
+        have = [p for p in have if not p.endswith((".safetensors", ".safetensors.index.json"))]
+    if have != sorted(e["path"] for e in want):
         return False
-    return all((target / e["path"]).stat().st_size == e["size"] and _sha(target / e["path"]) == e["sha256"]
-               for e in m["files"])
+    if not all((target / e["path"]).stat().st_size == e["size"] and _sha(target / e["path"]) == e["sha256"]
+               for e in want):
+        return False
+    return gguf is None or weights_fingerprint(target) == m["weights_fingerprint"]
 
 
 def default_target(m: dict) -> Path:
@@ -276,12 +322,55 @@ def default_target(m: dict) -> Path:
     return cache_dir() / "models" / m["model"]
 
 
+def _write(src: Path, m: dict, dest: Path, quiet: bool) -> None:
+    """Reassemble the pack's files under ``dest`` (checking every checksum again as it goes)."""
+    out = None
+    try:
+        with _progress(m["total_size"], "unpacking", quiet) as bar:
+            for entry, piece in _stream(src, m, bar):  # checked again: the parts may change between passes
+                if out is None:
+                    path = dest / entry["path"]
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    out = open(path, "wb")
+                if piece is None:
+                    out.close()
+                    out = None
+                else:
+                    out.write(piece)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _dequantized(m: dict, files: Path, dest: Path) -> None:
+    """A GGUF pack's model directory in ``dest``: the weights dequantized here, checked against the
+    packing machine's fingerprint, with the pack's other files (config, tokenizer) as they were."""
+    from . import lm
+
+    dest.mkdir()
+    lm.dequantize_gguf(files / m["gguf"], dest)
+    for e in m["files"]:
+        if e["path"] != m["gguf"]:
+            (dest / e["path"]).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(files / e["path"], dest / e["path"])
+    if weights_fingerprint(dest) != m["weights_fingerprint"]:
+        import transformers
+
+        raise PackError(f"the weights dequantized here (transformers {transformers.__version__}) differ from the "
+                        f"packing machine's (hiso {m['hiso_version']}): pack the model without --gguf")
+
+
 def unpack(src: str | Path, to: str | Path | None = None, quiet: bool = False) -> tuple[Path, bool]:
     """Check the pack in ``src``, then write its model directory to ``to`` (default: the model
     cache's entry for its name) atomically. Returns (target, whether it was written: False when
     an identical copy was already there)."""
+    import importlib.util
+
     src = Path(src)
     m = verify(src, quiet)
+    if m.get("gguf") and any(importlib.util.find_spec(p) is None for p in ("gguf", "transformers", "safetensors")):
+        raise PackError("this pack holds a GGUF file: unpacking it needs transformers, safetensors and gguf here "
+                        "(pip install gguf), or a pack made without --gguf")
     target = Path(to).expanduser() if to is not None else default_target(m)
     if target.exists():
         if target.is_dir() and _same_files(target, m):
@@ -289,25 +378,16 @@ def unpack(src: str | Path, to: str | Path | None = None, quiet: bool = False) -
         raise PackError(f"{target} already exists and differs from the pack (remove it, or unpack with --to DIR)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-unpack-", dir=target.parent))
-    out = None
     try:
-        with _progress(m["total_size"], "unpacking", quiet) as bar:
-            for entry, piece in _stream(src, m, bar):  # checked again: the parts may change between passes
-                if out is None:
-                    dest = tmp / entry["path"]
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    out = open(dest, "wb")
-                if piece is None:
-                    out.close()
-                    out = None
-                else:
-                    out.write(piece)
-        os.replace(tmp, target)
-    except BaseException:
-        if out is not None:
-            out.close()
+        if m.get("gguf"):
+            _write(src, m, tmp / "pack", quiet)
+            _dequantized(m, tmp / "pack", tmp / "model")
+            os.replace(tmp / "model", target)
+        else:
+            _write(src, m, tmp / "model", quiet)
+            os.replace(tmp / "model", target)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target, True
 
 
@@ -322,6 +402,9 @@ def add_cache_parser(sub, parser_class) -> None:
     pk.add_argument("--out", required=True, help="directory for the parts and manifest.json (new or empty)")
     pk.add_argument("--part-size", default=DEFAULT_PART_SIZE,
                     help=f"largest part, e.g. 60M, 1G (K/M/G = 1024^1,2,3 bytes; default {DEFAULT_PART_SIZE})")
+    pk.add_argument("--gguf", action="store_true", help="pack the short name's GGUF file instead of its float32 "
+                    "weights (4-5x smaller); unpacking dequantizes it (needs the gguf package there) and checks the "
+                    "weights' fingerprint against this machine's")
     pk.add_argument("--quiet", action="store_true", help="no progress bar")
     up = verbs.add_parser("unpack", help="check every checksum of a pack, then write its model into the model cache")
     up.add_argument("dir", help="the pack's directory (its parts and manifest.json, nothing else)")
@@ -333,7 +416,7 @@ def add_cache_parser(sub, parser_class) -> None:
 def cmd_cache(args) -> int:
     if args.cache_command == "pack":
         size = parse_size(args.part_size)
-        m = pack(args.model, args.out, size, quiet=args.quiet)
+        m = pack(args.model, args.out, size, quiet=args.quiet, gguf=args.gguf)
         print(f"packed {m['model']} ({len(m['files'])} files, {m['total_size']:,} bytes) into "
               f"{len(m['parts'])} parts of at most {size:,} bytes in {args.out}/; there: hiso cache unpack DIR")
         return 0
