@@ -6,9 +6,9 @@ local ``from_pretrained`` directory) as parts of at most ``--part-size`` bytes p
 ``manifest.json``. ``hiso cache unpack DIR`` puts it back into the model cache
 (:func:`hiso.tasks.lm.cache_dir`), where ``--model NAME`` finds it with no GGUF package.
 
-``--gguf`` packs a short name's GGUF file instead of its float32 weights (SmolLM2-135M: 94 MiB
-instead of 517; Gemma-3-270M: 242 MiB instead of about 1 GiB) with the fingerprint of the
-weights dequantized on the packing machine; unpacking dequantizes it again (transformers and the
+``--gguf`` packs a short name's GGUF file instead of its float32 weights (with the tokenizer:
+SmolLM2-135M 97 MiB instead of 517, Gemma-3-270M 273 MiB instead of 1,055) and the fingerprint
+of the weights dequantized on the packing machine; unpacking dequantizes it again (transformers and the
 ``gguf`` package needed there) and refuses weights whose fingerprint differs.
 
 The files of the model directory, in sorted order, are concatenated into one byte stream that is
