@@ -256,6 +256,33 @@ def test_grouped_triton_shift_gives_the_cpu_bits_under_the_interpreter():
     assert out.returncode == 0 and out.stdout.strip() == "equal", out.stderr[-2000:]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install "
+                    "triton): the GPU kernels cannot be compiled here")
+@pytest.mark.parametrize("kernel", ["_shift_all_kernel", "_shift_kernel", "_combine_kernel"])
+def test_triton_kernels_compile_for_an_h100_without_fused_multiply_add(kernel):
+    """Compiled ahead of time for sm_90 (no GPU needed: Triton ships ptxas), with the module's own
+    options: the PTX has no fma (a multiply then an add, each rounded, as on the CPU) and its
+    square roots and divisions are the correctly rounded ones."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hiso.core import _philox_triton as T
+
+    ptr, i64 = "*fp32", "i64"
+    sig = {"_shift_all_kernel": {"slots": "*i64", "blocks": "*i64", "table": ptr},
+           "_shift_kernel": {"out": ptr, "x": ptr, "delta": ptr, "h": ptr, "n": i64, "scale": "fp32", "k0": i64,
+                             "k1": i64, "index": i64, "table": ptr},
+           "_combine_kernel": {"out": ptr, "h": ptr, "n": i64, "keys0": "*i64", "keys1": "*i64", "coefs": ptr,
+                               "P": i64, "index": i64, "table": ptr}}[kernel]
+    consts = {"HAS_H": True, "GAUSS": True, "BLOCK": T.BLOCK, **({} if kernel == "_combine_kernel" else {"HAS_DELTA": True})}
+    src = ASTSource(fn=getattr(T, kernel), signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(T._OPTS))
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and "fma" not in ptx
+    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "sqrt.approx" not in ptx and "div.approx" not in ptx
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
                     reason="no CUDA device with Triton here: the grouped kernel is checked under Triton's "
                     "interpreter above")
