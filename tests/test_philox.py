@@ -191,8 +191,7 @@ def _one_by_one(gen, xs, seeds, scale, hs, ds):
             for j, (x, s, i) in enumerate(zip(xs, seeds, GROUP_INDICES))]
 
 
-@pytest.mark.parametrize("family", PHILOX)
-@pytest.mark.parametrize("kernel", ["auto", "torch"])
+@pytest.mark.parametrize("family,kernel", [(f, k) for f in PHILOX for k in ("auto", "torch")] + [("torch-normal", "auto")])
 def test_shift_all_gives_the_bits_of_shift_per_tensor(family, kernel):
     gen = DirectionGenerator(family, kernel=kernel)
     xs, hs, ds = _group()

@@ -414,6 +414,13 @@ def add_cache_parser(sub, parser_class) -> None:
 
 
 def cmd_cache(args) -> int:
+    try:
+        return _cmd_cache(args)
+    except OSError as e:  # a full disk, a directory that cannot be written: one line, not a traceback
+        raise PackError(f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")) from None
+
+
+def _cmd_cache(args) -> int:
     if args.cache_command == "pack":
         size = parse_size(args.part_size)
         m = pack(args.model, args.out, size, quiet=args.quiet, gguf=args.gguf)
