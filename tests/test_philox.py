@@ -172,6 +172,137 @@ def test_cpu_and_cuda_give_identical_directions_and_arithmetic(family, kernel):
         assert torch.equal(a, b.cpu())
 
 
+# ---------------------------------------------------------------- shift_all: many tensors, one seed
+
+GROUP_SHAPES = [(300,), (5, 7), (1,), (1025,), (0,), (2048,)]  # ragged, across BLOCK = 1024, empty
+GROUP_INDICES = [4, 0, 9, 2**31 + 5, 3, 270]
+
+
+def _group(device="cpu"):
+    torch.manual_seed(1)
+    xs = [torch.randn(s, device=device) for s in GROUP_SHAPES]
+    hs = [torch.rand(s, device=device) * 4 + 1e-3 for s in GROUP_SHAPES]
+    ds = [1e-3 * torch.randn(s, device=device) for s in GROUP_SHAPES]
+    return xs, hs, ds
+
+
+def _one_by_one(gen, xs, seeds, scale, hs, ds):
+    return [gen.shift(torch.empty_like(x), x, s, i, scale, None if hs is None else hs[j], None if ds is None else ds[j])
+            for j, (x, s, i) in enumerate(zip(xs, seeds, GROUP_INDICES))]
+
+
+@pytest.mark.parametrize("family,kernel", [(f, k) for f in PHILOX for k in ("auto", "torch")] + [("torch-normal", "auto")])
+def test_shift_all_gives_the_bits_of_shift_per_tensor(family, kernel):
+    gen = DirectionGenerator(family, kernel=kernel)
+    xs, hs, ds = _group()
+    seeds = [2**64 - 3 - j for j in range(len(xs))]
+    for hh in (None, hs):
+        for dd in (None, ds):
+            want = _one_by_one(gen, xs, [77] * len(xs), -1e-3, hh, dd)
+            got = gen.shift_all([torch.empty_like(x) for x in xs], xs, 77, GROUP_INDICES, -1e-3, hh, dd)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            want = _one_by_one(gen, xs, seeds, 2e-3, hh, dd)  # a seed per tensor (the P points in one call)
+            got = gen.shift_all([torch.empty_like(x) for x in xs], xs, seeds, GROUP_INDICES, 2e-3, hh, dd)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    xb = [x.to(torch.bfloat16) for x in xs]  # bfloat16 parameters: each the rounded float32 shift
+    got = gen.shift_all([torch.empty_like(x) for x in xb], xb, 5, GROUP_INDICES, 1e-2)
+    assert all(torch.equal(a, gen.shift(torch.empty_like(x), x, 5, i, 1e-2))
+               for a, x, i in zip(got, xb, GROUP_INDICES))
+    with pytest.raises(ValueError):
+        gen.shift_all([torch.empty(3)], [torch.empty(3), torch.empty(3)], 5, [0], 1.0)
+
+
+_INTERPRETED = """
+import sys, numpy as np, torch
+sys.path.insert(0, {tests!r})
+from test_philox import GROUP_INDICES, _group, _one_by_one
+from triton.runtime.interpreter import InterpretedFunction
+from hiso.core import _philox_triton
+from hiso.core.directions import DirectionGenerator
+assert isinstance(_philox_triton._shift_all_kernel, InterpretedFunction)
+xs, hs, ds = _group()
+seeds = [2**64 - 3, 1, 2**32, 77, 5, 2**63 + 11]
+for family in ("philox-rademacher", "philox-gaussian"):
+    cpu = DirectionGenerator(family)
+    for hh, dd in ((None, None), (hs, ds)):
+        want = _one_by_one(cpu, xs, seeds, -1e-3, hh, dd)
+        got = _philox_triton.shift_all(family, [torch.full_like(x, float("nan")) for x in xs], xs, seeds,
+                                       GROUP_INDICES, -1e-3, hh, dd)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (family, hh is None)
+    x, h = xs[3], hs[3]  # and the per-tensor kernels: fill, shift, combine (its device arguments cached)
+    assert torch.equal(_philox_triton.fill(family, torch.empty_like(x), 2**63 + 1, 7), cpu.fill(2**63 + 1, 7, x.shape))
+    assert torch.equal(_philox_triton.shift(family, torch.empty_like(x), x, 9, 2, 1e-3, h, ds[3]),
+                       cpu.shift(torch.empty_like(x), x, 9, 2, 1e-3, h, ds[3]))
+    for ss, cc in (([3, 2**64 - 1], [1.5, -0.25]), ([3, 2**64 - 1], [1.5, 0.5]), ([4, 2**64 - 1], [1.5, -0.25])) * 2:
+        seeds_, c = np.array(ss, dtype=np.uint64), np.array(cc, dtype=np.float32)
+        coefs = (c.astype(np.float64) / 2).astype(np.float32)
+        for hh in (None, h):
+            got = _philox_triton.combine(family, torch.empty_like(x), [int(s) for s in seeds_], coefs, 5, hh)
+            assert torch.equal(got, cpu.combine(5, x.shape, seeds_, c, hh)), (family, ss, cc)
+print("equal")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install "
+                    "triton): the grouped GPU kernel cannot be run under its interpreter")
+def test_grouped_triton_shift_gives_the_cpu_bits_under_the_interpreter():
+    """One launch of the grouped kernel over ragged tensors equals the CPU kernels' shift per tensor,
+    for both families, run by Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before Triton
+    is imported, hence a fresh process)."""
+    code = _INTERPRETED.format(tests=str(Path(__file__).parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(hiso.__file__).parents[1]), "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "equal", out.stderr[-2000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install "
+                    "triton): the GPU kernels cannot be compiled here")
+@pytest.mark.parametrize("kernel", ["_shift_all_kernel", "_shift_kernel", "_combine_kernel"])
+def test_triton_kernels_compile_for_an_h100_without_fused_multiply_add(kernel):
+    """Compiled ahead of time for sm_90 (no GPU needed: Triton ships ptxas), with the module's own
+    options: the PTX has no fma (a multiply then an add, each rounded, as on the CPU) and its
+    square roots and divisions are the correctly rounded ones."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hiso.core import _philox_triton as T
+
+    ptr, i64 = "*fp32", "i64"
+    sig = {"_shift_all_kernel": {"slots": "*i64", "blocks": "*i64", "table": ptr},
+           "_shift_kernel": {"out": ptr, "x": ptr, "delta": ptr, "h": ptr, "n": i64, "scale": "fp32", "k0": i64,
+                             "k1": i64, "index": i64, "table": ptr},
+           "_combine_kernel": {"out": ptr, "h": ptr, "n": i64, "keys0": "*i64", "keys1": "*i64", "coefs": ptr,
+                               "P": i64, "index": i64, "table": ptr}}[kernel]
+    consts = {"HAS_H": True, "GAUSS": True, "BLOCK": T.BLOCK, **({} if kernel == "_combine_kernel" else {"HAS_DELTA": True})}
+    src = ASTSource(fn=getattr(T, kernel), signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(T._OPTS))
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and "fma" not in ptx
+    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "sqrt.approx" not in ptx and "div.approx" not in ptx
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="no CUDA device with Triton here: the grouped kernel is checked under Triton's "
+                    "interpreter above")
+@pytest.mark.parametrize("family", PHILOX)
+def test_cuda_shift_all_is_one_grouped_launch_with_the_cpu_bits(family, monkeypatch):
+    cpu, gpu = DirectionGenerator(family), DirectionGenerator(family)
+    assert gpu._tr is not None
+    xs, hs, ds = _group()
+
+    def per_tensor(*a, **k):
+        raise AssertionError("shift_all fell back to one launch per tensor")
+    monkeypatch.setattr(gpu._tr, "shift", per_tensor)
+    for hh in (None, hs):
+        for dd in (None, ds):
+            want = _one_by_one(cpu, xs, [9] * len(xs), 1e-3, hh, dd)
+            got = gpu.shift_all([torch.empty_like(x, device="cuda") for x in xs], [x.cuda() for x in xs], 9,
+                                GROUP_INDICES, 1e-3, None if hh is None else [h.cuda() for h in hh],
+                                None if dd is None else [d.cuda() for d in dd])
+            assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got))
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: numba's pool cannot change torch's thread count")
 def test_numba_kernels_leave_torchs_thread_count_alone():
     """numba's OpenMP pool, once started, must not raise torch's thread count (with --threads 1

@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--max-params", type=int, default=1_000_000, help="size limit of --curvature auto (default: 1e6)")
     dg.add_argument("--batches", type=int, default=8, help="unseen training batches for the curvature (default: 8)")
     dg.add_argument("--probes", type=int, default=4, help="Rademacher probes per batch for Hutchinson (default: 4)")
+    from .tasks.lm_pack import add_cache_parser
+    add_cache_parser(sub, _Parser)
     rb.add_argument("--device", default="cpu", help="where to replay the history: cpu (default, whatever device "
                     "the run used), cuda or cuda:N")
     return parser
@@ -390,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_export(args)
         if args.command == "eval":
             return cmd_eval(args)
+        if args.command == "cache":
+            from .tasks.lm_pack import cmd_cache
+            return cmd_cache(args)
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))

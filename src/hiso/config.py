@@ -321,8 +321,8 @@ def parse_size(text: str) -> int:
     """Bytes in a size like ``512M``, ``4G``, ``1.5GiB`` or ``1000`` (powers of 1024)."""
     import re
 
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(?:[iI]?[bB])?\s*", str(text))
-    if m is None:
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)([iI]?[bB])?\s*", str(text))
+    if m is None or (not m.group(2) and (m.group(3) or "").lower() == "ib"):
         raise ValueError(f"not a size: {text!r} (e.g. 512M, 4G)")
     n = float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " ")
     if n < 1:

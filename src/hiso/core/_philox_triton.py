@@ -1,4 +1,5 @@
-"""Fused GPU kernels of the Philox direction families (Triton): fill, shift and combine.
+"""Fused GPU kernels of the Philox direction families (Triton): fill, shift, combine, and the
+grouped shift of many tensors in one launch (:func:`shift_all`).
 
 The same definition as :func:`hiso.core.philox.values_torch` and the numba CPU kernels, element
 by element: element ``i`` of tensor ``index`` for direction ``seed`` comes from Philox block
@@ -114,6 +115,87 @@ def _combine_kernel(out, h, n, keys0, keys1, coefs, P, index, table, HAS_H: tl.c
     tl.store(out + i, acc, mask=mask)
 
 
+# The grouped shift: one launch for many tensors ("slots"). Each slot is a row of 9 int64 words
+# in a small device array: (numel, tensor index, x, out, delta, h (data pointers), key word 0,
+# key word 1, float32 bits of scale). Each program handles BLOCK elements of one slot, named by a
+# row (slot, first element) of the block table. Everything that changes between calls (pointers,
+# keys, scale) is read from device memory, not passed as kernel arguments.
+
+
+@triton.jit
+def _slot_ptr(row, field):
+    return tl.load(row + field).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _shift_all_kernel(slots, blocks, table, HAS_DELTA: tl.constexpr, HAS_H: tl.constexpr,
+                      GAUSS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = slots + tl.load(blocks + 2 * pid) * 9
+    i = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)
+    mask = i < tl.load(row + 0)
+    index = tl.load(row + 1)
+    k0 = tl.load(row + 6)
+    k1 = tl.load(row + 7)
+    scale = tl.load(row + 8).to(tl.int32).to(tl.float32, bitcast=True)
+    z = _values(i, k0, k1, index, table, GAUSS)
+    if HAS_H:
+        z = z * _rsqrt_exact(tl.load(_slot_ptr(row, 5) + i, mask=mask, other=1.0))
+    z = z * scale
+    o = tl.load(_slot_ptr(row, 2) + i, mask=mask)
+    if HAS_DELTA:
+        o = o + tl.load(_slot_ptr(row, 4) + i, mask=mask)
+    tl.store(_slot_ptr(row, 3) + i, o + z, mask=mask)
+
+
+_BLOCK_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _block_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(slot, first element) of every BLOCK of every slot, cached by the slots' sizes (a model's
+    tensors keep their sizes, so one table per model and device)."""
+    key = (numels, str(device))
+    table = _BLOCK_TABLES.get(key)
+    if table is None:
+        counts = [triton.cdiv(n, BLOCK) for n in numels]
+        slot = np.repeat(np.arange(len(numels), dtype=np.int64), counts)
+        first = np.concatenate([np.arange(c, dtype=np.int64) * BLOCK for c in counts]) if counts else slot
+        table = torch.from_numpy(np.stack([slot, first], axis=1).reshape(-1).copy()).to(device)
+        if len(_BLOCK_TABLES) > 16:
+            _BLOCK_TABLES.clear()
+        _BLOCK_TABLES[key] = table
+    return table
+
+
+def shift_all(family: str, outs: list[torch.Tensor], xs: list[torch.Tensor], seeds: list[int],
+              indices: list[int], scale: float, hs: list[torch.Tensor] | None,
+              deltas: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """outs[j] = xs[j] [+ deltas[j]] + scale * [hs[j]^{-1/2}] u(seeds[j])_{indices[j]} for every j,
+    in one launch: the same element arithmetic as :func:`shift`, so the same bits.
+
+    All tensors float32, contiguous, on one device; ``hs``/``deltas`` all given or None.
+    """
+    if not outs:
+        return outs
+    dev = outs[0].device
+    bits = int(np.float32(scale).view(np.int32))
+    rows = []
+    for j, (o, x) in enumerate(zip(outs, xs)):
+        k0, k1 = philox.key_of(int(seeds[j]))
+        rows += [o.numel(), int(indices[j]), x.data_ptr(), o.data_ptr(),
+                 (x if deltas is None else deltas[j]).data_ptr(), (x if hs is None else hs[j]).data_ptr(),
+                 k0, k1, bits]
+    # pinned and non-blocking: a plain host-to-device copy would wait for the GPU's queue to drain
+    # (torch's caching host allocator keeps the pinned block until the copy has run)
+    slots = torch.tensor(rows, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+    blocks = _block_table(tuple(o.numel() for o in outs), dev)
+    if blocks.numel():
+        _shift_all_kernel[(blocks.numel() // 2,)](slots, blocks, _table(family, dev), HAS_DELTA=deltas is not None,
+                                                  HAS_H=hs is not None, GAUSS=family == "philox-gaussian",
+                                                  BLOCK=BLOCK, **_OPTS)
+    return outs
+
+
 _TABLES: dict[str, torch.Tensor] = {}
 
 
@@ -148,15 +230,33 @@ def shift(family: str, out: torch.Tensor, x: torch.Tensor, seed: int, index: int
     return out
 
 
+_COMBINE_ARGS: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _combine_args(seeds: list[int], coefs: np.ndarray, dev: torch.device):
+    """The keys and coefficients on the device. A round's replay combines the same (seeds, coefs)
+    for every tensor, so they are copied once per round, not three blocking copies per tensor."""
+    c32 = np.asarray(coefs, dtype=np.float32)
+    key = (tuple(int(s) for s in seeds), c32.tobytes(), str(dev))
+    args = _COMBINE_ARGS.get(key)
+    if args is None:
+        keys = [philox.key_of(s) for s in key[0]]
+        pin = dev.type == "cuda"
+        k = torch.tensor([[a for a, _ in keys], [b for _, b in keys]], dtype=torch.int64, pin_memory=pin)
+        c = torch.from_numpy(c32.copy())
+        k, c = k.to(dev, non_blocking=True), (c.pin_memory() if pin else c).to(dev, non_blocking=True)
+        if len(_COMBINE_ARGS) >= 8:
+            _COMBINE_ARGS.pop(next(iter(_COMBINE_ARGS)))
+        args = _COMBINE_ARGS[key] = (k[0], k[1], c)
+    return args
+
+
 def combine(family: str, out: torch.Tensor, seeds: list[int], coefs: np.ndarray, index: int,
             h: torch.Tensor | None) -> torch.Tensor:
-    keys = [philox.key_of(int(s)) for s in seeds]
     dev = out.device
-    k0 = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
-    k1 = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev)
-    c = torch.from_numpy(np.asarray(coefs, dtype=np.float32).copy()).to(dev)
+    k0, k1, c = _combine_args(seeds, coefs, dev)
     n = out.numel()
-    _combine_kernel[_grid(n)](out, out if h is None else h, n, k0, k1, c, len(keys), int(index),
+    _combine_kernel[_grid(n)](out, out if h is None else h, n, k0, k1, c, len(seeds), int(index),
                               _table(family, dev), HAS_H=h is not None,
                               GAUSS=family == "philox-gaussian", BLOCK=BLOCK, **_OPTS)
     return out

@@ -233,6 +233,39 @@ class DirectionGenerator:
             return self._tr.shift(self.family, out, x, seed, index, scale, h, delta)
         return philox.shift_torch(self.family, out, x, seed, index, scale, h, delta)
 
+    def shift_all(self, outs: list[torch.Tensor], xs: list[torch.Tensor], seed: int | list[int],
+                  indices: list[int], scale: float, hs: list[torch.Tensor] | None = None,
+                  deltas: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """:meth:`shift` for many tensors: ``outs[j] = xs[j] [+ deltas[j]] + scale *
+        [hs[j]^{-1/2}] u(seed)_{indices[j]}``, the same bits as calling :meth:`shift` per tensor.
+
+        ``seed`` is one seed for all, or one per tensor (the P points of a round in one call:
+        outs and xs repeated per point, seeds and indices per slot). On CUDA with Triton, when
+        every tensor is float32 and contiguous on one device and ``hs``/``deltas`` are given for
+        all tensors or for none, this is ONE kernel launch (``_philox_triton.shift_all``) instead
+        of one per tensor; otherwise (CPU, bfloat16, torch kernel) it loops over :meth:`shift`.
+
+        For the perturbation modes (``core/perturb.py``): a mode that shifts every parameter
+        before the forward (``swap``, batched) should collect (buffer, parameter, index) for all
+        parameters and call this once per point rather than ``Shift.shifted`` per parameter;
+        ``hooks`` shifts inside each module's pre-hook, so it cannot group without holding every
+        shifted tensor at once (which is what swap does).
+        """
+        n = len(outs)
+        seeds = [int(seed)] * n if np.ndim(seed) == 0 else [int(s) for s in seed]
+        if not (len(xs) == len(seeds) == len(indices) == n and (hs is None or len(hs) == n)
+                and (deltas is None or len(deltas) == n)):
+            raise ValueError("shift_all: outs, xs, indices (and seeds, hs, deltas when lists) need one entry per tensor")
+        if n and self.philox and self._tr is not None:
+            every = [*outs, *xs, *(hs or ()), *(deltas or ())]
+            dev = outs[0].device
+            if all(t is not None and t.device == dev for t in every) and self._use_triton(*every):
+                return self._tr.shift_all(self.family, outs, xs, seeds, indices, scale, hs, deltas)
+        for j in range(n):
+            self.shift(outs[j], xs[j], seeds[j], indices[j], scale, None if hs is None else hs[j],
+                       None if deltas is None else deltas[j])
+        return outs
+
     def combine(self, index: int, shape: torch.Size, seeds: np.ndarray, scalars: np.ndarray,
                 h: torch.Tensor | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
         """ghat_i = H_i^{-1/2} (1/P) sum_p g_p u_p, summed over p in order (float32 on ``device``).

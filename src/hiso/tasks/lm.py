@@ -112,12 +112,8 @@ def _model(source: str | Path, **kw) -> nn.Module:
     return model
 
 
-def _cache_gguf(short: str) -> Path:
-    """Dequantize a short name's GGUF once and save it as safetensors; return the directory."""
-    out = cache_dir() / "models" / short
-    if (out / "config.json").is_file():
-        return out
-    gguf = _gguf_file(short)
+def dequantize_gguf(gguf: Path, out: Path) -> None:
+    """Write the float32 model and the tokenizer of a GGUF file into the directory ``out``."""
     model = _model(gguf.parent, gguf_file=gguf.name)
     tok = _tokenizer(gguf.parent, gguf_file=gguf.name)
     # a GGUF-loaded model carries its quantizer; without it save_pretrained writes plain fp32
@@ -125,11 +121,20 @@ def _cache_gguf(short: str) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.is_quantized = False
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def _cache_gguf(short: str) -> Path:
+    """Dequantize a short name's GGUF once and save it as safetensors; return the directory."""
+    out = cache_dir() / "models" / short
+    if (out / "config.json").is_file():
+        return out
+    gguf = _gguf_file(short)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{short}-", dir=out.parent))
     try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        dequantize_gguf(gguf, tmp)
         os.replace(tmp, out)  # atomic: a crash never leaves a half-written cache behind
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
