@@ -186,7 +186,10 @@ class Perturber:
         return names
 
     def _stack(self, shifts: list[Shift]) -> list[torch.Tensor]:
-        """Per trainable tensor, a (G, *shape) buffer whose g-th slice is point g's value."""
+        """Per trainable tensor, a (G, *shape) buffer whose g-th slice is point g's value.
+
+        The seeded points of one scale are shifted by one :meth:`DirectionGenerator.shift_all`
+        call (on a GPU one kernel launch for every tensor of every such point)."""
         G, stacks = len(shifts), []
         for i, p in enumerate(self.params):
             x = p.data
@@ -194,9 +197,23 @@ class Perturber:
             buf = self._stacks.get(key)
             if buf is None:
                 buf = self._stacks[key] = torch.empty((G, *x.shape), dtype=x.dtype, device=x.device)
-            for g, s in enumerate(shifts):
-                s.shifted(i, x, buf[g])
             stacks.append(buf)
+        n = len(self.params)
+        groups: dict[tuple, list[int]] = {}
+        for g, s in enumerate(shifts):
+            if s.seed is None:
+                for i, p in enumerate(self.params):
+                    s.shifted(i, p.data, stacks[i][g])
+            else:
+                groups.setdefault((s.gen, s.scale, id(s.h), id(s.delta)), []).append(g)
+        for members in groups.values():
+            s = shifts[members[0]]
+            outs = [stacks[i][g] for g in members for i in range(n)]
+            xs = [p.data for _ in members for p in self.params]
+            seeds = [int(shifts[g].seed) for g in members for _ in range(n)]
+            s.gen.shift_all(outs, xs, seeds, list(range(n)) * len(members), s.scale,
+                            None if s.h is None else list(s.h) * len(members),
+                            None if s.delta is None else list(s.delta) * len(members))
         return stacks
 
     def _stacked_losses(self, loss_fn, batch, shifts: list[Shift]) -> list[float]:
