@@ -10,6 +10,9 @@ Reports per mode the median seconds per local update, the ratio batched / hooks 
 batched is faster), a single forward's time alone and the achieved TFLOP/s of the update's
 forwards (2 x non-embedding parameters x tokens per forward: a lower bound on the work, the
 attention products and the label head are left out), and the largest scalar difference.
+Also the process's CPU seconds per update: at ``--threads 1`` on a shared machine a steadier
+measure of the work than wall time (other processes lengthen the wall, not the CPU time,
+though they still share caches and memory bandwidth).
 """
 
 from __future__ import annotations
@@ -77,13 +80,15 @@ def main() -> None:
         t_fwd = (time.perf_counter() - t0) / 3
     scalars = {m: update(m).scalars for m in modes}  # warm-up, and the scalars compared
     times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(args.reps):
         for m in modes:
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             update(m)
             sync()
             times[m].append(time.perf_counter() - t0)
+            cpu[m].append(time.process_time() - c0)
     n_fwd = tau * (P + 1)
     flops = 2 * body * tokens * n_fwd if tokens else None
     out = {"task": args.task, "model": args.model, "lora_r": args.lora_r, "device": args.device,
@@ -91,12 +96,13 @@ def main() -> None:
            "batch_size": args.batch_size, "tokens_per_forward": tokens, "forwards_per_update": n_fwd,
            "trainable_params": sum(p.numel() for p in state.params), "forward_alone_s": t_fwd, "reps": args.reps,
            "s_per_update": {m: statistics.median(t) for m, t in times.items()},
-           "all_s": times}
+           "all_s": times, "cpu_s_per_update": {m: statistics.median(t) for m, t in cpu.items()}}
     out["update_over_forwards_alone"] = {m: s / (n_fwd * t_fwd) for m, s in out["s_per_update"].items()}
     if flops:
         out["tflops"] = {m: flops / s / 1e12 for m, s in out["s_per_update"].items()}
     if "hooks" in modes and "batched" in modes:
         out["batched_over_hooks"] = out["s_per_update"]["batched"] / out["s_per_update"]["hooks"]
+        out["batched_over_hooks_cpu"] = out["cpu_s_per_update"]["batched"] / out["cpu_s_per_update"]["hooks"]
         out["max_scalar_diff"] = float(np.abs(scalars["batched"] - scalars["hooks"]).max())
         out["max_abs_scalar"] = float(np.abs(scalars["hooks"]).max())
     what = f"LoRA r={args.lora_r}" if args.lora_r else "full"
@@ -106,9 +112,9 @@ def main() -> None:
         s = out["s_per_update"][m]
         tf = f", {out['tflops'][m]:.3f} TFLOP/s" if flops else ""
         print(f"  {m:8s} {s:.3f} s per update (median of {args.reps}) = {out['update_over_forwards_alone'][m]:.2f}x "
-              f"its forwards alone{tf}")
+              f"its forwards alone{tf}; CPU {out['cpu_s_per_update'][m]:.3f} s")
     if "batched_over_hooks" in out:
-        print(f"  batched / hooks = {out['batched_over_hooks']:.3f}; largest scalar difference "
+        print(f"  batched / hooks = {out['batched_over_hooks']:.3f} (CPU time: {out['batched_over_hooks_cpu']:.3f}); largest scalar difference "
               f"{out['max_scalar_diff']:.2e} (largest scalar {out['max_abs_scalar']:.2e})")
     print(json.dumps(out))
 
