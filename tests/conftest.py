@@ -1,6 +1,17 @@
-"""A tiny task with several parameter tensors (an MLP on synthetic regression data)."""
+"""Shared test setup: thread counts, and a tiny task with several parameter tensors (an MLP on
+synthetic regression data)."""
 
 from __future__ import annotations
+
+import os
+
+# One thread per test process unless the caller chose otherwise. Set here, before torch or numba
+# is imported (they read these once, at import): the suite runs many short tests and subprocesses
+# (hiso runs, Flower nodes) on small shared machines, and OpenMP/MKL/numba pools sized to every
+# core made it stall on a busy 2-core machine (spinning threads of several processes fighting for
+# the same cores). Subprocesses inherit the environment, so they get one thread too.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 import numpy as np
 import pytest
