@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -227,7 +228,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")
     try:
         text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if _stopped_by(e):
+            raise
         return _fail(f"interrupted; finished runs are kept in {args.out}/runs (rerun the same command to resume)")
     print(text, end="")
     if not args.quiet:
@@ -308,7 +311,23 @@ def cmd_flower(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stopped_by(e: BaseException) -> int | None:
+    """The signal (SIGTERM, SIGHUP) that stopped hiso, or None for Ctrl-C and other exceptions."""
+    from .procs import Stopped
+    return e.signum if isinstance(e, Stopped) and e.signum != signal.SIGINT else None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``hiso`` command. Run as a program (``argv`` None), it owns every process it starts
+    (:mod:`hiso.procs`): a stop signal or an error stops them all."""
+    if argv is not None:
+        return _main(argv)
+    from .procs import own_processes
+    with own_processes():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "run":
@@ -322,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if sig := _stopped_by(e):
+            print(f"hiso: stopped by {signal.Signals(sig).name}; every process it started is stopped, "
+                  "the run directory holds every round logged so far", file=sys.stderr)
+            return 128 + sig
         return _fail("interrupted; the run directory holds every round logged so far")
 
 

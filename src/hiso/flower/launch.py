@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import RunConfig
+from ..procs import descendants as _descendants
+from ..procs import die_with_parent
 
 PROJECT = Path(__file__).parent / "project"
 PROJECT_WORKER = Path(__file__).parent / "project_worker"  # the relay ClientApp (per-node workers)
@@ -150,12 +152,13 @@ class LocalFederation:
         if self.verbose:
             print("$", " ".join(argv), file=sys.stderr)
         logf = open(self.logs / f"{name}.log", "ab")
-        # own session: stop() ends the process group it heads, and nothing else
+        # own session: stop() ends the process group it heads, and nothing else; it dies with
+        # us even if we are SIGKILLed (no handler runs then)
         # niceness HISO_FLOWER_NICE (default 15) in absolute terms, not added to ours
         inc = max(0, int(os.environ.get("HISO_FLOWER_NICE", "15")) - os.nice(0))
         p = subprocess.Popen(["nice", "-n", str(inc), *argv], env=self.env,
                              stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, cwd=self.workdir)
+                             start_new_session=True, cwd=self.workdir, preexec_fn=die_with_parent)
         logf.close()
         self.procs[name] = p
         return p
@@ -361,26 +364,6 @@ class LocalFederation:
 
     def run(self, cfg: RunConfig, out_dir: str | Path, timeout: float = 600.0, **kw) -> dict:
         return self.wait(self.submit(cfg, out_dir, **kw), timeout)
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (by /proc parent links), deepest first."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        c = todo.pop()
-        out.append(c)
-        todo.extend(children.get(c, []))
-    return out[::-1]
 
 
 def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False, auth: bool = False,

@@ -1,0 +1,86 @@
+"""A stopped hiso leaves nothing behind: SIGTERM, SIGINT, SIGHUP or an error stop every process
+it started (hiso.procs), whether a federation (`hiso flower`, with or without per-node workers)
+or a worker pool (`hiso compare --jobs 2`). Processes are found by an environment tag every
+descendant inherits (conftest.tagged), so even one that left the process tree is seen."""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import sys
+import textwrap
+
+import pytest
+
+from conftest import rows_logged, wait_progress
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl: Linux only")
+needs_flwr = pytest.mark.skipif(importlib.util.find_spec("flwr") is None, reason="the flower extra is not installed")
+
+# a child that starts a grandchild in a new session and exits (an orphan, like Flower's
+# detached SuperExec whose parent died), and a child that ignores SIGTERM
+TREE = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    from hiso.procs import own_processes
+    with own_processes(grace=1.0):
+        subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                          "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)"]).wait()
+        subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "print('ready', flush=True); time.sleep(600)"], stdout=open(sys.argv[1], "w"))
+        if sys.argv[2] == "raise":
+            while "ready" not in open(sys.argv[1]).read():
+                time.sleep(0.05)
+            raise RuntimeError("boom")
+        time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP", "raise"])
+def test_own_processes_stops_orphans_and_stubborn_children(spawned, tmp_path, how):
+    ready = tmp_path / "ready"
+    ready.write_text("")
+    p = spawned.start([sys.executable, "-c", TREE, str(ready), how])
+    if how != "raise":  # (raising, it stops right after the stubborn child is ready)
+        wait_progress(lambda: int("ready" in ready.read_text()) + len(spawned.left()), 4, "the tree to start", p,
+                      stall_s=120)
+        assert len(spawned.left()) == 3  # the owner, the orphan, the stubborn child
+        p.send_signal(getattr(signal, how))
+    p.wait(timeout=60)
+    assert p.returncode != 0 and "ready" in ready.read_text()
+    assert spawned.left() == []
+
+
+@pytest.mark.slow
+@pytest.mark.flower
+@needs_flwr
+@pytest.mark.parametrize("sig,worker", [("SIGTERM", False), ("SIGHUP", True)])
+def test_hiso_flower_stopped_mid_run_leaves_no_process(spawned, tmp_path, sig, worker):
+    out = tmp_path / "run"
+    p = spawned.hiso("flower", "--task", "quadratic", "--dim", "20", "--clients", "2", "--sampled", "2",
+                     "--local-steps", "1", "--perturbations", "2", "--rounds", "200", "--eval-every", "100",
+                     "--threads", "1", "--nodes", "2", "--round-timeout", "60", "--seed", "1",
+                     "--workdir", str(tmp_path / "fed"), "--out", str(out), *(["--worker"] if worker else []))
+    wait_progress(lambda: rows_logged(out), 2, "two rounds over Flower", p)  # mid-run: every process up
+    running = spawned.left()
+    assert len(running) >= 5  # hiso, SuperLink, SuperExec(s), ServerApp, SuperNodes (+ workers)
+    p.send_signal(getattr(signal, sig))
+    p.wait(timeout=120)
+    assert spawned.left() == []
+    assert p.returncode == 128 + getattr(signal, sig), p.log.read_text()[-3000:]
+    assert rows_logged(out) < 200  # it did stop mid-run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 128 + signal.SIGTERM), ("SIGINT", 2)])
+def test_hiso_compare_jobs_stopped_leaves_no_worker(spawned, tmp_path, sig, code):
+    out = tmp_path / "cmp"
+    p = spawned.hiso("compare", "--task", "quadratic", "--dim", "2000", "--clients", "4", "--sampled", "2",
+                     "--rounds", "100000", "--eval-every", "1000", "--threads", "1", "--seeds", "0",
+                     "--lr-grid", "hiso=0.01", "--lr-grid", "decomfl=0.01", "--jobs", "2", "--quiet",
+                     "--out", str(out))
+    runs = lambda: sum(rows_logged(d) > 2 for d in (out / "runs").glob("*/*/*"))  # noqa: E731
+    wait_progress(runs, 2, "both runs of the pool to log rounds", p)
+    p.send_signal(getattr(signal, sig))
+    p.wait(timeout=120)
+    assert spawned.left() == []
+    assert p.returncode == code, p.log.read_text()[-3000:]
