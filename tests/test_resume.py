@@ -275,6 +275,44 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
     assert (fa / "metrics.jsonl").read_bytes() == rows
 
 
+def test_out_with_resume_continues_the_same_run_starts_a_new_one_refuses_another(tmp_path, capsys):
+    """`hiso run ARGS --out DIR --resume`: one command to run or continue, whatever DIR holds."""
+    args = [*QUAD, "--rounds", "10"]
+    full = tmp_path / "full"
+    assert _cli(["run", "--out", str(full), *args, "--quiet"], capsys)[0] == 0
+    # absent, then present but empty, then killed before config.json (a stray partial file): it starts
+    for name, prepare in [("absent", None), ("empty", "mkdir"), ("no-config", "stray")]:
+        d = tmp_path / name
+        if prepare:
+            d.mkdir()
+        if prepare == "stray":
+            (d / "metrics.jsonl").write_text('{"round": 0, "trai')
+        code, _, err = _cli(["run", *args, "--out", str(d), "--resume", "--quiet"], capsys)
+        assert code == 0, err
+        assert_same_run(full, d)
+    # a run cut mid-way: continued, and equal to the uninterrupted one
+    cut = tmp_path / "cut"
+    _cut(full, cut, 5, 4)
+    code, _, err = _cli(["run", *args, "--out", str(cut), "--resume", "--quiet"], capsys)
+    assert code == 0, err
+    assert_same_run(full, cut)
+    kept = (full / "metrics.jsonl").read_text().splitlines(keepends=True)[:5]
+    assert (cut / "metrics.jsonl").read_text().startswith("".join(kept))  # wall_s too: continued, not redone
+    # a finished run: nothing to do, nothing rewritten
+    before = (cut / "summary.json").read_bytes()
+    code, stdout, _ = _cli(["run", *args, "--out", str(cut), "--resume", "--quiet"], capsys)
+    assert code == 0 and "finished" in stdout and (cut / "summary.json").read_bytes() == before
+    # another run in DIR: one line, exit 2, nothing written
+    (cut / "summary.json").unlink()
+    files = {f.name: f.read_bytes() for f in cut.iterdir()}
+    code, _, err = _cli(["run", *args, "--lr", "0.5", "--out", str(cut), "--resume", "--quiet"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "another run" in err and "lr" in err
+    assert {f.name: f.read_bytes() for f in cut.iterdir()} == files
+    for bad, needle in [(["--resume"], "--out DIR"), (["--out", str(cut), "--resume", "--force"], "choose one")]:
+        code, _, err = _cli(["run", *args, *bad, "--quiet"], capsys)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (bad, err)
+
+
 # ------------------------------------------------------------------- real SIGKILLs
 
 def _spawn(args):

@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run one algorithm on one task into --out DIR")
     run.add_argument("--out", help="run directory to create")
-    run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR (its config.json; "
-                     "options that would change it are refused)")
+    run.add_argument("--resume", metavar="DIR", nargs="?", const=True,
+                     help="continue the interrupted run in DIR (its config.json; options that would change it are "
+                     "refused). With --out DIR and no value: continue DIR if it holds this same run, start it if "
+                     "DIR is empty, absent or has no config.json yet, refuse if DIR holds another run")
     run.add_argument("--config", help="TOML file of options (flags override it)")
     run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -151,6 +153,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .tasks.registry import build_task
 
     overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
+    if args.resume is True:  # --out DIR --resume: resume or start, whichever DIR calls for
+        if args.out is None:
+            return _fail("--resume without a value continues --out DIR: give --out DIR (or --resume DIR)")
+        if args.force:
+            return _fail("--resume continues a run and --force overwrites it: choose one")
+        from .runners.rundir import same_run
+        cfg = load_config(args.config, **overrides)
+        verdict, why = same_run(cfg, args.out)
+        if verdict == "other":
+            return _fail(f"{args.out} holds another run ({why}): use another --out, or --force to overwrite it")
+        args.resume, args.out = (args.out, None) if verdict == "same" else (None, args.out)
     if (args.out is None) == (args.resume is None):
         return _fail("give --out DIR (a new run) or --resume DIR (an interrupted one)")
     if args.resume is not None:

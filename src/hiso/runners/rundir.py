@@ -114,6 +114,20 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     return RunConfig(**raw), info
 
 
+def same_run(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:
+    """What ``run_dir`` holds for ``hiso run --out DIR --resume``, and why: ``"same"`` (a run of
+    ``cfg``, to continue), ``"empty"`` (absent, empty or no ``config.json`` yet: a run killed
+    before it wrote one; start it) or ``"other"`` (another run; the reason names a difference)."""
+    if not (Path(run_dir) / "config.json").exists():
+        return "empty", ""
+    saved, _ = saved_config(run_dir)
+    a, b = saved.model_dump(), cfg.model_dump()
+    diff = [k for k in b if a.get(k) != b.get(k)]
+    if not diff:
+        return "same", ""
+    return "other", f"{diff[0]} = {a.get(diff[0])!r} there, {b.get(diff[0])!r} here"
+
+
 def resume_point(out: Path, shape: tuple[int, int], cfg: RunConfig | None = None) -> tuple[list[str], list]:
     """The rounds an interrupted run finished: (metrics lines of rows 0..R, history records
     0..R-1), R the last round both files hold. No row at all: ([], []), start over."""
