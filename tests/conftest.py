@@ -12,6 +12,10 @@ import os
 # the same cores). Subprocesses inherit the environment, so they get one thread too.
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+# Flower's processes run at niceness 15 by default (hiso.flower.launch, to spare a user's other
+# work); beside busy processes at 0 that starves them (a nice-15 process gets ~3 % of a core
+# that a nice-0 one wants) and their rounds crawl. In tests they run at the tests' own niceness.
+os.environ.setdefault("HISO_FLOWER_NICE", str(os.nice(0)))
 
 import signal
 import subprocess
@@ -41,6 +45,8 @@ SRC = str(Path(hiso.__file__).parents[1])
 
 
 def pytest_configure(config):
+    procs.become_subreaper()  # so that what a test's processes orphan is still ours at the end
+
     def stop(signum, frame):
         raise procs.Stopped(signum)
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -48,13 +54,19 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    procs.stop_tree(grace=5.0)  # anything a test started and left behind
+    procs.stop_tree(grace=5.0)  # anything a test started and left behind, orphans included
+    procs.reap_children()
 
 
 def tagged(tag: str) -> list[int]:
     """Live processes whose environment carries HISO_TEST_TAG=tag (inherited by every descendant,
     even one that left the tree: Flower's detached SuperExec, an orphaned ClientApp)."""
-    needle = f"HISO_TEST_TAG={tag}".encode()
+    return tagged_by(f"HISO_TEST_TAG={tag}")
+
+
+def tagged_by(entry: str) -> list[int]:
+    """Live processes (but this one) whose environment holds ``entry`` (NAME=value)."""
+    needle = entry.encode()
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit() and int(d) != os.getpid():
@@ -80,8 +92,8 @@ class Spawned:
         return self.start([sys.executable, "-m", "hiso.cli", *args], **kw)
 
     def start(self, argv, env=None, **kw) -> subprocess.Popen:
-        env = {**os.environ, **(env or {}), "HISO_TEST_TAG": self.tag,
-               "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        env = {**os.environ, **(env or {}), "HISO_TEST_TAG": self.tag}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
         log = self.logdir / f"proc{len(self.procs)}.log"
         with open(log, "wb") as f:  # a file, not a pipe: a chatty process never blocks on it
             p = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=procs.die_with_parent,

@@ -2,8 +2,10 @@
 
 Select with ``-k flower`` (or ``-m slow``). Needs the ``flower`` extra (skipped without it).
 Every process is started by :class:`hiso.flower.launch.LocalFederation` in its own session
-and stopped by the fixture, whatever the test does; every wait is bounded; ports are chosen
-at run time.
+and stopped by the fixture, whatever the test does (and if the test process is killed: see
+conftest.py); every wait is bounded by progress (a round logged, CPU used while starting), not
+by a fixed budget, so a busy machine makes these tests slower, not failed; ports are chosen at
+run time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from hiso.flower.launch import LocalFederation
 from hiso.flower.replica import Replica, run_key
 from hiso.runners.rundir import rebuild, run_to_dir
 from hiso.tasks.registry import build_task
+
+from conftest import rows_logged, tagged_by, wait_progress
 
 needs_flwr = pytest.mark.skipif(__import__("importlib").util.find_spec("flwr") is None,
                                 reason="the flower extra is not installed")
@@ -316,13 +320,16 @@ def federation(tmp_path):
         feds.append(fed)
         return fed.start()
 
-    yield make
+    try:
+        yield make
+    finally:
+        for fed in feds:
+            fed.stop()
     for fed in feds:
-        fed.stop()
         assert not fed.procs
-    for fed in feds:
-        for p in fed.procs.values():
-            assert p.poll() is not None
+        # every process of the federation (Flower's detached SuperExecs and the ClientApps
+        # included: they all inherit its FLWR_HOME) is gone
+        assert tagged_by(f"FLWR_HOME={fed.home}") == []
 
 
 def _load(path) -> dict:
@@ -379,12 +386,8 @@ def test_flower_deployment_matches_the_simulator_bit_for_bit(federation, tmp_pat
 
 
 def _wait_rows(path: Path, n: int, timeout: float) -> None:
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        if path.exists() and len(path.read_text().splitlines()) > n:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{path} did not reach round {n} in {timeout} s")
+    """Wait for round ``n``'s row; ``timeout`` bounds the time without a new round, not the total."""
+    wait_progress(lambda: rows_logged(path.parent), n, f"round {n} in {path}", stall_s=timeout)
 
 
 @pytest.mark.slow

@@ -84,3 +84,41 @@ def test_hiso_compare_jobs_stopped_leaves_no_worker(spawned, tmp_path, sig, code
     p.wait(timeout=120)
     assert spawned.left() == []
     assert p.returncode == code, p.log.read_text()[-3000:]
+
+
+# ------------------------------------------------------------- the tests' own guard
+
+INNER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+
+    def test_starts_and_hangs(spawned):
+        # a hiso-like owner whose child detaches (its own session), as Flower's SuperExec does
+        spawned.start([sys.executable, "-c", "import subprocess, sys, time\\n"
+                       "from hiso.procs import own_processes\\n"
+                       "with own_processes(grace=1.0):\\n"
+                       "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\\n"
+                       "    time.sleep(600)\\n"])
+        Path(%(marker)r).write_text(spawned.tag)
+        time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_processes_a_test_started_stop_when_the_test_process_is_stopped(spawned, tmp_path, sig):
+    """A pytest run stopped by `timeout` (SIGTERM: teardowns run) or killed (SIGKILL: the
+    children's PR_SET_PDEATHSIG, then hiso's own cleanup) leaves none of its processes."""
+    from conftest import tagged
+    marker = tmp_path / "tag"
+    (tmp_path / "test_inner.py").write_text(INNER % {"marker": str(marker)})
+    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    inner = spawned.start([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")],
+                          env={"PYTHONPATH": tests_dir}, cwd=tmp_path)
+    wait_progress(lambda: marker.exists() and len(tagged(marker.read_text())) >= 2, True, "the inner test to start",
+                  inner, stall_s=120)
+    tag = marker.read_text()
+    assert len(tagged(tag)) == 2  # the owner and its detached child
+    inner.send_signal(getattr(signal, sig))
+    inner.wait(timeout=60)
+    wait_progress(lambda: not tagged(tag), True, "the inner test's processes to stop", stall_s=30)

@@ -57,6 +57,11 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     _prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
+def become_subreaper(on: bool = True) -> bool:
+    """Orphans among this process's descendants are re-parented to it, not to init (Linux)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, int(on))
+
+
 def _stat(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -75,6 +80,16 @@ def alive(pid: int) -> bool:
             return False
         return not os.path.isdir("/proc")  # no /proc: os.kill's answer is all there is
     return st[0] not in ("Z", "X")
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """CPU time a process has used (user + system, in clock ticks); None if it is gone or
+    unknown (no /proc). A process whose count grows is working, however slowly."""
+    st = _stat(pid)
+    try:
+        return int(st[11]) + int(st[12]) if st is not None else None
+    except (IndexError, ValueError):
+        return None
 
 
 def descendants(pid: int) -> list[int]:
@@ -101,6 +116,18 @@ def _reap(pids) -> None:
     for pid in pids:
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def reap_children() -> None:
+    """Collect this process's children that have exited (re-parented orphans are never waited
+    for by anyone else)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def stop_processes(pids, grace: float = 5.0) -> None:
@@ -142,7 +169,7 @@ def own_processes(grace: float = 5.0):
     body and still alive is stopped. Main thread only (signal handlers)."""
     me = os.getpid()
     before = set(descendants(me))
-    reaper = _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    reaper = become_subreaper()
     stopping: list[int] = []
 
     def handler(signum, frame):
@@ -160,6 +187,6 @@ def own_processes(grace: float = 5.0):
             stop_tree(me, keep=before, grace=grace)
         finally:
             if reaper:
-                _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+                become_subreaper(False)
             for s, h in old.items():
                 signal.signal(s, h)

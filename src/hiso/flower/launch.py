@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..procs import descendants as _descendants
-from ..procs import die_with_parent
+from ..procs import cpu_ticks, die_with_parent
 
 PROJECT = Path(__file__).parent / "project"
 PROJECT_WORKER = Path(__file__).parent / "project_worker"  # the relay ClientApp (per-node workers)
@@ -52,15 +52,21 @@ def free_port() -> int:
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
+    """Wait for ``proc`` to listen on ``port``. ``timeout`` bounds the time the process spends
+    without using CPU (stuck), not its start: on a busy machine a start takes longer."""
+    last, t_last = cpu_ticks(proc.pid), time.monotonic()
+    while True:
         if proc.poll() is not None:
             raise FlowerRunError(f"{what} exited with code {proc.returncode} while starting")
         with socket.socket() as s:
             if s.connect_ex((HOST, port)) == 0:
                 return
+        now = cpu_ticks(proc.pid)
+        if now != last:
+            last, t_last = now, time.monotonic()
+        elif time.monotonic() - t_last > timeout:
+            raise FlowerRunError(f"{what} did not listen on {HOST}:{port} and did nothing for {timeout} s")
         time.sleep(0.2)
-    raise FlowerRunError(f"{what} did not listen on {HOST}:{port} within {timeout} s")
 
 
 def make_tls(dirpath: Path) -> dict[str, Path]:
@@ -129,6 +135,7 @@ class LocalFederation:
     node_link_port: int | None = None  # where SuperNodes reach the SuperLink (a byte-counting proxy)
     worker: bool = False  # a long-lived worker per node (hiso.flower.worker) behind the relay ClientApp
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    out_dirs: dict[str, Path] = field(default_factory=dict)  # run id -> its run directory
 
     def __post_init__(self) -> None:
         self._own_workdir = self.workdir is None
@@ -218,9 +225,12 @@ class LocalFederation:
             sock.parent.mkdir(exist_ok=True)
             self._stop(f"worker{i}")
             w = self._spawn(f"worker{i}", [sys.executable, "-m", "hiso.flower.worker", "--socket", str(sock)])
-            t_end = time.monotonic() + self.start_timeout
-            while not sock.exists():
-                if w.poll() is not None or time.monotonic() > t_end:
+            last, t_last = cpu_ticks(w.pid), time.monotonic()
+            while not sock.exists():  # bounded by the worker's progress (CPU used), as _wait_port
+                now = cpu_ticks(w.pid)
+                if now != last:
+                    last, t_last = now, time.monotonic()
+                if w.poll() is not None or time.monotonic() - t_last > self.start_timeout:
                     raise FlowerRunError(f"the worker of node {i} did not start (see {self.logs}/worker{i}.log)")
                 time.sleep(0.1)
             nc += f" worker-socket='{sock}'"
@@ -322,6 +332,7 @@ class LocalFederation:
         res = self._flwr("run", str(PROJECT_WORKER if self.worker else PROJECT), "local", "--run-config", str(over), "--format", "json", timeout=120)
         if not res.get("success"):
             raise FlowerRunError(f"flwr run failed: {res.get('error-message', res)}")
+        self.out_dirs[str(res["run-id"])] = Path(out_dir)
         return str(res["run-id"])
 
     @staticmethod
@@ -336,18 +347,30 @@ class LocalFederation:
             raise FlowerRunError(f"flwr ls: no run {run_id}: {res}")
         return runs[0]
 
-    def wait(self, run_id: str, timeout: float, poll: float = 3.0, on_poll=None) -> dict:
-        """Block until the run finishes; raise FlowerRunError unless it completed."""
-        t_end = time.monotonic() + timeout
+    def wait(self, run_id: str, timeout: float, poll: float = 3.0, on_poll=None, progress=None) -> dict:
+        """Block until the run finishes; raise FlowerRunError unless it completed.
+
+        ``timeout`` bounds the time *without progress*, not the whole run: ``progress()`` (by
+        default the rounds logged in the run's directory) restarts the clock whenever it grows,
+        so a busy machine makes a run slower, not failed, and a stuck one is stopped after
+        ``timeout`` seconds without a round."""
+        if progress is None:
+            out = self.out_dirs.get(run_id)
+            progress = (lambda: rounds_logged(out)) if out is not None else (lambda: 0)
+        last, t_last = progress(), time.monotonic()
         while True:
             st = self.status(run_id)
             if st["status"].startswith("finished"):
                 break
             if on_poll is not None:
                 on_poll(st)
-            if time.monotonic() > t_end:
+            now = progress()
+            if now != last:
+                last, t_last = now, time.monotonic()
+            elif time.monotonic() - t_last > timeout:
                 self._flwr("stop", run_id, "local", "--format", "json")
-                raise FlowerRunError(f"run {run_id} still {st['status']} after {timeout} s (stopped it)")
+                raise FlowerRunError(f"run {run_id} still {st['status']}: no round in {timeout} s (at {last}; "
+                                     "stopped it)")
             time.sleep(poll)
         if st["status"] != "finished:completed":
             log = self.logs_of(run_id)
@@ -366,12 +389,22 @@ class LocalFederation:
         return self.wait(self.submit(cfg, out_dir, **kw), timeout)
 
 
+def rounds_logged(out: Path) -> int:
+    """Rows in a run directory's metrics.jsonl (0 before it exists): the run's progress."""
+    try:
+        with open(Path(out) / "metrics.jsonl", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
 def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False, auth: bool = False,
               round_timeout: float = 30.0, timeout: float = 3600.0, workdir: str | Path | None = None,
               verbose: bool = False, progress=None, resume: bool = False, worker: bool = False) -> dict:
     """Start a loopback federation of ``nodes`` SuperNodes (partitions 0..nodes-1), run ``cfg``
     into ``out`` (``resume``: continue the interrupted run there), stop every process; returns
-    the run's final status (raises unless completed)."""
+    the run's final status (raises unless completed, or after ``timeout`` seconds without a
+    round logged)."""
     if nodes < 1:
         raise ValueError(f"need at least one node, got {nodes}")
     if worker and not cfg.scalar_only:
