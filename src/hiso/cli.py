@@ -305,8 +305,11 @@ def cmd_flower(args: argparse.Namespace) -> int:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
     if args.resume is not None and args.simulation:
         return _fail("--resume continues a deployment (SuperLink and SuperNodes); not with --simulation")
-    if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate or cfg.byzantine:
-        return _fail("simulated faults and attackers (--drop-rate, ..., --byzantine) are for hiso run, not flower")
+    if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate:
+        return _fail("simulated network faults (--drop-rate, ..., --corrupt-rate) are for hiso run, not flower")
+    if cfg.byzantine and (cfg.byzantine_per_round or "random" in cfg.attack):
+        return _fail("Flower nodes attack as fixed Byzantine clients (--byzantine K) with scale, sign-flip or nan: "
+                     "not --byzantine-per-round or random")
     try:
         if args.simulation:
             from .flower.sim import run_simulation
