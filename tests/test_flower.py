@@ -545,6 +545,17 @@ def test_flower_cli_resume_checks_its_arguments(tmp_path, capsys):
     assert code == 0 and "nothing to resume" in out  # same values as its config: allowed
 
 
+@needs_flwr
+@pytest.mark.parametrize("args,needle", [(["--drop-rate", "0.1"], "network faults"),
+                                         (["--byzantine", "1", "--byzantine-per-round"], "fixed Byzantine"),
+                                         (["--byzantine", "1", "--attack", "scale,random"], "fixed Byzantine")])
+def test_flower_cli_refuses_what_nodes_cannot_simulate(tmp_path, capsys, args, needle):
+    from cli_helpers import run_cli
+    code, _, err = run_cli(["flower", "--nodes", "2", "--out", str(tmp_path / "r"), *args], capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 @needs_flwr
 def test_flower_deployment_with_an_attacking_node_and_median_matches_the_simulator(federation, tmp_path):
