@@ -66,17 +66,7 @@ def tagged(tag: str) -> list[int]:
 
 def tagged_by(entry: str) -> list[int]:
     """Live processes (but this one) whose environment holds ``entry`` (NAME=value)."""
-    needle = entry.encode()
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit() and int(d) != os.getpid():
-            try:
-                with open(f"/proc/{d}/environ", "rb") as f:
-                    if needle in f.read().split(b"\0") and procs.alive(int(d)):
-                        out.append(int(d))
-            except OSError:
-                pass
-    return out
+    return procs.with_env(entry)
 
 
 class Spawned:

@@ -40,13 +40,21 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _prctl(option: int, arg: int) -> bool:
+def _libc_prctl():
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return False
+        return None
+
+
+# resolved here, once: a child between fork and exec (preexec_fn) must not dlopen anything
+_PRCTL = _libc_prctl()
+
+
+def _prctl(option: int, arg: int) -> bool:
+    return _PRCTL is not None and _PRCTL(option, arg, 0, 0, 0) == 0
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -110,6 +118,25 @@ def descendants(pid: int) -> list[int]:
         out.append(c)
         todo.extend(children.get(c, []))
     return out[::-1]
+
+
+def with_env(entry: str) -> list[int]:
+    """Live processes (but this one) whose environment holds ``entry`` (``NAME=value``): every
+    descendant inherits it, even one that left the process tree (Linux; [] without /proc)."""
+    needle, out = entry.encode(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for d in entries:
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and alive(int(d)):
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
 
 
 def _reap(pids) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..procs import descendants as _descendants
-from ..procs import cpu_ticks, die_with_parent
+from ..procs import cpu_ticks, die_with_parent, stop_processes, with_env
 
 PROJECT = Path(__file__).parent / "project"
 PROJECT_WORKER = Path(__file__).parent / "project_worker"  # the relay ClientApp (per-node workers)
@@ -305,6 +305,8 @@ class LocalFederation:
     def stop(self) -> None:
         for name in [n for n in self.procs if n.startswith(("supernode", "worker"))] + ["superlink"]:
             self._stop(name)
+        # what left the tree (an app whose parent died first) still carries our FLWR_HOME
+        stop_processes(with_env(f"FLWR_HOME={self.home}"), grace=5.0)
 
     def __enter__(self) -> "LocalFederation":
         try:
