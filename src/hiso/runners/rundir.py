@@ -234,8 +234,10 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             for line in kept:
                 row = json.loads(line)
                 diverged = diverged or account(row)
-            sim.resume(records, [json.loads(line) for line in kept]) if getattr(sim, "unreliable", False) \
-                else sim.resume(records)
+            if getattr(sim, "unreliable", False):  # faults and attackers: counts the log lacks are in the rows
+                sim.resume(records, [json.loads(line) for line in kept])
+            else:
+                sim.resume(records)
             if diverged is None:
                 rows = sim.run(cfg.rounds, start=row["round"], wall=row["wall_s"])
         try:
