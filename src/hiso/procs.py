@@ -187,6 +187,14 @@ def stop_tree(root: int | None = None, keep=(), grace: float = 5.0, sweeps: int 
         stop_processes(pids, grace)
 
 
+def _exits_with_us() -> set[int]:
+    """Helpers that end by themselves when this process does: multiprocessing's resource
+    tracker (it ignores SIGTERM, so stopping it would cost the whole grace period)."""
+    rt = sys.modules.get("multiprocessing.resource_tracker")
+    pid = getattr(getattr(rt, "_resource_tracker", None), "_pid", None)
+    return {pid} if pid else set()
+
+
 @contextlib.contextmanager
 def own_processes(grace: float = 5.0):
     """Run the body as the owner of every process it starts (see the module's docstring).
@@ -211,7 +219,7 @@ def own_processes(grace: float = 5.0):
     finally:
         stopping.append(0)
         try:
-            stop_tree(me, keep=before, grace=grace)
+            stop_tree(me, keep=before | _exits_with_us(), grace=grace)
         finally:
             if reaper:
                 become_subreaper(False)
