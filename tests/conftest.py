@@ -1,13 +1,152 @@
-"""A tiny task with several parameter tensors (an MLP on synthetic regression data)."""
+"""Shared test setup: thread counts, and a tiny task with several parameter tensors (an MLP on
+synthetic regression data)."""
 
 from __future__ import annotations
+
+import os
+
+# One thread per test process unless the caller chose otherwise. Set here, before torch or numba
+# is imported (they read these once, at import): the suite runs many short tests and subprocesses
+# (hiso runs, Flower nodes) on small shared machines, and OpenMP/MKL/numba pools sized to every
+# core made it stall on a busy 2-core machine (spinning threads of several processes fighting for
+# the same cores). Subprocesses inherit the environment, so they get one thread too.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+# Flower's processes run at niceness 15 by default (hiso.flower.launch, to spare a user's other
+# work); beside busy processes at 0 that starves them (a nice-15 process gets ~3 % of a core
+# that a nice-0 one wants) and their rounds crawl. In tests they run at the tests' own niceness.
+os.environ.setdefault("HISO_FLOWER_NICE", str(os.nice(0)))
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+import hiso
+from hiso import procs
 from hiso.tasks.base import Task
+
+SRC = str(Path(hiso.__file__).parents[1])
+
+
+# ------------------------------------------------------------- processes the tests start
+# A test that starts processes (a ``hiso`` command, a federation) must stop them whatever
+# happens: when it fails, at the end of the session, and when the test process itself is
+# stopped (``timeout`` sends SIGTERM: turned into an exception below, so teardowns run) or
+# killed (SIGKILL runs nothing: every process started here has PR_SET_PDEATHSIG, and a hiso
+# command that gets SIGTERM stops everything it started, see hiso.procs).
+
+
+def pytest_configure(config):
+    procs.become_subreaper()  # so that what a test's processes orphan is still ours at the end
+
+    def stop(signum, frame):
+        raise procs.Stopped(signum)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    procs.stop_tree(grace=5.0)  # anything a test started and left behind, orphans included
+    procs.reap_children()
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries HISO_TEST_TAG=tag (inherited by every descendant,
+    even one that left the tree: Flower's detached SuperExec, an orphaned ClientApp)."""
+    return tagged_by(f"HISO_TEST_TAG={tag}")
+
+
+def tagged_by(entry: str) -> list[int]:
+    """Live processes (but this one) whose environment holds ``entry`` (NAME=value)."""
+    return procs.with_env(entry)
+
+
+class Spawned:
+    """Processes started by a test, each in its own session and tagged (see :func:`tagged`)."""
+
+    def __init__(self, logdir: Path):
+        self.tag = uuid.uuid4().hex
+        self.procs: list[subprocess.Popen] = []
+        self.logdir = logdir
+
+    def hiso(self, *args: str, **kw) -> subprocess.Popen:
+        """``python -m hiso.cli ARGS`` (a real command: it owns what it starts)."""
+        return self.start([sys.executable, "-m", "hiso.cli", *args], **kw)
+
+    def start(self, argv, env=None, **kw) -> subprocess.Popen:
+        env = {**os.environ, **(env or {}), "HISO_TEST_TAG": self.tag}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+        log = self.logdir / f"proc{len(self.procs)}.log"
+        with open(log, "wb") as f:  # a file, not a pipe: a chatty process never blocks on it
+            p = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=procs.die_with_parent,
+                                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **kw)
+        p.log = log
+        self.procs.append(p)
+        return p
+
+    def left(self) -> list[int]:
+        return tagged(self.tag)
+
+    def stop(self) -> None:
+        """SIGTERM what is still running (a hiso command cleans up on it), then kill every tagged
+        process left, then reap."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        t_end = time.monotonic() + 30
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < t_end:
+            time.sleep(0.1)
+        procs.stop_processes([p.pid for p in self.procs if p.poll() is None] + self.left(), grace=2.0)
+        for p in self.procs:
+            p.wait()
+
+
+@pytest.fixture
+def spawned(tmp_path):
+    """Start processes through this; they are all stopped at teardown, pass or fail."""
+    s = Spawned(tmp_path)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def wait_progress(progress, target, what: str, proc: subprocess.Popen | None = None, stall_s: float = 300.0,
+                  poll: float = 0.2):
+    """Wait until ``progress()`` (a count: rounds logged, processes up) reaches ``target``.
+
+    The limit is on progress, not on the total: the clock restarts whenever the count grows, so
+    a slow, busy machine only makes the wait longer, while a stuck run fails after ``stall_s``
+    seconds without progress; a process ``proc`` that exits first fails at once."""
+    last, t_last = None, time.monotonic()
+    while True:
+        v = progress()
+        if v >= target:
+            return v
+        if v != last:
+            last, t_last = v, time.monotonic()
+        if proc is not None and proc.poll() is not None:
+            log = Path(proc.log).read_text(errors="replace") if hasattr(proc, "log") else ""
+            raise AssertionError(f"{what}: the process exited {proc.returncode} first\n{log[-4000:]}")
+        if time.monotonic() - t_last > stall_s:
+            raise AssertionError(f"{what}: no progress for {stall_s} s (at {last!r} of {target!r})")
+        time.sleep(poll)
+
+
+def rows_logged(path: Path) -> int:
+    """Rounds logged in a run directory's metrics.jsonl (0 before it exists)."""
+    try:
+        return max(0, len((path / "metrics.jsonl").read_text().splitlines()) - 1)
+    except OSError:
+        return 0
 
 
 class TinyTask(Task):

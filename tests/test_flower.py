@@ -2,8 +2,10 @@
 
 Select with ``-k flower`` (or ``-m slow``). Needs the ``flower`` extra (skipped without it).
 Every process is started by :class:`hiso.flower.launch.LocalFederation` in its own session
-and stopped by the fixture, whatever the test does; every wait is bounded; ports are chosen
-at run time.
+and stopped by the fixture, whatever the test does (and if the test process is killed: see
+conftest.py); every wait is bounded by progress (a round logged, CPU used while starting), not
+by a fixed budget, so a busy machine makes these tests slower, not failed; ports are chosen at
+run time.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from hiso.flower.launch import LocalFederation
 from hiso.flower.replica import Replica, run_key
 from hiso.runners.rundir import rebuild, run_to_dir
 from hiso.tasks.registry import build_task
+
+from conftest import rows_logged, tagged_by, wait_progress
+
+pytestmark = pytest.mark.flower  # pytest -m flower
 
 needs_flwr = pytest.mark.skipif(__import__("importlib").util.find_spec("flwr") is None,
                                 reason="the flower extra is not installed")
@@ -216,6 +222,28 @@ def test_flower_serve_writes_the_simulators_run_directory(tmp_path, monkeypatch)
     assert all(torch.equal(p, a["model"][n]) for n, p in state.named)
 
 
+@pytest.mark.parametrize("attack", ["scale", "sign-flip", "nan"])
+def test_flower_attacking_node_and_median_match_the_simulator(tmp_path, monkeypatch, attack):
+    """One Byzantine node (``--byzantine 1``: the client the simulator draws from the run seed)
+    lies in its answers; the ServerApp's median over a fake grid ends with the simulator's
+    model and log under the same attack, bit for bit, and the attack did change the run."""
+    from hiso.flower.app import FlowerFederation, Settings, serve
+    monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: _Msg(f, nid, kind, group))
+    cfg = RunConfig(**{**CFG, "clients": 3, "sampled": 3, "rounds": 4, "seed": 8, "eval_every": 2,
+                       "byzantine": 1, "attack": attack, "aggregate": "median"})
+    serve(FakeGrid(cfg, tmp_path / "replicas", {11: 0, 12: 1, 13: 2}), cfg,
+          Settings(out_dir=str(tmp_path / "flower"), round_timeout=5, poll_s=0.01))
+    run_to_dir(cfg, tmp_path / "sim")
+    a, b = _load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt")
+    assert _same_model(a, b) and a["round"] == 4
+    recs_f, recs_s = (read_history(tmp_path / d / "history.bin")[2] for d in ("flower", "sim"))
+    assert [(r.participants, r.scalars.tobytes()) for r in recs_f] == [(r.participants, r.scalars.tobytes()) for r in recs_s]
+    if attack == "nan":  # the liar's answers are refused: rounds go on with the two honest nodes
+        assert all(len(r.participants) == 2 for r in recs_f)
+    run_to_dir(cfg.model_copy(update={"byzantine": 0}), tmp_path / "clean")
+    assert not _same_model(a, _load(tmp_path / "clean" / "model.pt"))
+
+
 class _ServerAppDies(Exception):
     pass
 
@@ -316,13 +344,16 @@ def federation(tmp_path):
         feds.append(fed)
         return fed.start()
 
-    yield make
+    try:
+        yield make
+    finally:
+        for fed in feds:
+            fed.stop()
     for fed in feds:
-        fed.stop()
         assert not fed.procs
-    for fed in feds:
-        for p in fed.procs.values():
-            assert p.poll() is not None
+        # every process of the federation (Flower's detached SuperExecs and the ClientApps
+        # included: they all inherit its FLWR_HOME) is gone
+        assert tagged_by(f"FLWR_HOME={fed.home}") == []
 
 
 def _load(path) -> dict:
@@ -379,12 +410,8 @@ def test_flower_deployment_matches_the_simulator_bit_for_bit(federation, tmp_pat
 
 
 def _wait_rows(path: Path, n: int, timeout: float) -> None:
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        if path.exists() and len(path.read_text().splitlines()) > n:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{path} did not reach round {n} in {timeout} s")
+    """Wait for round ``n``'s row; ``timeout`` bounds the time without a new round, not the total."""
+    wait_progress(lambda: rows_logged(path.parent), n, f"round {n} in {path}", stall_s=timeout)
 
 
 @pytest.mark.slow
@@ -516,6 +543,34 @@ def test_flower_cli_resume_checks_its_arguments(tmp_path, capsys):
     assert code == 2 and "drop --lr" in err
     code, out, _ = run_cli(["flower", "--resume", str(run), "--lr", "0.05", "--threads", "1"], capsys)
     assert code == 0 and "nothing to resume" in out  # same values as its config: allowed
+
+
+@needs_flwr
+@pytest.mark.parametrize("args,needle", [(["--drop-rate", "0.1"], "network faults"),
+                                         (["--byzantine", "1", "--byzantine-per-round"], "fixed Byzantine"),
+                                         (["--byzantine", "1", "--attack", "scale,random"], "fixed Byzantine")])
+def test_flower_cli_refuses_what_nodes_cannot_simulate(tmp_path, capsys, args, needle):
+    from cli_helpers import run_cli
+    code, _, err = run_cli(["flower", "--nodes", "2", "--out", str(tmp_path / "r"), *args], capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+@needs_flwr
+def test_flower_deployment_with_an_attacking_node_and_median_matches_the_simulator(federation, tmp_path):
+    """Three SuperNodes (per-node workers), one of them Byzantine (scaling its scalars by 1e3),
+    the ServerApp aggregating by median: the simulator's model under the same attack."""
+    cfg = RunConfig(**{**CFG, "clients": 3, "sampled": 3, "rounds": 2, "seed": 6, "byzantine": 1, "attack": "scale",
+                       "aggregate": "median"})
+    fed = federation(nodes=3, worker=True)
+    st = fed.run(cfg, tmp_path / "flower", timeout=240, round_timeout=120)
+    assert st["status"] == "finished:completed"
+    run_to_dir(cfg, tmp_path / "sim")
+    a = _load(tmp_path / "flower" / "model.pt")
+    assert a["round"] == 2 and _same_model(a, _load(tmp_path / "sim" / "model.pt"))
+    run_to_dir(cfg.model_copy(update={"byzantine": 0}), tmp_path / "clean")
+    assert not _same_model(a, _load(tmp_path / "clean" / "model.pt"))  # the lie reached the median
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ from hiso.flower.fullmodel import (ARRAYS, FullModelFederation, UpdateError, fro
                                    to_arrays, train_full)
 from hiso.tasks.registry import build_task  # noqa: E402
 
+pytestmark = pytest.mark.flower  # pytest -m flower
+
 CFG = dict(task="quadratic", clients=3, sampled=2, local_steps=2, perturbations=2, dim=30, lr=0.05,
            eval_every=2, threads=1, rounds=4, seed=6)
 

@@ -18,6 +18,8 @@ pytest.importorskip("flwr", reason="the flower extra is not installed")
 from hiso.flower.relay import forward  # noqa: E402
 from hiso.flower.worker import Worker  # noqa: E402
 
+pytestmark = pytest.mark.flower  # pytest -m flower
+
 CFG = dict(task="quadratic", algorithm="hiso", clients=3, sampled=2, local_steps=2, perturbations=3, dim=40,
            lr=0.05, threads=1, rounds=10, seed=4)
 

@@ -216,6 +216,62 @@ def test_resume_after_every_kind_of_cut_is_bit_identical(tmp_path, capsys, algor
     assert code == 2 and "checksum" in err and len(err.strip().splitlines()) == 1
 
 
+# every fault and two attacks (a lie that scales, one that sends NaN), robust aggregation
+FAULTY = ["--drop-rate", "0.2", "--late-rate", "0.15", "--duplicate-rate", "0.1", "--corrupt-rate", "0.15",
+          "--byzantine", "2", "--attack", "scale,nan", "--attack-scale", "3", "--aggregate", "median"]
+
+
+def _nan_lie_in_flight(cfg) -> int | None:
+    """The first round after which a NaN lie is still in flight (late): resuming there needs
+    that answer's content (the next round rejects it as non-finite, not as late)."""
+    from hiso.core.messages import MessageError, decode_uplink
+    from hiso.runners.faults import unseal
+    from hiso.runners.rundir import build_simulation
+    from hiso.tasks.registry import build_task
+    sim = build_simulation(cfg, build_task(cfg))
+    for r in range(1, cfg.rounds):
+        sim.step()
+        for _, data in sim.pending:
+            try:
+                decode_uplink(unseal(data), sim.server.wire)
+            except MessageError:
+                return r
+    return None
+
+
+def _faulty_cuts(full: Path, cfg) -> dict[str, int]:
+    """Rounds after which to cut ``full``: right after a round whose late answers were still in
+    flight (the next row rejects them as wrong_round), one whose late NaN lie was, after a round
+    that was planned again, after one with a corrupt answer, and early."""
+    rows = _rows(full)
+    after = lambda pred: next(r for r in range(1, len(rows) - 1) if pred(r))  # noqa: E731
+    return {"late-in-flight": after(lambda r: rows[r + 1]["rejected"].get("wrong_round")),
+            "nan-lie-in-flight": _nan_lie_in_flight(cfg),
+            "replanned": after(lambda r: rows[r]["replanned"] > 0),
+            "corrupt": after(lambda r: rows[r]["rejected"].get("checksum")),
+            "early": 1}
+
+
+@pytest.mark.parametrize("mode", ["fast", "faithful"])
+def test_a_run_with_faults_and_attackers_resumes_bit_for_bit(tmp_path, capsys, mode):
+    """The fault and attack draws are functions of the run seed and the plan, so a resumed run
+    draws them again: model, history, metrics, summary (fault and rejection counts included)
+    and rejections.log end as the uninterrupted run's, whichever round it was cut after."""
+    args = [*QUAD, "--rounds", "16", "--mode", mode, "--local-steps", "2", *FAULTY]
+    full = tmp_path / "full"
+    assert _cli(["run", "--out", str(full), *args, "--quiet"], capsys)[0] == 0
+    rel = json.loads((full / "summary.json").read_text())["reliability"]
+    assert rel["rounds_replanned"] > 0 and rel["late_in_flight_at_end"] >= 0
+    assert all(rel["injected"][k] > 0 for k in ("drop", "late", "duplicate", "corrupt", "attacked"))
+    for name, r in _faulty_cuts(full, _cfg(args)).items():
+        d = tmp_path / name
+        _cut(full, d, r + 1, r)
+        code, _, err = _cli(["run", "--resume", str(d), "--quiet"], capsys)
+        assert code == 0, (name, err)
+        assert_same_run(full, d)
+        assert (d / "rejections.log").read_bytes() == (full / "rejections.log").read_bytes(), name
+
+
 def test_resume_in_faithful_mode_rebuilds_the_clients(tmp_path, capsys):
     """Faithful clients are real replicas: each is rebuilt at the round it last took part in,
     so downlinks (and bytes) after the resume are the uninterrupted run's."""
@@ -275,6 +331,44 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
     assert (fa / "metrics.jsonl").read_bytes() == rows
 
 
+def test_out_with_resume_continues_the_same_run_starts_a_new_one_refuses_another(tmp_path, capsys):
+    """`hiso run ARGS --out DIR --resume`: one command to run or continue, whatever DIR holds."""
+    args = [*QUAD, "--rounds", "10"]
+    full = tmp_path / "full"
+    assert _cli(["run", "--out", str(full), *args, "--quiet"], capsys)[0] == 0
+    # absent, then present but empty, then killed before config.json (a stray partial file): it starts
+    for name, prepare in [("absent", None), ("empty", "mkdir"), ("no-config", "stray")]:
+        d = tmp_path / name
+        if prepare:
+            d.mkdir()
+        if prepare == "stray":
+            (d / "metrics.jsonl").write_text('{"round": 0, "trai')
+        code, _, err = _cli(["run", *args, "--out", str(d), "--resume", "--quiet"], capsys)
+        assert code == 0, err
+        assert_same_run(full, d)
+    # a run cut mid-way: continued, and equal to the uninterrupted one
+    cut = tmp_path / "cut"
+    _cut(full, cut, 5, 4)
+    code, _, err = _cli(["run", *args, "--out", str(cut), "--resume", "--quiet"], capsys)
+    assert code == 0, err
+    assert_same_run(full, cut)
+    kept = (full / "metrics.jsonl").read_text().splitlines(keepends=True)[:5]
+    assert (cut / "metrics.jsonl").read_text().startswith("".join(kept))  # wall_s too: continued, not redone
+    # a finished run: nothing to do, nothing rewritten
+    before = (cut / "summary.json").read_bytes()
+    code, stdout, _ = _cli(["run", *args, "--out", str(cut), "--resume", "--quiet"], capsys)
+    assert code == 0 and "finished" in stdout and (cut / "summary.json").read_bytes() == before
+    # another run in DIR: one line, exit 2, nothing written
+    (cut / "summary.json").unlink()
+    files = {f.name: f.read_bytes() for f in cut.iterdir()}
+    code, _, err = _cli(["run", *args, "--lr", "0.5", "--out", str(cut), "--resume", "--quiet"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "another run" in err and "lr" in err
+    assert {f.name: f.read_bytes() for f in cut.iterdir()} == files
+    for bad, needle in [(["--resume"], "--out DIR"), (["--out", str(cut), "--resume", "--force"], "choose one")]:
+        code, _, err = _cli(["run", *args, *bad, "--quiet"], capsys)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, (bad, err)
+
+
 # ------------------------------------------------------------------- real SIGKILLs
 
 def _spawn(args):
@@ -307,6 +401,7 @@ def _kill_after(proc, d: Path, rows: int, limit: float = 120.0) -> None:
 @pytest.mark.parametrize("extra, kills", [
     ([], (3, 9, 16)),  # HiSo, tau = 1: killed three times, a torn record faked after the second
     (["--local-steps", "2", "--h-source", "every", "--mode", "faithful"], (7,)),
+    pytest.param(["--local-steps", "2", *FAULTY], (4, 11, 17), marks=pytest.mark.slow),  # faults, attackers
 ])
 def test_a_run_killed_with_sigkill_and_resumed_is_the_uninterrupted_run(tmp_path, extra, kills):
     args = [*QUAD, "--rounds", "24", "--dim", "2000", *extra]

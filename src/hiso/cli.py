@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -87,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run one algorithm on one task into --out DIR")
     run.add_argument("--out", help="run directory to create")
-    run.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR (its config.json; "
-                     "options that would change it are refused)")
+    run.add_argument("--resume", metavar="DIR", nargs="?", const=True,
+                     help="continue the interrupted run in DIR (its config.json; options that would change it are "
+                     "refused). With --out DIR and no value: continue DIR if it holds this same run, start it if "
+                     "DIR is empty, absent or has no config.json yet, refuse if DIR holds another run")
     run.add_argument("--config", help="TOML file of options (flags override it)")
     run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -190,6 +193,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .tasks.registry import build_task
 
     overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
+    if args.resume is True:  # --out DIR --resume: resume or start, whichever DIR calls for
+        if args.out is None:
+            return _fail("--resume without a value continues --out DIR: give --out DIR (or --resume DIR)")
+        if args.force:
+            return _fail("--resume continues a run and --force overwrites it: choose one")
+        from .runners.rundir import same_run
+        cfg = load_config(args.config, **overrides)
+        verdict, why = same_run(cfg, args.out)
+        if verdict == "other":
+            return _fail(f"{args.out} holds another run ({why}): use another --out, or --force to overwrite it")
+        args.resume, args.out = (args.out, None) if verdict == "same" else (None, args.out)
     if (args.out is None) == (args.resume is None):
         return _fail("give --out DIR (a new run) or --resume DIR (an interrupted one)")
     if args.resume is not None:
@@ -269,7 +283,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs,
                        tracking=_tracking(args, "compare"))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if _stopped_by(e):
+            raise
         return _fail(f"interrupted; finished runs are kept in {args.out}/runs (rerun the same command to resume)")
     print(text, end="")
     if not args.quiet:
@@ -358,8 +374,11 @@ def cmd_flower(args: argparse.Namespace) -> int:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
     if args.resume is not None and args.simulation:
         return _fail("--resume continues a deployment (SuperLink and SuperNodes); not with --simulation")
-    if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate or cfg.byzantine:
-        return _fail("simulated faults and attackers (--drop-rate, ..., --byzantine) are for hiso run, not flower")
+    if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate:
+        return _fail("simulated network faults (--drop-rate, ..., --corrupt-rate) are for hiso run, not flower")
+    if cfg.byzantine and (cfg.byzantine_per_round or "random" in cfg.attack):
+        return _fail("Flower nodes attack as fixed Byzantine clients (--byzantine K) with scale, sign-flip or nan: "
+                     "not --byzantine-per-round or random")
     try:
         if args.simulation:
             from .flower.sim import run_simulation
@@ -377,7 +396,23 @@ def cmd_flower(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stopped_by(e: BaseException) -> int | None:
+    """The signal (SIGTERM, SIGHUP) that stopped hiso, or None for Ctrl-C and other exceptions."""
+    from .procs import Stopped
+    return e.signum if isinstance(e, Stopped) and e.signum != signal.SIGINT else None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``hiso`` command. Run as a program (``argv`` None), it owns every process it starts
+    (:mod:`hiso.procs`): a stop signal or an error stops them all."""
+    if argv is not None:
+        return _main(argv)
+    from .procs import own_processes
+    with own_processes():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "run":
@@ -398,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if sig := _stopped_by(e):
+            print(f"hiso: stopped by {signal.Signals(sig).name}; every process it started is stopped, "
+                  "the run directory holds every round logged so far", file=sys.stderr)
+            return 128 + sig
         return _fail("interrupted; the run directory holds every round logged so far")
 
 

@@ -239,17 +239,20 @@ class Server:
         self.attempt = 0
         return rec
 
-    def plan_logged(self, rec: RoundRecord, max_draws: int = 1000) -> RoundPlan:
+    def plan_logged(self, rec: RoundRecord, max_draws: int = 1000, on_plan=None) -> RoundPlan:
         """Resume: plan round ``rec.round`` again, as the interrupted run did: ``rec.attempt``
         abandoned plans (each draws its sample, counted in ``replanned`` as it was), then the
         logged one, whose seeds must be the logged ones and whose sample must hold the logged
-        participants. Close it with :meth:`close_logged`."""
+        participants. Close it with :meth:`close_logged`. ``on_plan(plan)`` is called for each
+        plan, abandoned ones included, while it is open (its downlinks can be made)."""
         if rec.round != self.round:
             raise ValueError(f"the server is at round {self.round}, cannot replay record {rec.round}")
         if not 0 <= rec.attempt < max_draws:
             raise ValueError(f"round {rec.round}: attempt {rec.attempt} is out of range")
         for _ in range(rec.attempt - self.attempt):
-            self.plan()
+            plan = self.plan()
+            if on_plan is not None:
+                on_plan(plan)
             self._plan = None
             self.replanned += 1
             self.attempt += 1
@@ -262,6 +265,8 @@ class Server:
             self._plan = None
             raise ValueError(f"round {rec.round}: logged participants {list(rec.participants)} were not "
                              f"sampled ({list(plan.participants)}): the log is not this run's")
+        if on_plan is not None:
+            on_plan(plan)
         return plan
 
     def close_logged(self, rec: RoundRecord) -> None:

@@ -467,6 +467,26 @@ def _wire(cfg: RunConfig, rep) -> Wire:
     return Wire.of(cfg.zo(), seed)
 
 
+def attacked(cfg: RunConfig, num_clients: int, pid: int, up: bytes, wire: Wire) -> bytes:
+    """What node ``pid`` sends: its honest uplink, or, if it is one of the run's Byzantine
+    clients (``--byzantine K``: the K clients the simulator draws from the run seed), the same
+    uplink with its scalars replaced by its attack's lie (:class:`hiso.runners.faults.Attackers`),
+    as the simulator's attackers send. The lie is of the scalars as the wire carries them (the
+    simulator's, for the float32 wire). Fixed attackers with the scale, sign-flip or nan attack
+    only: the per-round draw and the random attack are keyed by the simulator's plan count."""
+    if not cfg.byzantine:
+        return up
+    from ..core.messages import Uplink, encode_uplink
+    from ..runners.faults import Attackers
+    att = Attackers(num_clients, cfg.byzantine, cfg.attack, cfg.attack_scale, seed=cfg.seed)
+    if pid not in att.attack:
+        return up
+    if cfg.byzantine_per_round or att.attack[pid] == "random":
+        raise ValueError("Flower nodes attack as fixed Byzantine clients with scale, sign-flip or nan")
+    u = decode_uplink(up, wire)
+    return encode_uplink(Uplink(u.client, u.round, att.lie(pid, u.scalars, 0), u.loss, u.attempt), wire, check=False)
+
+
 def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, cfg_json: str | None = None) -> dict:
     """A node's answer to ``train``: ``up`` (the encoded uplink) or ``behind`` (its round)."""
     t0, c0 = time.perf_counter(), time.process_time()
@@ -484,6 +504,7 @@ def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, 
             return {"behind": rep.state.round}
         raise
     rep.commit()
+    up = attacked(cfg, task.num_clients, pid, up, client.wire)
     t2 = time.perf_counter()
     _note_timing(rep.path, {"round": client.state.round, "since_process_start_s": t0 - _PROCESS_T0,
                             "open_s": t1 - t0, "handle_s": t2 - t1, "up_bytes": len(up), "down_bytes": len(down),

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import RunConfig
+from ..procs import descendants as _descendants
+from ..procs import cpu_ticks, die_with_parent, stop_processes, with_env
 
 PROJECT = Path(__file__).parent / "project"
 PROJECT_WORKER = Path(__file__).parent / "project_worker"  # the relay ClientApp (per-node workers)
@@ -50,15 +52,21 @@ def free_port() -> int:
 
 
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str) -> None:
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
+    """Wait for ``proc`` to listen on ``port``. ``timeout`` bounds the time the process spends
+    without using CPU (stuck), not its start: on a busy machine a start takes longer."""
+    last, t_last = cpu_ticks(proc.pid), time.monotonic()
+    while True:
         if proc.poll() is not None:
             raise FlowerRunError(f"{what} exited with code {proc.returncode} while starting")
         with socket.socket() as s:
             if s.connect_ex((HOST, port)) == 0:
                 return
+        now = cpu_ticks(proc.pid)
+        if now != last:
+            last, t_last = now, time.monotonic()
+        elif time.monotonic() - t_last > timeout:
+            raise FlowerRunError(f"{what} did not listen on {HOST}:{port} and did nothing for {timeout} s")
         time.sleep(0.2)
-    raise FlowerRunError(f"{what} did not listen on {HOST}:{port} within {timeout} s")
 
 
 def make_tls(dirpath: Path) -> dict[str, Path]:
@@ -127,6 +135,7 @@ class LocalFederation:
     node_link_port: int | None = None  # where SuperNodes reach the SuperLink (a byte-counting proxy)
     worker: bool = False  # a long-lived worker per node (hiso.flower.worker) behind the relay ClientApp
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    out_dirs: dict[str, Path] = field(default_factory=dict)  # run id -> its run directory
 
     def __post_init__(self) -> None:
         self._own_workdir = self.workdir is None
@@ -150,12 +159,13 @@ class LocalFederation:
         if self.verbose:
             print("$", " ".join(argv), file=sys.stderr)
         logf = open(self.logs / f"{name}.log", "ab")
-        # own session: stop() ends the process group it heads, and nothing else
+        # own session: stop() ends the process group it heads, and nothing else; it dies with
+        # us even if we are SIGKILLed (no handler runs then)
         # niceness HISO_FLOWER_NICE (default 15) in absolute terms, not added to ours
         inc = max(0, int(os.environ.get("HISO_FLOWER_NICE", "15")) - os.nice(0))
         p = subprocess.Popen(["nice", "-n", str(inc), *argv], env=self.env,
                              stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, cwd=self.workdir)
+                             start_new_session=True, cwd=self.workdir, preexec_fn=die_with_parent)
         logf.close()
         self.procs[name] = p
         return p
@@ -215,9 +225,12 @@ class LocalFederation:
             sock.parent.mkdir(exist_ok=True)
             self._stop(f"worker{i}")
             w = self._spawn(f"worker{i}", [sys.executable, "-m", "hiso.flower.worker", "--socket", str(sock)])
-            t_end = time.monotonic() + self.start_timeout
-            while not sock.exists():
-                if w.poll() is not None or time.monotonic() > t_end:
+            last, t_last = cpu_ticks(w.pid), time.monotonic()
+            while not sock.exists():  # bounded by the worker's progress (CPU used), as _wait_port
+                now = cpu_ticks(w.pid)
+                if now != last:
+                    last, t_last = now, time.monotonic()
+                if w.poll() is not None or time.monotonic() - t_last > self.start_timeout:
                     raise FlowerRunError(f"the worker of node {i} did not start (see {self.logs}/worker{i}.log)")
                 time.sleep(0.1)
             nc += f" worker-socket='{sock}'"
@@ -292,6 +305,8 @@ class LocalFederation:
     def stop(self) -> None:
         for name in [n for n in self.procs if n.startswith(("supernode", "worker"))] + ["superlink"]:
             self._stop(name)
+        # what left the tree (an app whose parent died first) still carries our FLWR_HOME
+        stop_processes(with_env(f"FLWR_HOME={self.home}"), grace=5.0)
 
     def __enter__(self) -> "LocalFederation":
         try:
@@ -319,6 +334,7 @@ class LocalFederation:
         res = self._flwr("run", str(PROJECT_WORKER if self.worker else PROJECT), "local", "--run-config", str(over), "--format", "json", timeout=120)
         if not res.get("success"):
             raise FlowerRunError(f"flwr run failed: {res.get('error-message', res)}")
+        self.out_dirs[str(res["run-id"])] = Path(out_dir)
         return str(res["run-id"])
 
     @staticmethod
@@ -333,18 +349,30 @@ class LocalFederation:
             raise FlowerRunError(f"flwr ls: no run {run_id}: {res}")
         return runs[0]
 
-    def wait(self, run_id: str, timeout: float, poll: float = 3.0, on_poll=None) -> dict:
-        """Block until the run finishes; raise FlowerRunError unless it completed."""
-        t_end = time.monotonic() + timeout
+    def wait(self, run_id: str, timeout: float, poll: float = 3.0, on_poll=None, progress=None) -> dict:
+        """Block until the run finishes; raise FlowerRunError unless it completed.
+
+        ``timeout`` bounds the time *without progress*, not the whole run: ``progress()`` (by
+        default the rounds logged in the run's directory) restarts the clock whenever it grows,
+        so a busy machine makes a run slower, not failed, and a stuck one is stopped after
+        ``timeout`` seconds without a round."""
+        if progress is None:
+            out = self.out_dirs.get(run_id)
+            progress = (lambda: rounds_logged(out)) if out is not None else (lambda: 0)
+        last, t_last = progress(), time.monotonic()
         while True:
             st = self.status(run_id)
             if st["status"].startswith("finished"):
                 break
             if on_poll is not None:
                 on_poll(st)
-            if time.monotonic() > t_end:
+            now = progress()
+            if now != last:
+                last, t_last = now, time.monotonic()
+            elif time.monotonic() - t_last > timeout:
                 self._flwr("stop", run_id, "local", "--format", "json")
-                raise FlowerRunError(f"run {run_id} still {st['status']} after {timeout} s (stopped it)")
+                raise FlowerRunError(f"run {run_id} still {st['status']}: no round in {timeout} s (at {last}; "
+                                     "stopped it)")
             time.sleep(poll)
         if st["status"] != "finished:completed":
             log = self.logs_of(run_id)
@@ -363,24 +391,13 @@ class LocalFederation:
         return self.wait(self.submit(cfg, out_dir, **kw), timeout)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (by /proc parent links), deepest first."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d))
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        c = todo.pop()
-        out.append(c)
-        todo.extend(children.get(c, []))
-    return out[::-1]
+def rounds_logged(out: Path) -> int:
+    """Rows in a run directory's metrics.jsonl (0 before it exists): the run's progress."""
+    try:
+        with open(Path(out) / "metrics.jsonl", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
 
 
 def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False, auth: bool = False,
@@ -388,7 +405,8 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
               verbose: bool = False, progress=None, resume: bool = False, worker: bool = False) -> dict:
     """Start a loopback federation of ``nodes`` SuperNodes (partitions 0..nodes-1), run ``cfg``
     into ``out`` (``resume``: continue the interrupted run there), stop every process; returns
-    the run's final status (raises unless completed)."""
+    the run's final status (raises unless completed, or after ``timeout`` seconds without a
+    round logged)."""
     if nodes < 1:
         raise ValueError(f"need at least one node, got {nodes}")
     if worker and not cfg.scalar_only:

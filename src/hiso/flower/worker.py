@@ -95,6 +95,8 @@ class Worker:
                 return {"behind": rep.state.round}, b""
             raise
         rep.commit()
+        from .app import attacked
+        up = attacked(cfg, task.num_clients, pid, up, client.wire)
         t2 = time.perf_counter()
         _note_timing(rep.path, {"round": rep.state.round, "worker": True, "open_s": t1 - t0, "handle_s": t2 - t1,
                                 "up_bytes": len(up), "down_bytes": len(payload),

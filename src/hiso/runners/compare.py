@@ -529,6 +529,14 @@ def _summary_seconds(d: Path) -> float:
         return 0.0
 
 
+def _stop_workers(pool) -> None:
+    """Stop a process pool's workers now (their runs are lost; finished runs are on disk)."""
+    from ..procs import stop_processes
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    stop_processes([p.pid for p in procs if p.pid], grace=5.0)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], jobs: int, bar, tracking=None) -> int:
     """Runs spread over ``jobs`` worker processes (spawned: forking after torch starts its
     thread pools can hang). Each finished run is reported as it lands; returns how many ran."""
@@ -582,6 +590,7 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
         except BaseException:
             for fut in pending:
                 fut.cancel()
+            _stop_workers(pool)  # or leaving the with-block would wait for the running runs to finish
             bar.write(f"stopped: {done + skipped} of {len(specs)} runs are finished and kept "
                       "(rerun the same command to resume)")
             raise

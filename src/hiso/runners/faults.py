@@ -3,7 +3,10 @@ damaged answers, and Byzantine clients.
 
 Every draw comes from its own seeded stream, keyed by (run seed, salt, plan number, client),
 so a run without faults draws nothing and is unchanged bit for bit, and the faults of one
-round do not depend on how many were drawn before it.
+round do not depend on how many were drawn before it. The plan number is a function of the
+logged rounds (round r's plans come after those of rounds 0..r-1, each ``attempt + 1`` of
+them), so a resumed run draws every fault and attacker again as the interrupted one did
+(:meth:`hiso.runners.simulate.Simulation.resume`).
 
 Faults (each answer gets at most one; the rates are probabilities per answer, summing to < 1):
 

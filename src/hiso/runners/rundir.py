@@ -162,6 +162,20 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     return RunConfig(**raw), info
 
 
+def same_run(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:
+    """What ``run_dir`` holds for ``hiso run --out DIR --resume``, and why: ``"same"`` (a run of
+    ``cfg``, to continue), ``"empty"`` (absent, empty or no ``config.json`` yet: a run killed
+    before it wrote one; start it) or ``"other"`` (another run; the reason names a difference)."""
+    if not (Path(run_dir) / "config.json").exists():
+        return "empty", ""
+    saved, _ = saved_config(run_dir)
+    a, b = saved.model_dump(), cfg.model_dump()
+    diff = [k for k in b if a.get(k) != b.get(k)]
+    if not diff:
+        return "same", ""
+    return "other", f"{diff[0]} = {a.get(diff[0])!r} there, {b.get(diff[0])!r} here"
+
+
 def resume_point(out: Path, shape: tuple[int, int], cfg: RunConfig | None = None) -> tuple[list[str], list]:
     """The rounds an interrupted run finished: (metrics lines of rows 0..R, history records
     0..R-1), R the last round both files hold. No row at all: ([], []), start over."""
@@ -212,10 +226,6 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     if resume and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          f"their state from (start again with --force)")
-    unreliable = bool(cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate or cfg.byzantine)
-    if resume and unreliable:
-        raise ValueError("runs with simulated faults or attackers cannot be resumed (their messages in flight and "
-                         "fault counts are not logged): start again with --force")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     task = on_device(task, cfg.device) if task is not None else build_task(cfg)
@@ -245,7 +255,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
 
         sim = (runner or build_simulation)(dp_secret(out, cfg, resume), task, log if hist else None)
         if getattr(sim, "unreliable", False):  # every rejected message, with its reason
-            handler = logging.FileHandler(out / "rejections.log", mode="w")
+            if kept:  # resume: keep the log of the kept rounds ("row N ..." lines, N <= the last kept)
+                _cut_rejections(out / "rejections.log", len(kept) - 1)
+            handler = logging.FileHandler(out / "rejections.log", mode="a" if kept else "w")
             handler.setFormatter(logging.Formatter("%(message)s"))
             flog = logging.getLogger("hiso.faults")
             flog.setLevel(logging.INFO)
@@ -276,7 +288,10 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             for line in kept:
                 row = json.loads(line)
                 diverged = diverged or account(row)
-            sim.resume(records)
+            if getattr(sim, "unreliable", False):  # faults and attackers: counts the log lacks are in the rows
+                sim.resume(records, [json.loads(line) for line in kept])
+            else:
+                sim.resume(records)
             if diverged is None:
                 rows = sim.run(cfg.rounds, start=row["round"], wall=row["wall_s"])
         try:
@@ -325,6 +340,21 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                               "epsilon": cfg.dp_spent(row.get("round", 0))}
     _write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def _cut_rejections(path: Path, rows: int) -> None:
+    """Keep the lines of ``rejections.log`` about rows 1..``rows`` (a resumed run logs the rest)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            n = int(line.split(" ", 2)[1]) if line.startswith("row ") else None
+        except ValueError:
+            n = None
+        if n is not None and n <= rows and line.endswith("\n"):
+            keep.append(line)
+    _write_atomic(path, "".join(keep))
 
 
 def _on_cpu(obj):

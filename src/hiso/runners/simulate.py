@@ -100,6 +100,7 @@ class Simulation:
         self.totals: Counter = Counter()  # injected faults and rejections (by reason), whole run
         self.round_stats: dict = {}
         self.out_of_sync = 0  # faithful mode: (round, client) replica checks that failed
+        self.round_out_of_sync = 0
         self.sync_checks = 0
         for c in range(M):  # every client joins once, at x_0
             self.comm.join(c, encode_hello(Hello(c, 0)), self.welcome)
@@ -160,7 +161,6 @@ class Simulation:
         else:
             up = self._fast_answer(cid, decode_downlink(down, self.server.wire))
         if attack is not None:
-            self.totals["attacked"] += 1
             up = Uplink(cid, up.round, self.attackers.lie(cid, up.scalars, self.plans, attack), up.loss, up.attempt)
         return up
 
@@ -188,49 +188,66 @@ class Simulation:
             same = same and all(torch.equal(a, b) for a, b in zip(st.h, self.state.h))
         return same
 
+    def _send(self, plan, answer: Callable[[int, bytes, str | None, str], bytes]) -> list[bytes]:
+        """The answers to one planned round as the server gets them: each client's fate drawn,
+        its downlink and uplink bytes counted, late answers kept for a later round. ``answer(cid,
+        downlink, attack, fate)`` gives a client's encoded uplink. Shared by a live round and the
+        replay of logged ones (:meth:`resume`), so both draw and count alike."""
+        arrivals = [d for r, d in self.pending if r < plan.round]  # late answers of closed rounds
+        self.pending = [(r, d) for r, d in self.pending if r >= plan.round]
+        wire = self.server.wire
+        liars = self.attackers.of_round(self.plans, plan.participants) if self.attackers is not None else {}
+        for cid in plan.participants:
+            fate = self.faults.fate(self.plans, cid) if self.faults is not None else "ok"
+            down = encode_downlink(self.server.downlink(cid), wire)
+            self.comm.down[cid] += len(down)
+            if fate != "ok":
+                self.totals[fate] += 1
+            if fate == "drop" and self.mode == "fast":  # lost anyway; a faithful client computes it
+                lost = Uplink(cid, plan.round, np.zeros(wire.shape, np.float32), 0.0, plan.attempt)
+                self.comm.up[cid] += len(encode_uplink(lost, wire)) + (4 if self.sealed else 0)
+                continue
+            if cid in liars:
+                self.totals["attacked"] += 1
+            data = answer(cid, down, liars.get(cid), fate)
+            if self.sealed:
+                data = seal(data)
+            self.comm.up[cid] += len(data) * (2 if fate == "duplicate" else 1)
+            if fate == "drop":
+                continue
+            if fate == "late":
+                self.pending.append((plan.round, data))
+                continue
+            if fate == "corrupt":
+                data = self.faults.damage(data, self.plans, cid)
+            arrivals += [data, data] if fate == "duplicate" else [data]
+        self.plans += 1
+        return arrivals
+
+    def _live_answer(self, cid: int, down: bytes, attack: str | None, fate: str = "ok") -> bytes:
+        """A client's real answer (computed; an attacker's lie), checked in sync in faithful mode."""
+        data = encode_uplink(self._answer(cid, down, attack), self.server.wire, check=attack is None)
+        if self.mode == "faithful":
+            self.sync_checks += 1
+            if not self._in_sync(cid):
+                self.out_of_sync += 1
+                self.round_out_of_sync += 1
+                log.error("row %d (round %d): client %d's replica differs from the server's",
+                          self.server.round + 1, self.server.round, cid)
+        return data
+
     def _step_unreliable(self) -> tuple[RoundRecord, float]:
         """One round over an unreliable network (faults, attackers): see the module docstring."""
         rejected: Counter = Counter()
         replanned = 0
+        decodable, self.round_out_of_sync = self.totals["corrupt_decodable"], 0
         while True:
             plan = self.server.plan()
             # late answers arrive once their round has closed. (Not in a re-planned attempt of the
             # same round: an uplink names its round by number only, so an answer to the earlier
             # attempt's seeds would pass for a valid one; Flower matches replies to messages.)
-            arrivals = [d for r, d in self.pending if r < plan.round]
-            self.pending = [(r, d) for r, d in self.pending if r >= plan.round]
-            wire = self.server.wire
-            liars = self.attackers.of_round(self.plans, plan.participants) if self.attackers is not None else {}
-            for cid in plan.participants:
-                fate = self.faults.fate(self.plans, cid) if self.faults is not None else "ok"
-                down = encode_downlink(self.server.downlink(cid), wire)
-                self.comm.down[cid] += len(down)
-                if fate != "ok":
-                    self.totals[fate] += 1
-                if fate == "drop" and self.mode == "fast":  # lost anyway; a faithful client computes it
-                    lost = Uplink(cid, plan.round, np.zeros(wire.shape, np.float32), 0.0, plan.attempt)
-                    self.comm.up[cid] += len(encode_uplink(lost, wire)) + (4 if self.sealed else 0)
-                    continue
-                data = encode_uplink(self._answer(cid, down, liars.get(cid)), wire, check=cid not in liars)
-                if self.sealed:
-                    data = seal(data)
-                self.comm.up[cid] += len(data) * (2 if fate == "duplicate" else 1)
-                if self.mode == "faithful":
-                    self.sync_checks += 1
-                    if not self._in_sync(cid):
-                        self.out_of_sync += 1
-                        log.error("row %d (round %d): client %d's replica differs from the server's",
-                                  plan.round + 1, plan.round, cid)
-                if fate == "drop":
-                    continue
-                if fate == "late":
-                    self.pending.append((plan.round, data))
-                    continue
-                if fate == "corrupt":
-                    data = self.faults.damage(data, self.plans, cid)
-                arrivals += [data, data] if fate == "duplicate" else [data]
+            arrivals = self._send(plan, self._live_answer)
             ups = [u for u in (self._receive(d, rejected, plan.round) for d in arrivals) if u is not None]
-            self.plans += 1
             rec = self.server.aggregate(ups, partial=True)
             for code, why in zip(self.server.rejected_reasons, self.server.rejected):
                 rejected[code] += 1
@@ -248,6 +265,11 @@ class Simulation:
             self.totals["rejected_" + code] += n
         self.round_stats = {"participants": len(rec.participants), "rejected": dict(sorted(rejected.items())),
                             "replanned": replanned}
+        # what the log cannot tell a resumed run (so its row says it; absent when 0)
+        if self.totals["corrupt_decodable"] > decodable:
+            self.round_stats["corrupt_decodable"] = int(self.totals["corrupt_decodable"] - decodable)
+        if self.round_out_of_sync:
+            self.round_stats["out_of_sync"] = self.round_out_of_sync
         kept = {u.client: u.loss for u in reversed(ups) if u.client in rec.participants and u.round == rec.round}
         return rec, float(np.mean(list(kept.values())))
 
@@ -287,25 +309,56 @@ class Simulation:
         return metric_rows(self.task, self.state.model, self.comm, lambda: self.step()[1], rounds, self.eval_every,
                            start=start, wall=wall, extra=extra)
 
-    def resume(self, records: list[RoundRecord]) -> None:
+    def resume(self, records: list[RoundRecord], rows: list[dict] | None = None) -> None:
         """Bring a new simulation to the end of an interrupted run's logged rounds, exactly as
         if it had run them: the server re-draws each round's clients and seeds (its streams
         are seeded; the draws are checked against the log) and takes the logged record, the
         model and H replay it, and the bytes each message would have had are counted. In
         faithful mode each client that took part is rebuilt at the round it last took part in
-        (the server's replica then, which it equals bit for bit)."""
+        (the server's replica then, which it equals bit for bit).
+
+        With faults or attackers, every plan of a logged round (abandoned attempts included)
+        draws its fates and attackers again, as they are functions of the run seed and the plan
+        (:mod:`hiso.runners.faults`), and counts their bytes; only the late answers of the last
+        logged round, still in flight, are computed (a later round receives them). What the
+        log does not hold, the rejections per round by reason (and, when not 0, damaged answers
+        that would have decoded, replicas out of sync), comes from the kept metrics ``rows``."""
         if self.server.round or self.clients:
             raise RuntimeError("resume() needs a simulation that has not run yet")
         last = {c: rec.round for rec in records for c in rec.participants}
         wire = self.server.wire
-        for rec in records:
-            plan = self.server.plan_logged(rec)
-            for cid in plan.participants:
-                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
-                if cid in rec.participants:
-                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire))
-                if self.mode == "faithful" and last.get(cid) == rec.round:  # the replica at rec.round
-                    self.client(cid).state.load_state_dict(self.state.state_dict())
+        if self.unreliable:
+            if rows is None or len(rows) < len(records) + 1:
+                raise ValueError("resuming a run with faults or attackers needs its metrics rows")
+            for row in rows[1:len(records) + 1]:
+                for code, n in row.get("rejected", {}).items():
+                    self.totals["rejected_" + code] += n
+                self.totals["corrupt_decodable"] += row.get("corrupt_decodable", 0)
+                self.out_of_sync += row.get("out_of_sync", 0)
+        for i, rec in enumerate(records):
+            if self.unreliable:
+                final = i == len(records) - 1
+
+                def replayed(cid, down, attack, fate, final=final):
+                    if final and fate == "late":  # in flight at the cut: its bytes are needed
+                        return self._live_answer(cid, down, attack, fate)
+                    if self.mode == "faithful":  # it computed (and was checked) in the run
+                        self.sync_checks += 1
+                    return encode_uplink(Uplink(cid, self.server.round, np.zeros(wire.shape, np.float32), 0.0,
+                                                self.server.planned.attempt), wire, check=False)
+
+                plan = self.server.plan_logged(rec, on_plan=lambda p: self._send(p, replayed))
+            else:
+                plan = self.server.plan_logged(rec)
+                for cid in plan.participants:
+                    self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
+                    if cid in rec.participants:
+                        self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt),
+                                                               wire))
+            if self.mode == "faithful":
+                for cid in plan.participants:
+                    if last.get(cid) == rec.round:  # the replica at rec.round
+                        self.client(cid).state.load_state_dict(self.state.state_dict())
             self.server.close_logged(rec)
             self.state.apply(rec)
 

@@ -1,0 +1,227 @@
+"""Every process hiso starts stops with it.
+
+A ``hiso`` command owns the processes it starts (the Flower federation: SuperLink, SuperNodes,
+their SuperExecs, the ServerApp and the ClientApps Flower starts per message, per-node
+workers; ``hiso compare --jobs N``'s worker pool). They are one group in the sense that
+matters here, the command's tree of descendants: Flower starts its SuperExec in a new session
+(so no single POSIX process group can hold the federation), so the command makes itself a
+*child subreaper* (Linux) and an orphan whose parent died first is re-parented to it instead of
+to init, and stays in the tree.
+
+:func:`own_processes` turns SIGTERM, SIGINT and SIGHUP (what ``timeout``, a batch scheduler,
+Ctrl-C or a closed terminal send) into a :class:`Stopped` exception in the main thread, so the
+``finally``/``with`` paths that stop runs in order (a federation's ``stop``, the pool's
+shutdown) run as they do for any other exception; whatever is still alive below the command
+then is stopped by :func:`stop_processes` (SIGTERM, a grace period, SIGKILL). Processes that
+hiso starts directly also get ``PR_SET_PDEATHSIG`` (:func:`die_with_parent`), so a SIGKILLed
+hiso (which runs no handler) still takes them down, and Flower's own processes watch their
+parent's pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal arrived (a KeyboardInterrupt, so every path that handles Ctrl-C handles it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _libc_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# resolved here, once: a child between fork and exec (preexec_fn) must not dlopen anything
+_PRCTL = _libc_prctl()
+
+
+def _prctl(option: int, arg: int) -> bool:
+    return _PRCTL is not None and _PRCTL(option, arg, 0, 0, 0) == 0
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """For ``preexec_fn``: the child gets ``sig`` when the process that started it dies (Linux).
+
+    Linux ties this to the *thread* that forked: start such children from a thread that
+    outlives them (the main thread, in hiso)."""
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def become_subreaper(on: bool = True) -> bool:
+    """Orphans among this process's descendants are re-parented to it, not to init (Linux)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, int(on))
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, is not)."""
+    st = _stat(pid)
+    if st is None:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return not os.path.isdir("/proc")  # no /proc: os.kill's answer is all there is
+    return st[0] not in ("Z", "X")
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """CPU time a process has used (user + system, in clock ticks); None if it is gone or
+    unknown (no /proc). A process whose count grows is working, however slowly."""
+    st = _stat(pid)
+    try:
+        return int(st[11]) + int(st[12]) if st is not None else None
+    except (IndexError, ValueError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (by /proc parent links), deepest first."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for d in entries:
+        if d.isdigit():
+            st = _stat(int(d))
+            if st is not None:
+                children.setdefault(int(st[1]), []).append(int(d))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo.extend(children.get(c, []))
+    return out[::-1]
+
+
+def with_env(entry: str) -> list[int]:
+    """Live processes (but this one) whose environment holds ``entry`` (``NAME=value``): every
+    descendant inherits it, even one that left the process tree (Linux; [] without /proc)."""
+    needle, out = entry.encode(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for d in entries:
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and alive(int(d)):
+                        out.append(int(d))
+            except OSError:
+                pass
+    return out
+
+
+def _reap(pids) -> None:
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def reap_children() -> None:
+    """Collect this process's children that have exited (re-parented orphans are never waited
+    for by anyone else)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def stop_processes(pids, grace: float = 5.0) -> None:
+    """SIGTERM ``pids``, wait up to ``grace`` seconds for them to end, SIGKILL the rest."""
+    pids = [p for p in pids if p != os.getpid()]
+    for sig, wait_s in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        t_end = time.monotonic() + wait_s
+        while True:
+            _reap(pids)  # our own children (re-parented orphans included) would stay zombies
+            pids = [p for p in pids if alive(p)]
+            if not pids or time.monotonic() > t_end:
+                break
+            time.sleep(0.05)
+        if not pids:
+            return
+
+
+def stop_tree(root: int | None = None, keep=(), grace: float = 5.0, sweeps: int = 5) -> None:
+    """Stop every descendant of ``root`` (default: this process) but ``keep``, until none is
+    left (a process may start another while its siblings are being stopped)."""
+    root = os.getpid() if root is None else root
+    keep = set(keep)
+    for _ in range(sweeps):
+        pids = [p for p in descendants(root) if p not in keep and alive(p)]
+        if not pids:
+            return
+        stop_processes(pids, grace)
+
+
+def _exits_with_us() -> set[int]:
+    """Helpers that end by themselves when this process does: multiprocessing's resource
+    tracker (it ignores SIGTERM, so stopping it would cost the whole grace period)."""
+    rt = sys.modules.get("multiprocessing.resource_tracker")
+    pid = getattr(getattr(rt, "_resource_tracker", None), "_pid", None)
+    return {pid} if pid else set()
+
+
+@contextlib.contextmanager
+def own_processes(grace: float = 5.0):
+    """Run the body as the owner of every process it starts (see the module's docstring).
+
+    Stop signals raise :class:`Stopped` once; a second one while the cleanup runs is ignored,
+    so the cleanup is not cut short. On leaving, by any path, every process started in the
+    body and still alive is stopped. Main thread only (signal handlers)."""
+    me = os.getpid()
+    before = set(descendants(me))
+    reaper = become_subreaper()
+    stopping: list[int] = []
+
+    def handler(signum, frame):
+        if stopping:
+            return
+        stopping.append(signum)
+        raise Stopped(signum)
+
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        stopping.append(0)
+        try:
+            stop_tree(me, keep=before | _exits_with_us(), grace=grace)
+        finally:
+            if reaper:
+                become_subreaper(False)
+            for s, h in old.items():
+                signal.signal(s, h)
