@@ -42,7 +42,8 @@ from ..core.perturb import Perturber
 from ..core.server import sample_clients
 from ..core.state import ModelState, trainable_params
 from ..runners.fullmodel import FullModelSimulation, fedzo_config
-from .app import REC, FlowerFederation, Settings, _task_for
+from .records import REC, Settings, _task_for
+from .server_app import FlowerFederation
 
 log = logging.getLogger("hiso.flower")
 
@@ -266,7 +267,7 @@ def train_full(cfg: RunConfig, pid: int, arrays, rnd: int, cfg_json: str | None 
 def handle_train_full(msg, context, cfg: RunConfig):
     from flwr.app import ConfigRecord, Message, RecordDict
 
-    from .app import _cfg_json, _partition
+    from .records import _cfg_json, _partition
     arrays, fields = train_full(cfg, _partition(context), msg.content[ARRAYS], int(msg.content[REC]["round"]),
                                 _cfg_json(context))
     return Message(RecordDict({ARRAYS: arrays, REC: ConfigRecord(fields)}), reply_to=msg)

@@ -62,7 +62,7 @@ class Worker:
         from .replica import run_key
         key = (run_key(cfg_json, trajectory), pid)
         if key not in self.open:
-            from .app import open_replica
+            from .client_app import open_replica
             cfg = RunConfig(**json.loads(cfg_json))
             if cfg.threads is not None:
                 import torch
@@ -74,16 +74,16 @@ class Worker:
     def handle(self, req: dict, payload: bytes) -> tuple[dict, bytes]:
         from ..core.client import Client
         from ..core.messages import MessageError
-        from .app import _note_timing
+        from .client_app import _note_timing
         t0 = time.perf_counter()
         task, rep, cfg = self._entry(req["cfg"], req["trajectory"], int(req["partition"]), req["state_dir"])
         pid = int(req["partition"])
         if req["kind"] == "query":  # the join: check the welcome, keep it, answer a hello
-            from .app import accept_welcome
+            from .client_app import accept_welcome
             hello = accept_welcome(cfg, task, rep, payload, pid) if payload else b""
             return {"partition": pid, "round": rep.state.round}, hello
         t1 = time.perf_counter()
-        from .app import _wire
+        from .client_app import _wire
         client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode,
                         wire=_wire(cfg, rep), batch_memory=cfg.batch_memory_bytes)
         rep.begin()
@@ -95,7 +95,7 @@ class Worker:
                 return {"behind": rep.state.round}, b""
             raise
         rep.commit()
-        from .app import attacked
+        from .client_app import attacked
         up = attacked(cfg, task.num_clients, pid, up, client.wire)
         t2 = time.perf_counter()
         _note_timing(rep.path, {"round": rep.state.round, "worker": True, "open_s": t1 - t0, "handle_s": t2 - t1,

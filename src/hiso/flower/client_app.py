@@ -1,0 +1,150 @@
+"""The ClientApp's side: a node's replica, its join (``query``) and its answer to a ``train``
+message through the core's :class:`~hiso.core.client.Client` (scalar-only algorithms; the
+full-model baselines' client is in :mod:`hiso.flower.fullmodel`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from ..config import RunConfig
+from ..core.client import Client
+from ..core.messages import (Hello, MessageError, Wire, check_welcome, decode_uplink, decode_welcome, encode_hello,
+                             tensors_fingerprint)
+from ..core.state import ModelState
+
+from .records import REC, _cfg_json, _partition, _records, _state_dir, _task_for, log
+
+
+def _process_start() -> float:
+    """When this process started, on the perf_counter clock (Linux; else: module import)."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        return time.perf_counter() - (up - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter()
+
+_PROCESS_T0 = _process_start()
+
+def _note_timing(path: Path, row: dict) -> None:
+    """Where a ClientApp's time went, appended beside its replica (never sent on the wire)."""
+    try:
+        with open(path / "timings.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError:
+        pass
+
+def open_replica(cfg: RunConfig, run_id, partition: int, state_dir: str, cfg_json: str | None = None):
+    """The node's replica for this run; ``cfg_json`` is the configuration text as the server
+    sent it (default: ``cfg``'s own JSON)."""
+    from .replica import Replica, run_key
+    task = _task_for(cfg.model_dump_json())
+    state = ModelState(task.build_model(), cfg.zo())
+    rep = Replica.open(state_dir, run_key(cfg_json or cfg.model_dump_json(), run_id), partition, state)
+    if rep.reset_reason:
+        log.warning("partition %d: replica reset to x_0 (%s)", partition, rep.reset_reason)
+    return task, rep
+
+def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None,
+                 welcome: bytes | None = None) -> dict:
+    """A node's answer to ``query`` (its join): its hello (partition and the round its replica
+    holds), once it has checked the server's ``welcome`` against its own configuration and x_0
+    (a mismatch raises :class:`~hiso.core.messages.JoinError`: the node refuses to mix). The
+    welcome is kept beside the replica: it gives the run's seed to every later message.
+    Full-model clients keep no replica: they answer their partition and round 0."""
+    if not cfg.scalar_only:
+        return {"partition": pid, "round": 0}
+    task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
+    held = rep.state.round
+    try:
+        if welcome is not None:
+            accept_welcome(cfg, task, rep, welcome, pid)
+    finally:
+        rep.close()
+    return {"partition": pid, "round": held, "hello": encode_hello(Hello(pid, held))}
+
+def accept_welcome(cfg: RunConfig, task, rep, welcome: bytes, pid: int) -> bytes:
+    """Check the server's welcome against this node's configuration and x_0 (JoinError on a
+    mismatch), keep it beside the replica, and return the node's hello."""
+    x0 = ModelState(task.build_model(), cfg.zo())
+    check_welcome(decode_welcome(welcome), cfg.zo(), tensors_fingerprint(x0.params))
+    tmp = rep.path / "welcome.bin.tmp"
+    tmp.write_bytes(bytes(welcome))
+    os.replace(tmp, rep.path / "welcome.bin")
+    return encode_hello(Hello(pid, rep.state.round))
+
+def _wire(cfg: RunConfig, rep) -> Wire:
+    """The run's wire: from the welcome the node accepted (else its own configuration's)."""
+    path = rep.path / "welcome.bin"
+    seed = decode_welcome(path.read_bytes()).seed if path.exists() else cfg.seed
+    return Wire.of(cfg.zo(), seed)
+
+def attacked(cfg: RunConfig, num_clients: int, pid: int, up: bytes, wire: Wire) -> bytes:
+    """What node ``pid`` sends: its honest uplink, or, if it is one of the run's Byzantine
+    clients (``--byzantine K``: the K clients the simulator draws from the run seed), the same
+    uplink with its scalars replaced by its attack's lie (:class:`hiso.runners.faults.Attackers`),
+    as the simulator's attackers send. The lie is of the scalars as the wire carries them (the
+    simulator's, for the float32 wire). Fixed attackers with the scale, sign-flip or nan attack
+    only: the per-round draw and the random attack are keyed by the simulator's plan count."""
+    if not cfg.byzantine:
+        return up
+    from ..core.messages import Uplink, encode_uplink
+    from ..runners.faults import Attackers
+    att = Attackers(num_clients, cfg.byzantine, cfg.attack, cfg.attack_scale, seed=cfg.seed)
+    if pid not in att.attack:
+        return up
+    if cfg.byzantine_per_round or att.attack[pid] == "random":
+        raise ValueError("Flower nodes attack as fixed Byzantine clients with scale, sign-flip or nan")
+    u = decode_uplink(up, wire)
+    return encode_uplink(Uplink(u.client, u.round, att.lie(pid, u.scalars, 0), u.loss, u.attempt), wire, check=False)
+
+def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, cfg_json: str | None = None) -> dict:
+    """A node's answer to ``train``: ``up`` (the encoded uplink) or ``behind`` (its round)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
+    t1 = time.perf_counter()
+    client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode,
+                    wire=_wire(cfg, rep), batch_memory=cfg.batch_memory_bytes)
+    rep.begin()
+    try:
+        up = client.handle(down)
+    except MessageError as e:
+        rep.commit()  # nothing changed: a refused downlink is checked before any update
+        rep.close()
+        if "history starts at" in str(e):
+            return {"behind": rep.state.round}
+        raise
+    rep.commit()
+    up = attacked(cfg, task.num_clients, pid, up, client.wire)
+    t2 = time.perf_counter()
+    _note_timing(rep.path, {"round": client.state.round, "since_process_start_s": t0 - _PROCESS_T0,
+                            "open_s": t1 - t0, "handle_s": t2 - t1, "up_bytes": len(up), "down_bytes": len(down),
+                            # CPU seconds (independent of how busy the machine is): before our code ran
+                            # (interpreter, flwr, torch, hiso imports, Flower's setup) and in it
+                            "cpu_before_handler_s": c0, "cpu_handler_s": time.process_time() - c0})
+    rep.close()
+    return {"up": up}
+
+def _trajectory(msg, context):
+    """What keys this node's replica: the run directory's lineage the server sent, else the
+    Flower run id."""
+    rec = msg.content[REC] if REC in msg.content else {}
+    return str(rec["lineage"]) if "lineage" in rec else context.run_id
+
+def handle_query(msg, context, cfg: RunConfig):
+    from flwr.app import Message
+    rec = msg.content[REC]
+    fields = query_fields(cfg, _trajectory(msg, context), _partition(context), _state_dir(context), _cfg_json(context),
+                          rec["welcome"] if "welcome" in rec else None)
+    return Message(_records(fields), reply_to=msg)
+
+def handle_train(msg, context, cfg: RunConfig):
+    from flwr.app import Message
+    fields = train_fields(cfg, _trajectory(msg, context), _partition(context), _state_dir(context),
+                          msg.content[REC]["down"], _cfg_json(context))
+    return Message(_records(fields), reply_to=msg)

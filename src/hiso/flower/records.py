@@ -1,0 +1,55 @@
+"""What both sides of hiso's Flower apps share: the record name, the ServerApp's settings,
+a node's partition and configuration from its context, and the task a configuration builds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..config import RunConfig
+from ..tasks.base import Task
+
+log = logging.getLogger("hiso.flower")
+
+REC = "hiso"  # name of the ConfigRecord that carries our fields
+
+DEFAULT_STATE_DIR = os.path.join(tempfile.gettempdir(), "hiso-flower-replicas")
+
+
+@dataclass
+class Settings:
+    """What the ServerApp needs besides the RunConfig (from the Flower run config)."""
+
+    out_dir: str
+    round_timeout: float = 30.0
+    min_nodes: int = 0  # wait for this many nodes before round 1 (0: as many as partitions)
+    wait_nodes_s: float = 60.0
+    max_replans: int = 20  # consecutive rounds with no answer before the run fails
+    suspect_grace_s: float = 2.0  # how long a node that missed its last answer is waited for
+    poll_s: float = 0.1  # how often replies are pulled from the SuperLink
+    resume: bool = False  # out_dir holds an interrupted run of this config: continue it
+
+def _records(content):
+    from flwr.app import ConfigRecord, RecordDict
+    return RecordDict({REC: ConfigRecord(content)})
+
+@lru_cache(maxsize=4)
+def _task_for(cfg_json: str) -> Task:
+    from ..tasks.registry import build_task
+    return build_task(RunConfig(**json.loads(cfg_json)))
+
+def _partition(context) -> int:
+    nc = context.node_config
+    if "partition-id" not in nc:
+        raise ValueError("this SuperNode has no partition: start it with --node-config 'partition-id=N'")
+    return int(nc["partition-id"])
+
+def _state_dir(context) -> str:
+    return str(context.node_config.get("state-dir", os.environ.get("HISO_FLOWER_STATE_DIR", DEFAULT_STATE_DIR)))
+
+def _cfg_json(context) -> str | None:
+    return context.run_config.get("hiso-config") if context.run_config else None

@@ -1,0 +1,306 @@
+"""The ServerApp's side for the scalar-only algorithms (HiSo, DeComFL): a runner with the
+simulator's interface over a Flower Grid (:class:`FlowerFederation`) and the run it drives
+(:func:`serve_zo`); see :mod:`hiso.flower.app` for the protocol over Flower's messages."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..config import RunConfig
+from ..core.history import RoundRecord
+from ..core.messages import MessageError, decode_hello, decode_uplink, encode_downlink, encode_welcome, welcome_for
+from ..core.state import ModelState
+from ..runners.common import Comm, metric_rows
+from ..runners.simulate import protocol_server
+from ..tasks.base import Task
+
+from .records import REC, Settings, _records, _task_for, log
+
+
+@dataclass
+class FlowerFederation:
+    """A runner with the simulator's interface (``run``, ``comm``, ``state_dict``) over a Grid."""
+
+    grid: object
+    task: Task
+    cfg: RunConfig
+    settings: Settings
+    on_record: Callable[[RoundRecord], None] | None = None
+    node_of: dict[int, int] = field(default_factory=dict)  # partition -> node id
+    part_of: dict[int, int] = field(default_factory=dict)  # node id -> partition
+    timings: list[dict] = field(default_factory=list)  # per round: where the time went
+    lineage: str = ""  # the run directory's trajectory id: nodes key their replicas by it (resume)
+
+    def __post_init__(self) -> None:
+        self.zo = self.cfg.zo()
+        M = self.task.num_clients
+        self.state = ModelState(self.task.build_model(), self.zo)
+        self.server = protocol_server(self.task, self.zo, self.cfg.sampled, self.cfg.seed, self.cfg.weighted,
+                                      self.state, self.cfg.snapshot_after, self.cfg.bandwidth,
+                                      self.cfg.aggregate, self.cfg.trim, noise_seed=self.cfg.dp_noise_seed)
+        self.welcome = encode_welcome(welcome_for(self.zo, self.cfg.seed, self.state.params))
+        self.comm = Comm.zeros(M)
+        self._seen: set[int] = set()
+        self._suspects: set[int] = set()  # node ids that missed their last answer
+        self._queries: dict[str, int] = {}  # query message id -> node id, awaiting a reply
+
+    def _message(self, fields: dict, node_id: int, kind: str, group: str | None = None):
+        from flwr.app import Message
+        return Message(_records(fields), dst_node_id=node_id, message_type=kind, group_id=group)
+
+    def _lineage_field(self) -> dict:
+        return {"lineage": self.lineage} if self.lineage else {}
+
+    # -- nodes
+    def refresh_nodes(self) -> None:
+        """Ask every node not seen yet for its partition and its replica's round (non-blocking:
+        a query is sent once per node; replies are collected whenever this is called)."""
+        ids = set(self.grid.get_node_ids())
+        for nid in list(self.part_of):
+            if nid not in ids:  # gone
+                pid = self.part_of.pop(nid)
+                if self.node_of.get(pid) == nid:
+                    del self.node_of[pid]
+        self._queries = {m: n for m, n in self._queries.items() if n in ids}
+        new = sorted(ids - self._seen - set(self._queries.values()))
+        if new:
+            join = {"welcome": self.welcome} if getattr(self, "welcome", None) is not None else {}
+            msgs = [self._message({**join, **self._lineage_field()}, nid, "query") for nid in new]
+            self._queries.update(zip(self.grid.push_messages(msgs), new))
+        if not self._queries:
+            return
+        for rep in self.grid.pull_messages(set(self._queries)):
+            nid = self._queries.pop(rep.metadata.reply_to_message_id, None)
+            if nid is None:
+                continue
+            self._seen.add(nid)
+            if rep.has_error():
+                log.warning("node %s failed the query: %s", nid, rep.error.reason)
+                continue
+            rec = rep.content[REC]
+            try:  # the node's join: its hello (it checked our welcome before answering)
+                if getattr(self, "welcome", None) is not None:
+                    hello = decode_hello(rec["hello"])
+                    pid, held = hello.client, hello.round
+                else:  # full-model baselines: no join, the node names its partition
+                    pid, held = int(rec["partition"]), int(rec["round"])
+            except (KeyError, ValueError, MessageError) as e:
+                log.warning("node %s: no valid hello (%s): ignored", nid, e)
+                continue
+            if not 0 <= pid < self.task.num_clients:
+                log.warning("node %s names partition %s, outside 0..%s: ignored", nid, pid, self.task.num_clients - 1)
+                continue
+            old = self.node_of.get(pid)
+            if old is not None and old != nid:
+                log.warning("partition %s moves from node %s to node %s", pid, old, nid)
+                self.part_of.pop(old, None)
+            self.node_of[pid], self.part_of[nid] = nid, pid
+            if getattr(self, "welcome", None) is not None:
+                self.comm.join(pid, rec["hello"], self.welcome)
+            self.server.client_holds(pid, min(held, self.server.round))
+
+    def wait_for_nodes(self) -> None:
+        want = self.settings.min_nodes or self.task.num_clients
+        t_end = time.monotonic() + self.settings.wait_nodes_s
+        while True:
+            self.refresh_nodes()
+            if len(self.node_of) >= want:
+                return
+            if time.monotonic() > t_end:
+                if not self.node_of:
+                    raise RuntimeError(f"no node connected within {self.settings.wait_nodes_s} s")
+                log.warning("only %d of %d nodes connected; going on", len(self.node_of), want)
+                return
+            time.sleep(self.settings.poll_s)
+
+    # -- one round
+    def _send(self, rnd: int, pids) -> dict[int, object]:
+        """Downlinks to ``pids`` (those with a node); the replies by partition."""
+        msgs = []
+        for pid in pids:
+            nid = self.node_of.get(pid)
+            if nid is None:
+                continue
+            down = encode_downlink(self.server.downlink(pid), self.server.wire)
+            self.comm.down[pid] += len(down)
+            msgs.append(self._message({"down": down, **self._lineage_field()}, nid, "train", str(rnd)))
+        out = {}
+        for rep in self._exchange(msgs):
+            pid = self.part_of.get(rep.metadata.src_node_id)
+            if pid is None:
+                continue
+            if rep.has_error():
+                log.warning("round %d: partition %d failed: %s", rnd, pid, rep.error.reason)
+                continue
+            out[pid] = rep.content[REC]
+        return out
+
+    def _exchange(self, msgs: list) -> list:
+        """Push ``msgs`` and pull their replies until all came back or time is up.
+
+        Like ``Grid.send_and_receive`` but polls every ``poll_s`` (Flower's polls every 3 s) and
+        does not wait ``round_timeout`` for *suspects* (nodes that missed their last answer)
+        once every healthy node has answered: they get ``suspect_grace_s`` more (if all are
+        suspects, all get the full ``round_timeout``). A node that answers is healthy again.
+        """
+        if not msgs:
+            return []
+        st = self.settings
+        dst = {}
+        ids = list(self.grid.push_messages(msgs))
+        for mid, m in zip(ids, msgs):
+            dst[mid] = m.metadata.dst_node_id
+        pending, out = set(ids), []
+        t_end = time.monotonic() + st.round_timeout
+        grace_end = None
+        any_healthy = any(d not in self._suspects for d in dst.values())  # else: all get the full time
+        while pending:
+            reps = list(self.grid.pull_messages(pending))
+            for rep in reps:
+                mid = rep.metadata.reply_to_message_id
+                if mid in pending:
+                    pending.discard(mid)
+                    out.append(rep)
+            now = time.monotonic()
+            if not pending or now > t_end:
+                break
+            if any_healthy and all(dst[m] in self._suspects for m in pending):
+                grace_end = grace_end or now + st.suspect_grace_s
+                if now > grace_end:
+                    break
+            time.sleep(st.poll_s)
+        for m in pending:
+            self._suspects.add(dst[m])
+        for rep in out:
+            self._suspects.discard(rep.metadata.src_node_id)
+        return out
+
+    def step(self) -> float:
+        for _ in range(self.settings.max_replans + 1):
+            t0 = time.perf_counter()
+            self.refresh_nodes()
+            t1 = time.perf_counter()
+            plan = self.server.plan()
+            replies = self._send(plan.round, plan.participants)
+            behind = [pid for pid, r in replies.items() if "behind" in r]
+            for pid in behind:  # its replica is older than we thought: resend from its round
+                self.server.client_holds(pid, int(replies[pid]["behind"]))
+            if behind:
+                replies.update(self._send(plan.round, behind))
+            t2 = time.perf_counter()
+            ups = []
+            for pid, r in replies.items():
+                if "up" not in r:
+                    continue
+                data = r["up"]
+                self.comm.up[pid] += len(data)
+                try:
+                    up = decode_uplink(data, self.server.wire, expect_round=plan.round)
+                except MessageError as e:
+                    log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
+                    continue
+                if up.client != pid:
+                    log.warning("round %d: node of partition %d answered for client %d: dropped", plan.round, pid, up.client)
+                    continue
+                ups.append(up)
+            rec = self.server.aggregate(ups, partial=True)
+            for why in self.server.rejected:
+                log.warning("round %d: %s", plan.round, why)
+            if rec is None:
+                log.warning("round %d: no valid answer from %s; planning it again", plan.round, list(plan.participants))
+                continue
+            self.state.apply(rec)
+            if self.on_record is not None:
+                self.on_record(rec)
+            t3 = time.perf_counter()
+            self.timings.append({"round": rec.round, "nodes_s": t1 - t0, "send_and_receive_s": t2 - t1,
+                                 "aggregate_apply_s": t3 - t2, "participants": list(rec.participants),
+                                 "sampled": list(plan.participants)})
+            return float(np.mean([u.loss for u in ups if u.loss is not None] or [np.nan]))
+        raise RuntimeError(f"round {self.server.round}: no client answered in {self.settings.max_replans + 1} attempts")
+
+    # -- the simulator's interface
+    def run(self, rounds: int, start: int = 0, wall: float = 0.0):
+        self.wait_for_nodes()
+        return metric_rows(self.task, self.state.model, self.comm, self.step, rounds, self.cfg.eval_every,
+                           start=start, wall=wall)
+
+    def resume(self, records: list[RoundRecord]) -> None:
+        """Bring a new ServerApp to the end of an interrupted run's log (``run_to_dir(resume=
+        True)``): the server draws each logged round's sample and seeds again (checked against
+        the log; rounds the run planned again are skipped as it did), closes it with the logged
+        record, and the model and H replay it. Bytes are counted as if every sampled
+        partition had a node (what the log can tell). Nodes report the round their replica
+        holds when they are queried, so each one's next downlink starts there."""
+        from ..core.messages import Uplink, encode_uplink
+        wire = self.server.wire
+        if self.server.round:
+            raise RuntimeError("resume() needs a federation that has not run yet")
+        for rec in records:
+            plan = self.server.plan_logged(rec)
+            for cid in plan.participants:
+                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
+                if cid in rec.participants:
+                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire))
+            self.server.close_logged(rec)
+            self.state.apply(rec)
+
+    @property
+    def model(self):
+        return self.state.model
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+def serve_zo(grid, cfg: RunConfig, settings: Settings) -> dict:
+    """The ServerApp's body for a scalar-only ``cfg``: run it over the grid into ``settings.out_dir``."""
+    task = _task_for(cfg.model_dump_json())
+    holder = {}
+
+    before = _earlier_attempts(settings) if settings.resume else []
+    lineage = _lineage(settings)
+
+    def factory(cfg_, task_, on_record=None):
+        holder["fed"] = FlowerFederation(grid, task_, cfg_, settings, on_record, lineage=lineage)
+        return holder["fed"]
+
+    from ..runners.rundir import run_to_dir
+
+    summary = run_to_dir(cfg, settings.out_dir, task=task, runner=factory, resume=settings.resume)
+    fed = holder["fed"]
+    extra = {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
+                        "partitions_seen": sorted(fed.node_of), "earlier_attempts": before}}
+    Path(settings.out_dir, "flower.json").write_text(json.dumps(extra, indent=1))
+    if summary.get("diverged"):
+        raise RuntimeError(f"run diverged: {summary['diverged']}")
+    return summary
+
+def _lineage(settings: Settings) -> str:
+    """The run directory's trajectory id (``DIR/flower-lineage``): new for a new run, the same
+    for a resumed one. Nodes key their replicas by it instead of the Flower run id, so a
+    ServerApp that is restarted on the run directory finds every replica where it was (each
+    holds a round the log kept: a round's records reach a node only after its metrics row is
+    written, and resume keeps every round that has one) instead of replaying from x_0."""
+    import secrets
+    path = Path(settings.out_dir, "flower-lineage")
+    if settings.resume and path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    path.write_text(token + "\n")
+    return token
+
+def _earlier_attempts(settings: Settings) -> list:
+    """A resumed run's record of the attempts before it (``flower.json``, if the dead
+    ServerApp got to write one), kept beside the new attempt's timings."""
+    try:
+        old = json.loads(Path(settings.out_dir, "flower.json").read_text())["flower"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [*old.pop("earlier_attempts", []), old]
