@@ -18,7 +18,7 @@ from .core.momentum import MomentumConfig
 from .core.preconditioner import PreconditionerConfig
 from .core.privacy import DPConfig
 
-ZO_SCALAR = ("hiso", "decomfl")  # scalar-only protocol (seeds + scalars on the wire)
+ZO_SCALAR = ("hiso", "decomfl", "feedsign")  # scalar-only protocol (seeds + scalars on the wire)
 FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
 ALGORITHMS = ZO_SCALAR + FULL_MODEL
 
@@ -53,7 +53,8 @@ class RunConfig(BaseModel):
         "the problem: model, data and metric; a built-in name, or your own Task subclass as module:Class or "
         "path/to/file.py:Class"))
     algorithm: str = Field("hiso", description=(
-        "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; the others send the model)"))
+        "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; feedsign: seeds and one sign bit "
+        "per client-step, majority vote (P = 1, central differences by default); the others send the model)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -260,9 +261,26 @@ class RunConfig(BaseModel):
             parse_size(self.batch_memory)
         if self.h_bias_correction and self.nu == 0:
             raise ValueError("h_bias_correction needs nu > 0")
+        if self.algorithm == "feedsign":
+            self._feedsign_defaults()
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self
+
+    def _feedsign_defaults(self) -> None:
+        """FeedSign (arXiv 2501.17610) is one seed per step and a MeZO-style two-point estimate:
+        P = 1 and central differences unless set explicitly; other P, DP and momentum are refused."""
+        given = self.model_fields_set
+        if "perturbations" not in given:
+            self.perturbations = 1
+        if "difference" not in given:
+            self.difference = "central"
+        if self.perturbations != 1:
+            raise ValueError(f"feedsign uses one seed per step: perturbations must be 1, got {self.perturbations}")
+        if self.dp_clip is not None:
+            raise ValueError("differential privacy is for hiso and decomfl, not feedsign (its votes are not accounted)")
+        if self.momentum is not None:
+            raise ValueError("momentum is for hiso and decomfl, not feedsign")
 
     @property
     def dp_noise(self) -> float | None:
@@ -308,7 +326,7 @@ class RunConfig(BaseModel):
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
                         directions=self.directions, scalar_dtype=self.scalar_dtype, momentum=momentum,
-                        lr_decay=self.lr_decay, dp=dp)
+                        lr_decay=self.lr_decay, dp=dp, signs=self.algorithm == "feedsign")
 
 
 @functools.lru_cache(maxsize=64)

@@ -25,6 +25,7 @@ class ZOConfig:
     momentum: MomentumConfig | None = None  # server-side momentum (hiso.core.momentum); None: none
     lr_decay: float | None = None  # inverse-time decay horizon T (rounds): round r steps with lr / (1 + r / T)
     dp: DPConfig | None = None  # client-level differential privacy of the scalars (hiso.core.privacy); None: none
+    signs: bool = False  # FeedSign (hiso.core.feedsign): clients upload sign bits, the server logs the majority vote
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
