@@ -20,7 +20,8 @@ from .core.privacy import DPConfig
 
 ZO_SCALAR = ("hiso", "decomfl", "feedsign")  # scalar-only protocol (seeds + scalars on the wire)
 FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
-ALGORITHMS = ZO_SCALAR + FULL_MODEL
+SEED_POOL = ("fedkseed",)  # seeds from a fixed pool, (index, scalar) pairs on the wire (hiso.core.fedkseed)
+ALGORITHMS = ZO_SCALAR + SEED_POOL + FULL_MODEL
 
 
 def algorithm_family(algorithm: str) -> str:
@@ -54,7 +55,8 @@ class RunConfig(BaseModel):
         "path/to/file.py:Class"))
     algorithm: str = Field("hiso", description=(
         "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; feedsign: seeds and one sign bit "
-        "per client-step, majority vote (P = 1, central differences by default); the others send the model)"))
+        "per client-step, majority vote (P = 1, central differences by default); fedkseed: a fixed pool of seed_pool "
+        "seeds, (index, scalar) pairs on the wire; the others send the model)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -139,6 +141,13 @@ class RunConfig(BaseModel):
     dp_noise_seed: int | None = Field(None, ge=0, lt=2**63, description=(
         "DP: secret key of the noise (default: drawn at the run's start and kept in DIR/dp_secret.json, never "
         "sent); set it only for reproducible experiments"))
+    # FedKSeed (hiso.core.fedkseed)
+    seed_pool: int = Field(4096, description=(
+        "fedkseed: K, the candidate seeds fixed for the run (1..65536; default 4096, the paper's for LLMs: Qin et "
+        "al. 2024, Sec. 6)"))
+    seed_sampling: Literal["weighted", "uniform"] = Field("weighted", description=(
+        "fedkseed: how a local step picks its seed: weighted (FedKSeed-Pro: softmax of the min-max normalised mean "
+        "|scalar| per seed) or uniform (plain FedKSeed)"))
     # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
     server_lr: float | None = Field(None, gt=0, description=(
         "server learning rate of full-model baselines (default: 1.0 for fedavg and fedzo, 0.01 for fedadam, "
@@ -261,26 +270,33 @@ class RunConfig(BaseModel):
             parse_size(self.batch_memory)
         if self.h_bias_correction and self.nu == 0:
             raise ValueError("h_bias_correction needs nu > 0")
-        if self.algorithm == "feedsign":
-            self._feedsign_defaults()
+        if self.algorithm in ("feedsign", "fedkseed"):
+            self._one_seed_defaults()
+        if self.algorithm == "fedkseed":
+            from .core.fedkseed import check_pool
+            check_pool(self.seed_pool)
+            if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
+                raise ValueError("fedkseed runs with the plain mean only (no faults, attackers, robust or weighted "
+                                 "aggregation, lr decay)")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self
 
-    def _feedsign_defaults(self) -> None:
-        """FeedSign (arXiv 2501.17610) is one seed per step and a MeZO-style two-point estimate:
-        P = 1 and central differences unless set explicitly; other P, DP and momentum are refused."""
+    def _one_seed_defaults(self) -> None:
+        """FeedSign (arXiv 2501.17610) and FedKSeed (arXiv 2312.06353) take one seed per step and a
+        MeZO-style two-point estimate: P = 1 and central differences unless set explicitly; other
+        P, DP and momentum are refused."""
         given = self.model_fields_set
         if "perturbations" not in given:
             self.perturbations = 1
         if "difference" not in given:
             self.difference = "central"
         if self.perturbations != 1:
-            raise ValueError(f"feedsign uses one seed per step: perturbations must be 1, got {self.perturbations}")
+            raise ValueError(f"{self.algorithm} uses one seed per step: perturbations must be 1, got {self.perturbations}")
         if self.dp_clip is not None:
-            raise ValueError("differential privacy is for hiso and decomfl, not feedsign (its votes are not accounted)")
+            raise ValueError(f"differential privacy is for hiso and decomfl, not {self.algorithm}")
         if self.momentum is not None:
-            raise ValueError("momentum is for hiso and decomfl, not feedsign")
+            raise ValueError(f"momentum is for hiso and decomfl, not {self.algorithm}")
 
     @property
     def dp_noise(self) -> float | None:
