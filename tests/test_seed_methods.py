@@ -9,7 +9,7 @@ import torch
 from cli_helpers import run_cli
 from lm_fixtures import write_sst2, write_tiny_lm
 
-METHODS = ["feedsign", "fedkseed"]
+METHODS = ["feedsign", "fedkseed", "ferret"]
 
 
 @pytest.fixture(scope="module")

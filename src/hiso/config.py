@@ -18,7 +18,7 @@ from .core.momentum import MomentumConfig
 from .core.preconditioner import PreconditionerConfig
 from .core.privacy import DPConfig
 
-ZO_SCALAR = ("hiso", "decomfl", "feedsign")  # scalar-only protocol (seeds + scalars on the wire)
+ZO_SCALAR = ("hiso", "decomfl", "feedsign", "ferret")  # scalar-only protocol (seeds + scalars on the wire)
 FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
 SEED_POOL = ("fedkseed",)  # seeds from a fixed pool, (index, scalar) pairs on the wire (hiso.core.fedkseed)
 ALGORITHMS = ZO_SCALAR + SEED_POOL + FULL_MODEL
@@ -56,7 +56,8 @@ class RunConfig(BaseModel):
     algorithm: str = Field("hiso", description=(
         "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; feedsign: seeds and one sign bit "
         "per client-step, majority vote (P = 1, central differences by default); fedkseed: a fixed pool of seed_pool "
-        "seeds, (index, scalar) pairs on the wire; the others send the model)"))
+        "seeds, (index, scalar) pairs on the wire; ferret: first-order local steps, K projections per block on "
+        "the wire; the others send the model)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -148,6 +149,12 @@ class RunConfig(BaseModel):
     seed_sampling: Literal["weighted", "uniform"] = Field("weighted", description=(
         "fedkseed: how a local step picks its seed: weighted (FedKSeed-Pro: softmax of the min-max normalised mean "
         "|scalar| per seed) or uniform (plain FedKSeed)"))
+    # Ferret (hiso.core.ferret)
+    ferret_k: int = Field(200, description=(
+        "ferret: K, the random directions per parameter block the local update is projected on (default 200, the "
+        "authors' script; ferret_k x ferret_blocks <= 65536)"))
+    ferret_blocks: int = Field(8, description=(
+        "ferret: B, contiguous blocks of trainable tensors of about equal size, each with its own K directions"))
     # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
     server_lr: float | None = Field(None, gt=0, description=(
         "server learning rate of full-model baselines (default: 1.0 for fedavg and fedzo, 0.01 for fedadam, "
@@ -272,6 +279,8 @@ class RunConfig(BaseModel):
             raise ValueError("h_bias_correction needs nu > 0")
         if self.algorithm in ("feedsign", "fedkseed"):
             self._one_seed_defaults()
+        if self.algorithm == "ferret":
+            self._ferret_checks()
         if self.algorithm == "fedkseed":
             from .core.fedkseed import check_pool
             check_pool(self.seed_pool)
@@ -281,6 +290,18 @@ class RunConfig(BaseModel):
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self
+
+    def _ferret_checks(self) -> None:
+        from .core.seeds import MAX_PER_ROUND
+        if self.ferret_k < 1 or self.ferret_blocks < 1:
+            raise ValueError(f"ferret needs ferret_k >= 1 and ferret_blocks >= 1, got {self.ferret_k} and "
+                             f"{self.ferret_blocks}")
+        if self.ferret_k * self.ferret_blocks > MAX_PER_ROUND:
+            raise ValueError(f"ferret_k x ferret_blocks = {self.ferret_k * self.ferret_blocks} seeds a round, more "
+                             f"than the format allows ({MAX_PER_ROUND})")
+        for name in ("dp_clip", "momentum", "lr_decay"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is for hiso and decomfl, not ferret")
 
     def _one_seed_defaults(self) -> None:
         """FeedSign (arXiv 2501.17610) and FedKSeed (arXiv 2312.06353) take one seed per step and a
@@ -328,7 +349,7 @@ class RunConfig(BaseModel):
     def resolved_server_lr(self) -> float:
         if self.server_lr is not None:
             return self.server_lr
-        return 1.0 if self.algorithm in ("fedavg", "fedzo") else 0.01
+        return 1.0 if self.algorithm in ("fedavg", "fedzo", "ferret") else 0.01
 
     def zo(self) -> ZOConfig:
         precond = None
@@ -337,6 +358,11 @@ class RunConfig(BaseModel):
                                            h_max=self.h_max, source=self.h_source, stat=self.h_stat,
                                            granularity=self.h_granularity,
                                            bias_correction=self.h_bias_correction)
+        if self.algorithm == "ferret":  # the record's (tau, P) is (blocks, K); tau local steps live in FerretConfig
+            from .core.ferret import FerretConfig
+            return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.ferret_k, local_steps=self.ferret_blocks,
+                            directions=self.directions, scalar_dtype=self.scalar_dtype,
+                            ferret=FerretConfig(self.local_steps, self.resolved_server_lr(), self.ferret_blocks))
         momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
         dp = None if self.dp_clip is None else DPConfig(self.dp_clip, self.dp_noise, self.dp_mode)
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,

@@ -222,6 +222,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     task = on_device(task, cfg.device) if task is not None else build_task(cfg)
+    if cfg.algorithm == "ferret" and not getattr(task, "differentiable", True):
+        raise ValueError(f"ferret takes first-order local steps: task {cfg.task} has no gradients (a black box): "
+                         f"use a zeroth-order algorithm (hiso, decomfl, feedsign, fedkseed)")
     info = task.describe()
     out.mkdir(parents=True, exist_ok=True)
     kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
