@@ -69,3 +69,19 @@ def test_flower_server_logic_matches_the_simulator(tmp_path, monkeypatch, method
     fb = json.loads((tmp_path / "flower" / "summary.json").read_text())["communication_per_client"]
     sb = json.loads((tmp_path / "sim" / "summary.json").read_text())["communication_per_client"]
     assert fb["bytes_up_mean"] > 0 and sb["bytes_up_mean"] > 0
+
+
+def test_ferret_runs_on_lora_adapters_and_rebuilds_bit_for_bit(tmp_path, capsys, lm_files):
+    out = tmp_path / "run"
+    code, _, err = run_cli(["run", "--out", str(out), "--algorithm", "ferret", *_task_flags("sst2", lm_files),
+                            "--lora-r", "2", "--ferret-k", "4", "--ferret-blocks", "2", "--eval-every", "3",
+                            "--quiet"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["rebuild", str(out), "--out", str(tmp_path / "rb.pt")], capsys)
+    assert code == 0, err
+    a, b = torch.load(out / "model.pt"), torch.load(tmp_path / "rb.pt")
+    assert a["model"] and all("lora_" in k for k in a["model"])  # the adapters only
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    info = json.loads((out / "config.json").read_text())["task_info"]
+    moved = sum(float(v.abs().sum()) for k, v in a["model"].items() if "lora_B" in k)
+    assert moved > 0 and info["trainable_params"] < info["total_params"]  # lora_B starts at 0: it moved

@@ -378,6 +378,9 @@ def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "
     weights differ from the run's (fingerprint in ``config.json``), is refused here."""
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
+    if cfg.algorithm == "fedkseed":
+        raise ValueError(f"{run_dir} is a fedkseed run: only `hiso rebuild` reads its log so far (its model.pt holds "
+                         f"the final model)")
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
     records = read_run_history(run_dir, cfg).records
