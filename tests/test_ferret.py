@@ -1,6 +1,5 @@
 """Ferret: first-order local steps, the update projected on K seeded directions per block."""
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
