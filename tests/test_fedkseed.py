@@ -134,3 +134,16 @@ def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):
                             "--rounds", "2", "--quiet", *flags], capsys)
     assert code == 2 and msg in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_fast_and_faithful_modes_agree():
+    task = TinyTask(num_clients=10)
+    sims = [FedKSeedSimulation(task, _cfg(clients=10, sampled=3, seed_pool=8, lr=0.02, mode=m, batch_size=8))
+            for m in ("fast", "faithful")]
+    for _ in range(15):
+        for s in sims:
+            s.step()
+    a, b = sims
+    assert all(np.array_equal(x.idx, y.idx) and np.array_equal(x.g, y.g) for x, y in zip(a.records, b.records))
+    assert all(torch.equal(x, y) for x, y in zip(a.state.params, b.state.params))
+    assert np.array_equal(a.comm.up, b.comm.up) and np.array_equal(a.comm.down, b.comm.down)

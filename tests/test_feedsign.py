@@ -11,6 +11,7 @@ from hiso.config import load_config
 from hiso.core import Client, Downlink, ModelState, decode_downlink, encode_downlink
 from hiso.core.directions import direction
 from hiso.core.feedsign import pack, unpack
+from hiso.core.history import read_history
 from hiso.core.messages import MessageError, Uplink, Wire, decode_uplink, encode_uplink
 from hiso.core.seeds import round_seeds
 from hiso.core.server import Server
@@ -137,6 +138,9 @@ def test_cli_run_records_the_defaults_and_rebuild_is_bit_identical(tmp_path, cap
     assert code == 0, err
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["algorithm"], cfg["perturbations"], cfg["difference"]) == ("feedsign", 1, "central")
+    tau, P, records = read_history(out / "history.bin")  # the logged scalars are the votes
+    assert (tau, P, len(records)) == (1, 1, 30)
+    assert {float(r.scalars[0, 0]) for r in records} <= {-1.0, 0.0, 1.0}
     code, _, err = run_cli(["rebuild", str(out), "--out", str(tmp_path / "rb.pt")], capsys)
     assert code == 0, err
     a, b = torch.load(out / "model.pt"), torch.load(tmp_path / "rb.pt")
