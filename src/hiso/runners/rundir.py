@@ -212,6 +212,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     ``tracking`` (:class:`hiso.report.tracking.Tracking`): each row also goes to TensorBoard / MLflow.
     """
     out = Path(out)
+    if resume and cfg.algorithm == "fedkseed":
+        raise ValueError("fedkseed runs cannot be resumed yet (their log is read by hiso rebuild only): start again "
+                         "with --force")
     if resume and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          f"their state from (start again with --force)")
