@@ -144,8 +144,8 @@ class RunConfig(BaseModel):
         "sent); set it only for reproducible experiments"))
     # FedKSeed (hiso.core.fedkseed)
     seed_pool: int = Field(4096, description=(
-        "fedkseed: K, the candidate seeds fixed for the run (1..65536; default 4096, the paper's for LLMs: Qin et "
-        "al. 2024, Sec. 6)"))
+        "fedkseed: K, the candidate seeds fixed for the run (1..65536; default 4096, the value of the paper's LLM "
+        "runs, Qin et al. 2024)"))
     seed_sampling: Literal["weighted", "uniform"] = Field("weighted", description=(
         "fedkseed: how a local step picks its seed: weighted (FedKSeed-Pro: softmax of the min-max normalised mean "
         "|scalar| per seed) or uniform (plain FedKSeed)"))

@@ -6,8 +6,9 @@
   a two-point estimate g_k = (f_i(x + mu z_j) - f_i(x - mu z_j)) / (2 mu) on the step's minibatch,
   x <- x - eta g_k z_j (the local iterate; :func:`hiso.core.estimator.local_update` with P = 1).
   The client uploads its tau (j_k, g_k) pairs.
-* Probabilities (FedKSeed-Pro, the paper's Sec. 4.3 and its code's ``min_max_norm`` and
-  ``softmax``): psi_j = the mean |g| of every scalar ever uploaded for seed j (0 for a seed never
+* Probabilities (FedKSeed-Pro's probability-differentiated sampling; the normalisation and
+  softmax as the helpers ``min_max_norm`` and ``softmax`` of the FedKSeed code base, which
+  Ferret's public repository still carries; the text of the paper was not at hand here): psi_j = the mean |g| of every scalar ever uploaded for seed j (0 for a seed never
   used), psi <- (psi - min psi) / (max psi + 1e-10 - min psi), p = softmax(psi). With
   ``sampling="uniform"`` p = 1/K (plain FedKSeed). Every replica computes p from the log alone.
 * Server: the record of round r is every participant's pairs; the global step is
@@ -44,7 +45,7 @@ from .messages import (VERSION, MessageError, check_head, decode_scalars, encode
 from .seeds import MASK, mix64
 from .state import ModelState
 
-DEFAULT_POOL = 4096  # K of the paper's LLM runs (Qin et al. 2024, Sec. 6: "K = 4096")
+DEFAULT_POOL = 4096  # K of the paper's LLM runs (Qin et al. 2024), as we recall it: check before quoting
 MAX_POOL = 1 << 16  # seed indices travel as u16
 SAMPLING = ("weighted", "uniform")  # FedKSeed-Pro's probabilities, or plain FedKSeed's uniform draw
 _DOMAIN = 0x6869736F2D706F6F  # b"hiso-poo"
