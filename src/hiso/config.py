@@ -18,9 +18,10 @@ from .core.momentum import MomentumConfig
 from .core.preconditioner import PreconditionerConfig
 from .core.privacy import DPConfig
 
-ZO_SCALAR = ("hiso", "decomfl")  # scalar-only protocol (seeds + scalars on the wire)
+ZO_SCALAR = ("hiso", "decomfl", "feedsign", "ferret")  # scalar-only protocol (seeds + scalars on the wire)
 FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
-ALGORITHMS = ZO_SCALAR + FULL_MODEL
+SEED_POOL = ("fedkseed",)  # seeds from a fixed pool, (index, scalar) pairs on the wire (hiso.core.fedkseed)
+ALGORITHMS = ZO_SCALAR + SEED_POOL + FULL_MODEL
 
 
 def algorithm_family(algorithm: str) -> str:
@@ -53,7 +54,10 @@ class RunConfig(BaseModel):
         "the problem: model, data and metric; a built-in name, or your own Task subclass as module:Class or "
         "path/to/file.py:Class"))
     algorithm: str = Field("hiso", description=(
-        "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; the others send the model)"))
+        "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; feedsign: seeds and one sign bit "
+        "per client-step, majority vote (P = 1, central differences by default); fedkseed: a fixed pool of seed_pool "
+        "seeds, (index, scalar) pairs on the wire; ferret: first-order local steps, K projections per block on "
+        "the wire; the others send the model)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -138,6 +142,19 @@ class RunConfig(BaseModel):
     dp_noise_seed: int | None = Field(None, ge=0, lt=2**63, description=(
         "DP: secret key of the noise (default: drawn at the run's start and kept in DIR/dp_secret.json, never "
         "sent); set it only for reproducible experiments"))
+    # FedKSeed (hiso.core.fedkseed)
+    seed_pool: int = Field(4096, description=(
+        "fedkseed: K, the candidate seeds fixed for the run (1..65536; default 4096, the value of the paper's LLM "
+        "runs, Qin et al. 2024)"))
+    seed_sampling: Literal["weighted", "uniform"] = Field("weighted", description=(
+        "fedkseed: how a local step picks its seed: weighted (FedKSeed-Pro: softmax of the min-max normalised mean "
+        "|scalar| per seed) or uniform (plain FedKSeed)"))
+    # Ferret (hiso.core.ferret)
+    ferret_k: int = Field(200, description=(
+        "ferret: K, the random directions per parameter block the local update is projected on (default 200, the "
+        "authors' script; ferret_k x ferret_blocks <= 65536)"))
+    ferret_blocks: int = Field(8, description=(
+        "ferret: B, contiguous blocks of trainable tensors of about equal size, each with its own K directions"))
     # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
     server_lr: float | None = Field(None, gt=0, description=(
         "server learning rate of full-model baselines (default: 1.0 for fedavg and fedzo, 0.01 for fedadam, "
@@ -260,9 +277,47 @@ class RunConfig(BaseModel):
             parse_size(self.batch_memory)
         if self.h_bias_correction and self.nu == 0:
             raise ValueError("h_bias_correction needs nu > 0")
+        if self.algorithm in ("feedsign", "fedkseed"):
+            self._one_seed_defaults()
+        if self.algorithm == "ferret":
+            self._ferret_checks()
+        if self.algorithm == "fedkseed":
+            from .core.fedkseed import check_pool
+            check_pool(self.seed_pool)
+            if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
+                raise ValueError("fedkseed runs with the plain mean only (no faults, attackers, robust or weighted "
+                                 "aggregation, lr decay)")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self
+
+    def _ferret_checks(self) -> None:
+        from .core.seeds import MAX_PER_ROUND
+        if self.ferret_k < 1 or self.ferret_blocks < 1:
+            raise ValueError(f"ferret needs ferret_k >= 1 and ferret_blocks >= 1, got {self.ferret_k} and "
+                             f"{self.ferret_blocks}")
+        if self.ferret_k * self.ferret_blocks > MAX_PER_ROUND:
+            raise ValueError(f"ferret_k x ferret_blocks = {self.ferret_k * self.ferret_blocks} seeds a round, more "
+                             f"than the format allows ({MAX_PER_ROUND})")
+        for name in ("dp_clip", "momentum", "lr_decay"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is for hiso and decomfl, not ferret")
+
+    def _one_seed_defaults(self) -> None:
+        """FeedSign (arXiv 2501.17610) and FedKSeed (arXiv 2312.06353) take one seed per step and a
+        MeZO-style two-point estimate: P = 1 and central differences unless set explicitly; other
+        P, DP and momentum are refused."""
+        given = self.model_fields_set
+        if "perturbations" not in given:
+            self.perturbations = 1
+        if "difference" not in given:
+            self.difference = "central"
+        if self.perturbations != 1:
+            raise ValueError(f"{self.algorithm} uses one seed per step: perturbations must be 1, got {self.perturbations}")
+        if self.dp_clip is not None:
+            raise ValueError(f"differential privacy is for hiso and decomfl, not {self.algorithm}")
+        if self.momentum is not None:
+            raise ValueError(f"momentum is for hiso and decomfl, not {self.algorithm}")
 
     @property
     def dp_noise(self) -> float | None:
@@ -294,7 +349,7 @@ class RunConfig(BaseModel):
     def resolved_server_lr(self) -> float:
         if self.server_lr is not None:
             return self.server_lr
-        return 1.0 if self.algorithm in ("fedavg", "fedzo") else 0.01
+        return 1.0 if self.algorithm in ("fedavg", "fedzo", "ferret") else 0.01
 
     def zo(self) -> ZOConfig:
         precond = None
@@ -303,12 +358,17 @@ class RunConfig(BaseModel):
                                            h_max=self.h_max, source=self.h_source, stat=self.h_stat,
                                            granularity=self.h_granularity,
                                            bias_correction=self.h_bias_correction)
+        if self.algorithm == "ferret":  # the record's (tau, P) is (blocks, K); tau local steps live in FerretConfig
+            from .core.ferret import FerretConfig
+            return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.ferret_k, local_steps=self.ferret_blocks,
+                            directions=self.directions, scalar_dtype=self.scalar_dtype,
+                            ferret=FerretConfig(self.local_steps, self.resolved_server_lr(), self.ferret_blocks))
         momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
         dp = None if self.dp_clip is None else DPConfig(self.dp_clip, self.dp_noise, self.dp_mode)
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
                         directions=self.directions, scalar_dtype=self.scalar_dtype, momentum=momentum,
-                        lr_decay=self.lr_decay, dp=dp)
+                        lr_decay=self.lr_decay, dp=dp, signs=self.algorithm == "feedsign")
 
 
 @functools.lru_cache(maxsize=64)

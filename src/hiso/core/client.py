@@ -34,8 +34,13 @@ def answer(cid: int, state: ModelState, perturber: Perturber, loss_fn: LossFn, b
 
     Under local differential privacy the scalars are clipped and noised here, before they
     leave (``dp_seed``: the client's secret for its noise; see :mod:`hiso.core.privacy`)."""
-    batches = [batch_fn(msg.round, k) for k in range(state.cfg.local_steps)]
-    res = local_update(state, perturber, loss_fn, batches, msg.seeds)
+    fer = state.cfg.ferret
+    batches = [batch_fn(msg.round, k) for k in range(state.cfg.local_steps if fer is None else fer.steps)]
+    if fer is not None:  # Ferret: first-order steps, the update projected (hiso.core.ferret)
+        from .ferret import local_update as ferret_update
+        res = ferret_update(state, loss_fn, batches, msg.seeds)
+    else:
+        res = local_update(state, perturber, loss_fn, batches, msg.seeds)
     scalars, dp = res.scalars, state.cfg.dp
     if dp is not None and dp.mode == "local":
         scalars = private_answer(scalars, dp, dp_seed, msg.round, msg.attempt, cid)

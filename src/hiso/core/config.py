@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from .ferret import FerretConfig
 from .momentum import MomentumConfig
 from .preconditioner import PreconditionerConfig
 from .privacy import DPConfig
@@ -25,6 +26,8 @@ class ZOConfig:
     momentum: MomentumConfig | None = None  # server-side momentum (hiso.core.momentum); None: none
     lr_decay: float | None = None  # inverse-time decay horizon T (rounds): round r steps with lr / (1 + r / T)
     dp: DPConfig | None = None  # client-level differential privacy of the scalars (hiso.core.privacy); None: none
+    ferret: FerretConfig | None = None  # Ferret (hiso.core.ferret): (tau, P) is then (blocks, K)
+    signs: bool = False  # FeedSign (hiso.core.feedsign): clients upload sign bits, the server logs the majority vote
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

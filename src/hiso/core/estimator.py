@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import exact
+from . import feedsign
 from .perturb import Perturber, Shift
 from .state import ModelState, step_direction
 
@@ -76,6 +77,8 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
                     losses.append(0.5 * (fp + fm))
             if not np.all(np.isfinite(scalars[k])):
                 raise FloatingPointError(f"non-finite ZO scalar at local step {k} (loss diverged: lower lr or mu)")
+            if cfg.signs:  # FeedSign: the client keeps (and steps with) only the sign
+                scalars[k] = feedsign.signs(scalars[k])
             if delta is not None and (k < tau - 1 or return_delta):
                 for i, prm in enumerate(state.params):
                     ghat = step_direction(gen, i, prm, seeds[k], scalars[k], state.h_of(i))

@@ -19,6 +19,9 @@ kind       direction  fields after ``version, kind``
                       the mean local loss (scalar dtype, if flags & 1)
 =========  =========  ===============================================================
 
+FeedSign (``Wire.signs``): an uplink's tau*P scalars are signs, packed 8 to a byte
+(:func:`hiso.core.feedsign.pack`: ceil(tau*P / 8) bytes); everything else is unchanged.
+
 ``n_retried`` lists the missed rounds that were planned more than once (record j of the
 history has attempt_j > 0; almost never), so a record costs its scalars and nothing else.
 tau, P and the scalar dtype are part of the configuration both sides fingerprint at the
@@ -43,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import feedsign
 from .history import RoundRecord
 from .seeds import MAX_ATTEMPT, MAX_ROUND, round_seeds, seeds_of
 
@@ -156,13 +160,15 @@ class Wire:
     P: int
     dtype: str = "float32"
     seed: int = 0
+    signs: bool = False  # FeedSign: uplink scalars are signs, packed 8 to a byte
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
 
     @classmethod
     def of(cls, zo, seed: int) -> "Wire":
-        return cls(zo.local_steps, zo.perturbations, getattr(zo, "scalar_dtype", "float32"), seed)
+        return cls(zo.local_steps, zo.perturbations, getattr(zo, "scalar_dtype", "float32"), seed,
+                   bool(getattr(zo, "signs", False)))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -435,7 +441,12 @@ def encode_uplink(msg: Uplink, wire: Wire | None = None, *, check: bool = True) 
     put_varint(out, msg.client)
     put_varint(out, msg.round)
     put_varint(out, msg.attempt)
-    out += encode_scalars(msg.scalars, dtype, check)
+    if wire is not None and wire.signs:
+        if check and not np.all(np.abs(msg.scalars) == 1):
+            raise ValueError(f"uplink from client {msg.client}: FeedSign sends signs (+1 / -1), got other values")
+        out += feedsign.pack(msg.scalars)
+    else:
+        out += encode_scalars(msg.scalars, dtype, check)
     if msg.loss is not None:  # in the scalar dtype too (monitoring only)
         out += encode_scalars(np.array([msg.loss]), dtype, check)
     return bytes(out)
@@ -459,6 +470,15 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
     if expect_round is not None and rnd != expect_round:
         raise MessageError(f"uplink from client {client}: round {rnd}, but the server is in round {expect_round}")
     has_loss = bool(flags & FLAG_LOSS)
+    if wire.signs:  # FeedSign: packed sign bits, then the loss
+        nb = feedsign.packed_size(wire.n)
+        _end(data, off + nb + (wire.scalar_bytes if has_loss else 0), f"uplink from client {client}")
+        try:
+            scalars = feedsign.unpack(data, off, wire.n).reshape(wire.shape)
+        except ValueError as e:
+            raise MessageError(f"uplink from client {client}: {e}") from None
+        vals = decode_scalars(data, off + nb, 1, wire.dtype) if has_loss else None
+        return Uplink(client, rnd, scalars, float(vals[0]) if has_loss else None, att)
     n = wire.n + (1 if has_loss else 0)
     _end(data, off + n * wire.scalar_bytes, f"uplink from client {client}")
     vals = decode_scalars(data, off, n, wire.dtype)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import feedsign
 from .aggregate import check_rule, combine
 from .history import RoundRecord
 from .messages import Downlink, MessageError, Uplink, Wire, encode_state, quantize, state_size, varint_size
@@ -82,7 +83,7 @@ class Server:
                  rule: str = "mean", trim: float = 0.25,
                  scalar_dtype: str = "float32", replica=None, snapshot_after: int | None = None,
                  bandwidth: float | None = None, replay_rate: float = REPLAY_RATE,
-                 dp: DPConfig | None = None, noise_seed: int = 0):
+                 dp: DPConfig | None = None, noise_seed: int = 0, signs: bool = False):
         if num_clients < 1:
             raise ValueError(f"need at least one client, got {num_clients}")
         if not 1 <= clients_per_round <= num_clients:
@@ -90,6 +91,8 @@ class Server:
         if weights is not None and (len(weights) != num_clients or min(weights) <= 0):
             raise ValueError("weights must be one positive number per client")
         check_rule(rule, trim)
+        if signs and dp is not None:
+            raise ValueError("FeedSign's votes are not accounted for differential privacy: turn DP off")
         if dp is not None and (rule != "mean" or weights is not None):
             raise ValueError("differential privacy is accounted for the plain mean: use --aggregate mean without --weighted")
         # central DP: the server clips and noises the sum (the noise keyed by a secret, never sent)
@@ -101,7 +104,7 @@ class Server:
         # separate streams: who is sampled does not depend on how many seeds a round draws,
         # so every algorithm (scalar-only or full-model) sees the same participants for a seed
         self._sample_rng = client_sampler(seed)
-        self.wire = Wire(local_steps, perturbations, scalar_dtype, seed)
+        self.wire = Wire(local_steps, perturbations, scalar_dtype, seed, signs)  # signs: FeedSign's majority vote
         self.attempt = 0  # how often the current round was planned and abandoned
         self.history: list[RoundRecord] = []  # the kept records: rounds first .. round-1
         self.first = 0
@@ -231,6 +234,8 @@ class Server:
             agg = private_mean(g, self.dp, self._noise_seed, plan.round, plan.attempt).astype(np.float32)
         else:
             agg = combine(g, w, self.rule, self.trim).astype(np.float32)
+        if self.wire.signs:  # FeedSign: the sign of the combined signs, the (weighted) majority vote
+            agg = feedsign.vote(agg)
         # logged (and so applied by every replica) as the wire carries it: exact by construction
         rec = RoundRecord(plan.round, plan.seeds, quantize(agg, self.wire.dtype), answered, plan.attempt)
         self._log(rec)

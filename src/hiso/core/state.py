@@ -67,6 +67,9 @@ class ModelState:
 
         With momentum x moves along the buffer m instead (:mod:`hiso.core.momentum`); with a
         blockwise H (:mod:`hiso.core.preconditioner`) H is updated after every tensor's step."""
+        if self.cfg.ferret is not None:  # Ferret: each block's own K directions (hiso.core.ferret)
+            from . import ferret
+            return ferret.apply_(self, record)
         if record.round != self.round:
             raise ValueError(f"replica is at round {self.round}, cannot apply record of round {record.round}")
         tau, P = self.cfg.shape

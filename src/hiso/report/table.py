@@ -56,7 +56,7 @@ from statistics import mean, stdev
 
 from ..tasks.registry import higher_is_better  # the one rule (re-exported here)
 
-DISPLAY = {"hiso": "HiSo", "decomfl": "DeComFL", "fedzo": "FedZO", "fedavg": "FedAvg",
+DISPLAY = {"hiso": "HiSo", "decomfl": "DeComFL", "feedsign": "FeedSign", "fedkseed": "FedKSeed", "ferret": "Ferret", "fedzo": "FedZO", "fedavg": "FedAvg",
            "fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad"}
 METRIC_LABEL = {"eval_acc": "eval accuracy", "eval_loss": "eval loss", "gap": "optimality gap",
                 "val_acc": "validation accuracy", "val_loss": "validation loss"}

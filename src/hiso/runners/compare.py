@@ -131,7 +131,8 @@ SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
                    "difference", "batch_size", "eval_every", "weighted", "mode", "perturb_mode", "batch_memory",
                    "nu", "eps", "h_min", "h_max", "h_source", "server_lr", "beta1", "beta2",
-                   "server_tau", "wire_dtype", "threads", "diverge_factor"}
+                   "server_tau", "wire_dtype", "threads", "diverge_factor", "seed_pool", "seed_sampling", "ferret_k",
+                   "ferret_blocks"}
 # RunConfig fields that may differ between a finished run and the one asked for now
 RESUME_IGNORED = {"threads"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")

@@ -71,6 +71,9 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
                           attackers=attackers, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth,
                           batch_memory=cfg.batch_memory_bytes, dp_seed=cfg.dp_noise_seed,
                           privacy=privacy_metrics(cfg), dp_budget=privacy_budget(cfg))
+    if cfg.algorithm == "fedkseed":
+        from .fedkseed import FedKSeedSimulation
+        return FedKSeedSimulation(task, cfg, on_record)
     from .fullmodel import FullModelSimulation
     return FullModelSimulation(task, cfg)
 
@@ -223,12 +226,18 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     ``tracking`` (:class:`hiso.report.tracking.Tracking`): each row also goes to TensorBoard / MLflow.
     """
     out = Path(out)
+    if resume and cfg.algorithm == "fedkseed":
+        raise ValueError("fedkseed runs cannot be resumed yet (their log is read by hiso rebuild only): start again "
+                         "with --force")
     if resume and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          f"their state from (start again with --force)")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     task = on_device(task, cfg.device) if task is not None else build_task(cfg)
+    if cfg.algorithm == "ferret" and not getattr(task, "differentiable", True):
+        raise ValueError(f"ferret takes first-order local steps: task {cfg.task} has no gradients (a black box): "
+                         f"use a zeroth-order algorithm (hiso, decomfl, feedsign, fedkseed)")
     info = task.describe()
     out.mkdir(parents=True, exist_ok=True)
     kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
@@ -246,6 +255,10 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape,
                                                      keep=len(records) if resume else None, seed=cfg.seed,
                                                      scalar_dtype=cfg.scalar_dtype, directions=cfg.directions))
+        elif cfg.algorithm == "fedkseed":  # its own log: each round's (index, scalar) pairs
+            from ..core.fedkseed import PoolLogWriter
+            hist = stack.enter_context(PoolLogWriter(out / "history.bin", cfg.local_steps, cfg.seed_pool, cfg.seed,
+                                                     cfg.scalar_dtype))
 
         def log(rec):  # a round that left x or H non-finite is not logged (and not counted)
             st = sim.state
@@ -398,6 +411,9 @@ def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "
     weights differ from the run's (fingerprint in ``config.json``), is refused here."""
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
+    if cfg.algorithm == "fedkseed":
+        raise ValueError(f"{run_dir} is a fedkseed run: only `hiso rebuild` reads its log so far (its model.pt holds "
+                         f"the final model)")
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
     records = read_run_history(run_dir, cfg).records
@@ -425,6 +441,12 @@ def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu",
     """x_0 (see :func:`start_replica`), then the logged rounds replayed on ``device`` (whatever
     device the run used): every one (the final model) or the first ``round`` (x_round, the model a
     run stopped at that round saves). Returns the replica and its ``model.pt`` checkpoint."""
+    cfg, info = saved_config(run_dir)
+    if cfg.algorithm == "fedkseed":  # fold the log, then one materialisation (at most K draws)
+        from .fedkseed import rebuild_pool
+        rep = rebuild_pool(run_dir, cfg, on_device(task, device) if task is not None else
+                           build_task(cfg.model_copy(update={"device": device})), round)
+        return rep.state, checkpoint(rep.state.state_dict(), info)
     state, _, _, info, records = start_replica(run_dir, task, device)
     state.replay(logged_rounds(records, round, run_dir))
     return state, checkpoint(state.state_dict(), info)

@@ -389,7 +389,7 @@ def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int,
         noise_seed = secrets.randbits(63)
     return Server(task.num_clients, clients_per_round, zo.local_steps, zo.perturbations, seed=seed, weights=weights,
                   scalar_dtype=zo.scalar_dtype, replica=replica, snapshot_after=snapshot_after, bandwidth=bandwidth,
-                  rule=rule, trim=trim, dp=zo.dp, noise_seed=noise_seed)
+                  rule=rule, trim=trim, dp=zo.dp, noise_seed=noise_seed, signs=zo.signs)
 
 
 class _Blob:

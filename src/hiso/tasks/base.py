@@ -29,6 +29,7 @@ class Task(ABC):
     """
 
     name: str = "task"
+    differentiable: bool = True  # loss() can be backpropagated (False: a black box, ZO methods only)
     metrics: dict[str, str] = {"eval_loss": "min"}
     default_lr: dict[str, float] = {}
 

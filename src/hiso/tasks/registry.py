@@ -199,7 +199,7 @@ def build_task(cfg: "RunConfig") -> "Task":
 
 def algorithm_family(algorithm: str) -> str:
     """ "zo" (hiso, decomfl, fedzo) or "first-order" (fedavg, fedadam, fedyogi, fedadagrad)."""
-    return "zo" if algorithm in ("hiso", "decomfl", "fedzo") else "first-order"
+    return "zo" if algorithm in ("hiso", "decomfl", "fedzo", "feedsign", "fedkseed") else "first-order"
 
 
 def default_lr(task: str, algorithm: str, lora: bool = False) -> float:

@@ -1,0 +1,51 @@
+"""FeedSign (Cai, Chen, Zhu, arXiv 2501.17610): one seed and one bit per client-step.
+
+Each local step k of round r uses one direction z (P = 1, seed derived as for every
+algorithm) and a two-point (central, MeZO-style) estimate of the directional derivative
+
+    g_i = (f_i(x + mu z) - f_i(x - mu z)) / (2 mu).
+
+The client uploads only b_i = sign(g_i) (one bit: +1 if g_i > 0, else -1; a flat loss, g = 0,
+counts as -1), the server takes the majority vote v = sign(sum_i w_i b_i) (0 on an exact tie:
+no step), logs v as the round's scalar, and every replica applies x <- x - eta v z, the
+DeComFL step with P = 1 and the vote as its scalar (:class:`~hiso.core.state.ModelState`
+folds it unchanged). With tau > 1 a client's local step k+1 starts from x - eta b_i z_k.
+
+On the wire (:mod:`hiso.core.messages`) an uplink's tau signs are packed 8 to a byte (bit j of
+byte j // 8, least significant first, is sign j in (k, p) order: 1 is +1; pad bits 0). The
+votes are logged and sent down in the run's scalar dtype (they take the values -1, 0, +1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def signs(g) -> np.ndarray:
+    """float32 +1 where g > 0, else -1 (what a client uploads; same shape as g)."""
+    return np.where(np.asarray(g) > 0, np.float32(1), np.float32(-1)).astype(np.float32)
+
+
+def vote(mean) -> np.ndarray:
+    """The majority vote from the (weighted) mean of the clients' signs: float32 -1, 0 or +1."""
+    return np.sign(np.asarray(mean, dtype=np.float64)).astype(np.float32)
+
+
+def packed_size(n: int) -> int:
+    """Bytes of n packed signs."""
+    return (n + 7) // 8
+
+
+def pack(s) -> bytes:
+    """Signs (+1 / -1; anything > 0 counts as +1) to bytes, 8 per byte, least significant bit first."""
+    bits = (np.asarray(s, dtype=np.float32).reshape(-1) > 0).astype(np.uint8)
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def unpack(data, off: int, n: int) -> np.ndarray:
+    """n signs (float32 +1 / -1) from ``data[off:]``; set pad bits are an error (ValueError)."""
+    raw = np.frombuffer(data, np.uint8, packed_size(n), off)
+    bits = np.unpackbits(raw, bitorder="little")
+    if bits[n:].any():
+        raise ValueError("packed signs: pad bits are set")
+    return np.where(bits[:n] == 1, np.float32(1), np.float32(-1)).astype(np.float32)

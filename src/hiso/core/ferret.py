@@ -1,0 +1,121 @@
+"""Ferret (Shao et al., ICML 2025, arXiv 2409.06277): first-order local steps, the local update
+projected onto K seeded random directions per parameter block, K numbers per block uploaded.
+
+Round r, client i, from x_r:
+
+1. ``steps`` SGD steps with backpropagation on its minibatches (client lr eta):
+   Delta_i = x_r - x_{r,steps} (float32 tensors; x_r is restored exactly afterwards).
+2. The trainable tensors (protocol order) form B contiguous blocks of about equal size
+   (:func:`blocks_of`). Block b gets K directions v_{b,k} (k < K): tensor t of block b takes
+   ``DirectionGenerator.fill(s_{r,b,k}, t)``, the direction kernels every algorithm uses, with
+   the seeds s_{r,b,k} derived from the run seed like every round's seeds (the record's (tau, P)
+   shape is (B, K)). The client uploads s_{i,b,k} = <Delta_i restricted to b, v_{b,k}>.
+3. The server averages the (B, K) numbers over its clients (any rule of
+   :mod:`hiso.core.aggregate`) and logs them; every replica applies, tensor by tensor,
+   x <- x - server_lr * (1/K) sum_k sbar_{b,k} v_{b,k} (one ``combine`` per tensor).
+
+With Rademacher (or Gaussian) directions E[v v^T] = I, so (1/K) sum_k <Delta, v_k> v_k is an
+unbiased reconstruction of Delta: with server_lr = 1 the global step is FedAvg's in expectation.
+(Ferret's code draws a truncated normal in +-1/sqrt(d) with its own rescaling and may send
+fewer than K numbers for a block with a small update; we always send K, so bytes are fixed.)
+
+Blocks: the paper's code groups consecutive tensors up to 0.9 x the median tensor size (a
+model-dependent count); here B is a configuration value (the record's shape must be known
+before the model is), and tensors are grouped contiguously by size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+DEFAULT_K = 200  # the authors' script (scripts/ferret.sh: --K 200)
+DEFAULT_BLOCKS = 8
+
+
+@dataclass(frozen=True)
+class FerretConfig:
+    """steps: local SGD steps; server_lr: the global step's scale; blocks: B (the record's tau)."""
+
+    steps: int = 1
+    server_lr: float = 1.0
+    blocks: int = DEFAULT_BLOCKS
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.blocks < 1 or not self.server_lr > 0:
+            raise ValueError(f"ferret needs steps >= 1, blocks >= 1 and server_lr > 0, got {self}")
+
+
+def blocks_of(params, B: int) -> list[int]:
+    """The block of each tensor: tensor i (protocol order) starting at element s_i of the
+    concatenated d parameters goes to block floor(B s_i / d): contiguous, about d / B each."""
+    sizes = [p.numel() for p in params]
+    d, start, out = max(sum(sizes), 1), 0, []
+    for n in sizes:
+        out.append(min(B - 1, (B * start) // d))
+        start += n
+    return out
+
+
+@torch.no_grad()
+def apply_(state, record) -> None:
+    """Round ``record.round``'s global step on the replica ``state`` (:class:`~hiso.core.state.ModelState`)."""
+    from . import exact
+    if record.round != state.round:
+        raise ValueError(f"replica is at round {state.round}, cannot apply record of round {record.round}")
+    cfg = state.cfg
+    if record.seeds.shape != cfg.shape:
+        raise ValueError(f"record of shape {record.seeds.shape} does not match (blocks, K) = {cfg.shape}")
+    for i, (p, b) in enumerate(zip(state.params, blocks_of(state.params, cfg.ferret.blocks))):
+        ghat = state.gen.combine(i, p.shape, record.seeds[b], record.scalars[b], None, p.device)
+        exact.axpy_(p, -cfg.ferret.server_lr, ghat)
+    state.round += 1
+
+
+class FerretResult:
+    def __init__(self, scalars: np.ndarray, loss: float):
+        self.scalars, self.loss = scalars, loss
+
+
+def local_update(state, loss_fn: Callable, batches: list[Any], seeds: np.ndarray) -> FerretResult:
+    """The client's SGD steps from x_r, the projections of its update ((B, K) float32);
+    the model holds x_r again, bit for bit, when it returns."""
+    cfg, params, model = state.cfg, state.params, state.model
+    if seeds.shape != cfg.shape or len(batches) != cfg.ferret.steps:
+        raise ValueError(f"need {cfg.ferret.steps} batches and {cfg.shape} seeds, got {len(batches)} and {seeds.shape}")
+    start = [p.detach().clone() for p in params]
+    lr = cfg.lr_at(state.round)
+    losses = []
+    was_training = model.training
+    model.eval()  # as the ZO clients: f is a function of x alone
+    try:
+        with torch.enable_grad():
+            for batch in batches:
+                loss = loss_fn(model, batch)
+                if not loss.requires_grad:
+                    raise ValueError("ferret needs a task whose loss has gradients (backpropagation)")
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                losses.append(float(loss.detach()))
+                with torch.no_grad():
+                    for p, g in zip(params, grads):
+                        if g is not None:
+                            p.add_(g.to(p.dtype), alpha=-lr)
+        with torch.no_grad():
+            delta = [(s.float() - p.detach().float()) for p, s in zip(params, start)]
+            for p, s in zip(params, start):
+                p.copy_(s)
+    finally:
+        model.train(was_training)
+    if not (all(np.isfinite(losses)) and all(bool(torch.isfinite(t).all()) for t in delta)):
+        raise FloatingPointError("non-finite local update (diverged: lower lr)")
+    B, K = cfg.shape
+    out = np.zeros((B, K), dtype=np.float64)
+    for i, b in enumerate(blocks_of(params, B)):
+        di = delta[i].reshape(-1).double()
+        for k in range(K):
+            u = state.gen.fill(int(seeds[b, k]), i, params[i].shape, params[i].device)
+            out[b, k] += float(torch.dot(di, u.reshape(-1).double()))
+    return FerretResult(out.astype(np.float32), float(np.mean(losses)))

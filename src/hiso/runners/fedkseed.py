@@ -1,0 +1,122 @@
+"""In-process FedKSeed (:mod:`hiso.core.fedkseed`): the server's log, clients that catch up with
+at most K regenerations, bytes counted from the encoded messages.
+
+``fast`` mode: one shared replica (materialised once a round) answers for every client;
+``faithful`` mode: every client that was ever sampled keeps its own replica, folds the records
+its downlink bytes carry and materialises x_r itself (then it must equal the server's, bit for
+bit: tests check it). Clients are sampled as for every other algorithm (same seed, same clients).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..config import RunConfig
+from ..core.config import ZOConfig
+from ..core.estimator import local_update
+from ..core.fedkseed import (PoolRecord, PoolReplica, decode_pool_downlink, decode_pool_uplink, draw_indices,
+                             encode_pool_downlink, encode_pool_uplink, read_pool_log)
+from ..core.messages import Hello, encode_hello, encode_welcome, quantize, welcome_for
+from ..core.perturb import Perturber
+from ..core.server import client_sampler, sample_clients
+from ..tasks.base import Task
+from .common import Comm, metric_rows
+
+
+def pool_config(cfg: RunConfig) -> ZOConfig:
+    """The ZO step a FedKSeed client takes (one pool direction per step)."""
+    return ZOConfig(lr=cfg.lr, mu=cfg.mu, perturbations=1, local_steps=cfg.local_steps, difference=cfg.difference,
+                    directions=cfg.directions, scalar_dtype=cfg.scalar_dtype, lr_decay=cfg.lr_decay)
+
+
+class FedKSeedSimulation:
+    """Runner with :class:`~hiso.runners.simulate.Simulation`'s interface (``run``, ``comm``,
+    ``state``, ``model``, ``state_dict``)."""
+
+    def __init__(self, task: Task, cfg: RunConfig, on_record: Callable | None = None):
+        self.task, self.cfg, self.on_record = task, cfg, on_record
+        self.zo = pool_config(cfg)
+        self.K, self.dtype, self.tau = cfg.seed_pool, cfg.scalar_dtype, cfg.local_steps
+        self.replica = self._replica()
+        self.state = self.replica.state
+        self.perturber = Perturber(self.state.model, self.state.params, cfg.perturb_mode, cfg.batch_memory_bytes)
+        self._sampler = client_sampler(cfg.seed)
+        self.records: list[PoolRecord] = []
+        self.synced = np.zeros(task.num_clients, dtype=np.int64)
+        self.clients: dict[int, tuple[PoolReplica, Perturber]] = {}
+        self.comm = Comm.zeros(task.num_clients)
+        welcome = encode_welcome(welcome_for(self.zo, cfg.seed, self.state.params))
+        for c in range(task.num_clients):
+            self.comm.join(c, encode_hello(Hello(c, 0)), welcome)
+
+    def _replica(self) -> PoolReplica:
+        return PoolReplica(self.task.build_model(), self.zo, self.K, self.cfg.seed, self.cfg.seed_sampling)
+
+    @property
+    def model(self):
+        return self.state.model
+
+    def _answer(self, cid: int, rep: PoolReplica, perturber: Perturber) -> bytes:
+        r = rep.round
+        idx = draw_indices(rep.p(), self.cfg.seed, r, cid, self.tau)
+        batches = [self.task.batch(cid, r, k, self.cfg.batch_size) for k in range(self.tau)]
+        res = local_update(rep.state, perturber, self.task.loss, batches, rep.seeds[idx].reshape(self.tau, 1))
+        return encode_pool_uplink(cid, r, idx, res.scalars.reshape(-1), res.loss, self.dtype)
+
+    def step(self) -> float:
+        r = len(self.records)
+        parts = sample_clients(self._sampler, self.task.num_clients, self.cfg.sampled)
+        ups = []
+        for cid in parts:
+            down = encode_pool_downlink(r, self.records[self.synced[cid]:], self.dtype)
+            self.comm.down[cid] += len(down)
+            if self.cfg.mode == "faithful":
+                if cid not in self.clients:
+                    rep = self._replica()
+                    self.clients[cid] = (rep, Perturber(rep.state.model, rep.state.params, self.cfg.perturb_mode,
+                                                        self.cfg.batch_memory_bytes))
+                rep, pert = self.clients[cid]
+                rnd, missed = decode_pool_downlink(down, self.tau, self.K, self.dtype)
+                rep.catch_up(missed[rep.round - (rnd - len(missed)):])
+                up = self._answer(cid, rep, pert)
+            else:
+                up = self._answer(cid, self.replica, self.perturber)
+            self.comm.up[cid] += len(up)
+            ups.append(decode_pool_uplink(up, self.tau, self.K, self.dtype))
+        idx = np.stack([u[2] for u in ups])
+        g = np.stack([u[3] for u in ups])
+        rec = PoolRecord(r, tuple(parts), idx, quantize(g, self.dtype))
+        self.records.append(rec)
+        self.synced[list(parts)] = r  # a client that answered holds x_r (its local steps are not kept)
+        self.replica.catch_up([rec])
+        if self.on_record is not None:
+            self.on_record(rec)
+        return float(np.mean([u[4] for u in ups]))
+
+    def run(self, rounds: int, start: int = 0, wall: float = 0.0) -> Iterator[dict]:
+        return metric_rows(self.task, self.model, self.comm, self.step, rounds, self.cfg.eval_every)
+
+    def state_dict(self) -> dict:
+        return self.replica.state_dict()
+
+    def sync_all(self) -> None:
+        """Bring every faithful client to the server's round (tests)."""
+        for rep, _ in self.clients.values():
+            rep.catch_up(self.records[rep.round:])
+
+
+def rebuild_pool(run_dir, cfg: RunConfig, task: Task, round: int | None = None) -> PoolReplica:
+    """x_0 of the run, then its logged rounds folded and materialised once (at most K draws)."""
+    head, records = read_pool_log(f"{run_dir}/history.bin")
+    if (head["tau"], head["K"], head["seed"], head["scalar_dtype"]) != (cfg.local_steps, cfg.seed_pool, cfg.seed,
+                                                                      cfg.scalar_dtype):
+        raise ValueError(f"{run_dir}/history.bin is not the log of the run config.json describes")
+    if round is not None:
+        if not 0 <= round <= len(records):
+            raise ValueError(f"round {round} is not in {run_dir}: its log holds rounds 0..{len(records)}")
+        records = records[:round]
+    rep = PoolReplica(task.build_model(), pool_config(cfg), cfg.seed_pool, cfg.seed, cfg.seed_sampling)
+    rep.catch_up(records)
+    return rep

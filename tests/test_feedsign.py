@@ -1,0 +1,157 @@
+"""FeedSign: one sign bit per client-step on the wire, the majority vote logged and replayed."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hiso.config import load_config
+from hiso.core import Client, Downlink, ModelState, decode_downlink, encode_downlink
+from hiso.core.directions import direction
+from hiso.core.feedsign import pack, unpack
+from hiso.core.history import read_history
+from hiso.core.messages import MessageError, Uplink, Wire, decode_uplink, encode_uplink
+from hiso.core.seeds import round_seeds
+from hiso.core.server import Server
+from hiso.runners.simulate import Simulation
+from hiso.tasks.base import Task
+
+from cli_helpers import run_cli
+from conftest import TinyTask
+
+
+def _zo(**kw):
+    return load_config(None, algorithm="feedsign", task="quadratic", lr=kw.pop("lr", 0.02), **kw).zo()
+
+
+# ---------------------------------------------------------------- the wire: 8 signs a byte
+
+def test_signs_pack_eight_to_a_byte_least_significant_bit_first():
+    s = [1, -1, -1, 1, 1, 1, -1, -1, 1]
+    # byte 0: bits 1,0,0,1,1,1,0,0 (LSB first) = 0b00111001; byte 1: bit 1
+    assert pack(s) == bytes([0x39, 0x01])
+    assert unpack(pack(s), 0, 9).tolist() == s
+    with pytest.raises(ValueError, match="pad bits"):
+        unpack(bytes([0x39, 0x03]), 0, 9)
+
+
+def test_uplink_payload_is_one_bit_per_client_step():
+    signs = np.array([[1], [-1], [-1], [1], [1], [1], [-1], [-1], [1]], np.float32)  # tau = 9, P = 1
+    packed, plain = Wire(9, 1, signs=True), Wire(9, 1)
+    up = Uplink(3, 5, signs)
+    a, b = encode_uplink(up, packed), encode_uplink(up, plain)
+    head = 6  # version, kind, flags, client, round, attempt: one byte each here
+    assert len(a) == head + 2 and a[head:] == bytes([0x39, 0x01])
+    assert len(b) == head + 9 * 4  # the same uplink as float32 scalars
+    back = decode_uplink(a, packed)
+    assert np.array_equal(back.scalars, signs) and back.client == 3 and back.round == 5
+    with_loss = encode_uplink(Uplink(3, 5, signs, 0.5), packed)
+    assert len(with_loss) == head + 2 + 4 and decode_uplink(with_loss, packed).loss == 0.5
+    with pytest.raises(ValueError, match="signs"):
+        encode_uplink(Uplink(3, 5, signs * 0.5), packed)
+    with pytest.raises(MessageError):
+        decode_uplink(a[:-1], packed)
+
+
+def test_server_logs_the_majority_vote_and_a_tie_is_no_step():
+    srv = Server(3, 3, 2, 1, seed=0, signs=True)  # all three clients answer
+    plan = srv.plan()
+    s = {0: [[1], [-1]], 1: [[1], [1]], 2: [[-1], [-1]]}
+    rec = srv.aggregate([Uplink(c, plan.round, np.array(s[c], np.float32), 0.0) for c in plan.participants])
+    assert rec.scalars.tolist() == [[1.0], [-1.0]]  # 2 of 3 say +, then 2 of 3 say -
+    srv2 = Server(2, 2, 1, 1, seed=0, signs=True)
+    p2 = srv2.plan()
+    tie = srv2.aggregate([Uplink(c, p2.round, np.array([[1.0 if c == 0 else -1.0]], np.float32), 0.0)
+                          for c in p2.participants])
+    assert tie.scalars.tolist() == [[0.0]]  # one for, one against: no step
+
+
+# ---------------------------------------------------------------- known answer: two rounds by hand
+
+class _Linear(Task):
+    """f_i(w) = c_i . w: the directional derivative along z is c_i . z exactly."""
+
+    C = [(1.0, 0.0), (0.0, 1.0), (-1.0, -2.0)]
+
+    def build_model(self):
+        m = nn.Linear(2, 1, bias=False)
+        nn.init.zeros_(m.weight)
+        return m
+
+    def batch(self, client, round, step, batch_size):
+        return torch.tensor([self.C[client]])
+
+    def loss(self, model, batch):
+        return model(batch).sum()
+
+    def evaluate(self, model):
+        return {"eval_loss": 0.0}
+
+
+def test_two_rounds_worked_by_hand():
+    # the run's directions (Philox Rademacher, run seed 0): z_0 = (-1, -1), z_1 = (1, -1)
+    z = [direction(int(round_seeds(0, r, 0, 1, 1)[0, 0]), [torch.Size([1, 2])])[0].tolist() for r in range(2)]
+    assert z == [[[-1.0, -1.0]], [[1.0, -1.0]]]
+    # round 0: c.z = -1, -1, 3 -> signs -, -, + -> vote -1 -> w1 = 0 - 0.1 (-1) z_0 = (-0.1, -0.1)
+    # round 1: c.z = 1, -1, 1 -> signs +, -, + -> vote +1 -> w2 = w1 - 0.1 z_1 = (-0.2, 0.0)
+    sim = Simulation(_Linear(3), _zo(lr=0.1), clients_per_round=3, seed=0, mode="faithful", eval_every=100)
+    r0, _ = sim.step()
+    r1, _ = sim.step()
+    assert r0.scalars.tolist() == [[-1.0]] and r1.scalars.tolist() == [[1.0]]
+    w = sim.state.params[0].detach()
+    assert w.tolist() == [[np.float32(-0.2), 0.0]]
+    assert all(torch.equal(c.state.params[0], w) for c in sim.clients.values() if c.state.round == 2)
+
+
+# ---------------------------------------------------------------- exact replicas, late clients
+
+def test_replicas_and_a_client_that_skipped_every_round_match_bit_for_bit():
+    zo = _zo(local_steps=2)
+    assert zo.signs and zo.shape == (2, 1) and zo.difference == "central"
+    task = TinyTask(num_clients=20)
+    sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,
+                     snapshot_after=1000)
+    rows = list(sim.run(80))
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    assert {float(v) for r in sim.server.history for v in r.scalars.ravel()} <= {-1.0, 0.0, 1.0}
+    sim.sync_all()
+    for c in sim.clients.values():
+        assert all(torch.equal(a, b) for a, b in zip(c.state.params, sim.state.params))
+    late = Client(99, ModelState(task.build_model(), zo), task.loss, lambda r, k: None)
+    wire = late.join(sim.welcome)
+    data = encode_downlink(Downlink(80, wire.seeds(80), 0, tuple(sim.server.history)), wire)
+    late.catch_up(decode_downlink(data, wire, expect_since=0))
+    assert all(torch.equal(a, b) for a, b in zip(late.state.params, sim.state.params))
+
+
+# ---------------------------------------------------------------- the command line
+
+TINY = ["--task", "quadratic", "--dim", "50", "--clients", "6", "--sampled", "3", "--rounds", "30",
+        "--eval-every", "10", "--quiet"]
+
+
+def test_cli_run_records_the_defaults_and_rebuild_is_bit_identical(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run_cli(["run", "--out", str(out), "--algorithm", "feedsign", *TINY], capsys)
+    assert code == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["algorithm"], cfg["perturbations"], cfg["difference"]) == ("feedsign", 1, "central")
+    tau, P, records = read_history(out / "history.bin")  # the logged scalars are the votes
+    assert (tau, P, len(records)) == (1, 1, 30)
+    assert {float(r.scalars[0, 0]) for r in records} <= {-1.0, 0.0, 1.0}
+    code, _, err = run_cli(["rebuild", str(out), "--out", str(tmp_path / "rb.pt")], capsys)
+    assert code == 0, err
+    a, b = torch.load(out / "model.pt"), torch.load(tmp_path / "rb.pt")
+    assert torch.equal(a["model"]["x"], b["model"]["x"]) and not torch.equal(a["model"]["x"], torch.zeros(50))
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--perturbations", "3"], "perturbations must be 1"),
+    (["--dp-clip", "1", "--dp-noise-multiplier", "1"], "not feedsign"),
+])
+def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):
+    code, _, err = run_cli(["run", "--out", str(tmp_path / "x"), "--algorithm", "feedsign", *TINY, *flags], capsys)
+    assert code == 2 and msg in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
