@@ -72,7 +72,7 @@ def _varint(v: int) -> bytes:
 
 def encode_record(rec: RoundRecord, scalar_dtype: str = "float32") -> bytes:
     """One record's bytes in the current version, checksum included."""
-    from .messages import encode_scalars
+    from .scalars import encode_scalars
     body = (_varint(rec.round) + _varint(rec.attempt) + _varint(len(rec.participants))
             + b"".join(_varint(int(c)) for c in rec.participants) + encode_scalars(rec.scalars, scalar_dtype))
     return body + _CRC.pack(zlib.crc32(body))
@@ -135,7 +135,7 @@ class HistoryWriter:
         if not np.array_equal(rec.seeds, round_seeds(self.seed, rec.round, rec.attempt, self.tau, self.P)):
             raise ValueError(f"record {rec.round}: its seeds are not the run's derived seeds (run seed {self.seed})")
         data = encode_record(rec, self.dtype)
-        from .messages import quantize
+        from .scalars import quantize
         if not np.array_equal(quantize(rec.scalars, self.dtype), rec.scalars):
             raise ValueError(f"record {rec.round}: scalars are not {self.dtype} values (not what was sent)")
         self._f.write(data)
@@ -186,7 +186,7 @@ def _get_varint(data: bytes, off: int) -> tuple[int, int]:
 
 
 def _parse_v3(path, data: bytes, tau: int, P: int) -> HistoryLog:
-    from .messages import SCALAR_BYTES, decode_scalars
+    from .scalars import SCALAR_BYTES, decode_scalars
     from .seeds import seeds_of
     off = _HEAD.size
     if len(data) < off + _HEAD3.size:
