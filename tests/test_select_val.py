@@ -14,6 +14,7 @@ import json
 import pytest
 
 from cli_helpers import run_cli
+from hiso.config import RunConfig
 from hiso.report.table import build_table, csv_columns, selected_row, selected_value, val_metric
 from hiso.runners import compare as cmp
 
@@ -50,7 +51,7 @@ def _rows(val, test, seed, with_val=True):
 def write_runs(out, argv, with_val=True):
     """Finished runs of the plan ``argv`` asks for, with CURVES as their metrics."""
     args = _parse(argv)
-    plan = cmp.build_plan(None, {k: v for k, v in vars(args).items() if k in cmp.RunConfig.model_fields},
+    plan = cmp.build_plan(None, {k: v for k, v in vars(args).items() if k in RunConfig.model_fields},
                           cmp.parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric,
                                         args.select_on))
     for spec in plan.runs(out):
@@ -186,7 +187,7 @@ def test_default_is_val_with_a_validation_split_else_test_with_a_note(tmp_path, 
 
 def _flags(argv):
     args = _parse(argv)
-    return ({k: v for k, v in vars(args).items() if k in cmp.RunConfig.model_fields},
+    return ({k: v for k, v in vars(args).items() if k in RunConfig.model_fields},
             cmp.parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric, args.select_on))
 
 

@@ -1,0 +1,341 @@
+"""The plan of ``hiso compare``: its configuration (a TOML file and flags) turned into
+arms x lr grid x seeds, each run's directory, and what may differ when a run is resumed.
+
+Configuration
+-------------
+One TOML file (``--config``) and command-line flags. The file's top-level keys are
+:class:`~hiso.config.RunConfig` keys shared by every run; a ``[compare]`` table says what to
+compare::
+
+    task = "mnist"            # shared by every run (any RunConfig key except algorithm, seed)
+    rounds = 300
+    lr = 1e-3                 # the lr of arms that have no grid below (a one-point grid)
+
+    [compare]
+    algorithms = ["hiso", "decomfl", "hiso-nu0.01"]   # the arms, in table order
+    seeds = [0, 1, 2]         # every (arm, lr) runs once per seed (default [0])
+    reference = "decomfl"     # default: decomfl if it is an arm, else the first arm
+    metric = "eval_acc"       # default: eval_acc for vision tasks, gap for the quadratic
+    select_on = "val"         # or "test"; default: val where the runs have a validation split
+
+    [compare.lr_grid]         # arm or algorithm name -> lrs to try
+    hiso = [3e-4, 1e-3]
+    decomfl = [1e-3, 3e-3]
+
+    [compare.overrides.hiso]  # RunConfig keys for every arm running this algorithm
+    h_max = 1e4
+
+    [compare.variants]        # named arms: an algorithm plus RunConfig keys
+    "hiso-nu0.01" = { algorithm = "hiso", nu = 0.01 }
+
+An **arm** is a row of the table: either a plain algorithm name (one of
+:data:`~hiso.config.ALGORITHMS`) or a variant name. A variant is an algorithm with some
+settings changed, so an ablation (e.g. HiSo's smoothing weight ``nu``) is a few lines of
+``[compare.variants]``. Variant names may use letters, digits and ``.-_+``, and may not be an
+algorithm's name (use ``[compare.overrides.NAME]`` to change a plain algorithm).
+
+An arm's configuration, from weakest to strongest: RunConfig defaults < the file's top level
+< shared command-line flags (``--rounds 300``) < ``[compare.overrides.<its algorithm>]`` < the
+variant's own keys; then its lr and seed. Its lr grid is ``lr_grid[arm name]``, else
+``lr_grid[its algorithm]`` (variants inherit their algorithm's grid), else the shared ``lr``.
+``lr``, ``seed`` and ``task`` cannot be set per arm (use ``lr_grid``, ``seeds``, and one
+compare per task). Flags: ``--algorithms a,b``, ``--seeds 0,1,2``, ``--lr-grid NAME=LR,LR``
+(repeatable; replaces that name's grid), ``--reference``, ``--metric``, ``--select-on`` replace
+the file's values. Every run's configuration is validated before the first run starts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, one_line, read_toml
+from ..report.table import val_metric
+from ..tasks.registry import higher_is_better, task_info
+
+PER_ARM_FORBIDDEN = {"lr": "use [compare.lr_grid]", "seed": "use [compare] seeds",
+                     "task": "compare one task at a time", "algorithm": None}
+SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
+                    "seed": "set [compare] seeds (or --seeds)"}
+# RunConfig fields that do not change the task a run is built on (the task cache's key is
+# every other field, so a new field is assumed to matter until listed here)
+NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
+                   "difference", "batch_size", "eval_every", "weighted", "mode", "perturb_mode", "batch_memory",
+                   "nu", "eps", "h_min", "h_max", "h_source", "server_lr", "beta1", "beta2",
+                   "server_tau", "wire_dtype", "threads", "diverge_factor", "seed_pool", "seed_sampling", "ferret_k",
+                   "ferret_blocks"}
+# RunConfig fields that may differ between a finished run and the one asked for now
+RESUME_IGNORED = {"threads"}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+class CompareSpec(BaseModel):
+    """The ``[compare]`` table (after command-line flags replaced its keys)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    algorithms: list[str] = ["hiso", "decomfl"]
+    seeds: list[int] = [0]
+    reference: str | None = None
+    metric: str | None = None
+    lr_grid: dict[str, list[float]] = {}
+    overrides: dict[str, dict[str, Any]] = {}
+    variants: dict[str, dict[str, Any]] = {}
+    select_on: Literal["val", "test"] | None = None  # default: val where the runs have a validation split
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One row of the table: an algorithm with its settings and its lr grid."""
+
+    name: str
+    algorithm: str
+    overrides: dict[str, Any]  # RunConfig keys on top of the shared ones (not lr, seed)
+    lrs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    arm: Arm
+    lr: float
+    seed: int
+    cfg: RunConfig
+    dir: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm.name} lr={self.lr:g} seed={self.seed}"
+
+
+@dataclass
+class Plan:
+    shared: dict[str, Any]
+    arms: list[Arm]
+    seeds: list[int]
+    reference: str
+    metric: str
+    select_on: str = "test"  # "val": lr and reported round chosen on the validation split; "test": on metric
+    select_note: str = ""  # why "test" (when not asked for): shown in the table's footer
+
+    @property
+    def select_metric(self) -> str:
+        """The metric lr, each run's reported round and the rounds to reach go by."""
+        return val_metric(self.metric) if self.select_on == "val" else self.metric
+
+    @property
+    def task(self) -> str:
+        return self.shared.get("task", RunConfig.model_fields["task"].default)
+
+    @property
+    def higher_is_better(self) -> bool:
+        return higher_is_better(self.metric, self.task)
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+    def config(self, arm: Arm, lr: float, seed: int) -> RunConfig:
+        try:
+            return load_config(None, **{**self.shared, **arm.overrides, "algorithm": arm.algorithm,
+                                        "lr": lr, "seed": seed})
+        except ConfigError as e:
+            raise ConfigError(f"{arm.name}: {e}") from None
+
+    def runs(self, out: Path) -> list[RunSpec]:
+        """Every run, seeds outermost (so an interrupted compare has every arm at seed 0 first)."""
+        return [RunSpec(arm, lr, seed, self.config(arm, lr, seed), run_dir(out, arm.name, lr, seed))
+                for seed in self.seeds for arm in self.arms for lr in arm.lrs]
+
+    def to_json(self) -> dict:
+        return {"shared": self.shared, "seeds": self.seeds, "reference": self.reference,
+                "metric": self.metric, "higher_is_better": self.higher_is_better,
+                "select_on": self.select_on, "select_metric": self.select_metric,
+                **({"select_note": self.select_note} if self.select_note else {}),
+                "arms": [{"name": a.name, "algorithm": a.algorithm, "overrides": a.overrides,
+                          "lr_grid": list(a.lrs)} for a in self.arms]}
+
+
+def lr_dirname(lr: float) -> str:
+    return f"lr{float(lr)!r}"
+
+
+def run_dir(out: Path, arm: str, lr: float, seed: int) -> Path:
+    return Path(out) / "runs" / arm / lr_dirname(lr) / f"seed{seed}"
+
+
+# --------------------------------------------------------------------------- configuration
+
+def _split(flag: str, text: str, conv: Callable[[str], Any]) -> list:
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or any(not t for t in items):
+        raise ConfigError(f"{flag}: expected a comma-separated list, got {text!r}")
+    try:
+        return [conv(t) for t in items]
+    except ValueError:
+        raise ConfigError(f"{flag}: cannot read {text!r} as a list of {conv.__name__}s") from None
+
+
+def parse_cli(algorithms: str | None = None, seeds: str | None = None,
+              lr_grid: list[str] | None = None, reference: str | None = None,
+              metric: str | None = None, select_on: str | None = None) -> dict[str, Any]:
+    """The ``[compare]`` keys given on the command line (only those given)."""
+    out: dict[str, Any] = {}
+    if algorithms is not None:
+        out["algorithms"] = _split("--algorithms", algorithms, str)
+    if seeds is not None:
+        out["seeds"] = _split("--seeds", seeds, int)
+    if lr_grid:
+        grid = {}
+        for item in lr_grid:
+            name, sep, lrs = item.partition("=")
+            if not sep or not name.strip():
+                raise ConfigError(f"--lr-grid: expected NAME=LR,LR,..., got {item!r}")
+            grid[name.strip()] = _split(f"--lr-grid {name.strip()}", lrs, float)
+        out["lr_grid"] = grid
+    if reference is not None:
+        out["reference"] = reference
+    if metric is not None:
+        out["metric"] = metric
+    if select_on is not None:
+        out["select_on"] = select_on
+    return out
+
+
+def _check_keys(where: str, keys: dict[str, Any]) -> None:
+    for k in keys:
+        if k in PER_ARM_FORBIDDEN and k != "algorithm":
+            raise ConfigError(f"{where}: {k} cannot be set per arm ({PER_ARM_FORBIDDEN[k]})")
+        if k not in RunConfig.model_fields:
+            raise ConfigError(f"{where}: unknown option {k!r}")
+
+
+def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | None = None,
+               compare_flags: dict[str, Any] | None = None) -> Plan:
+    """The validated plan from a TOML file, shared RunConfig flags and ``[compare]`` flags.
+
+    Raises :class:`ConfigError` (one line) for anything wrong, before anything runs.
+    """
+    file_vals = read_toml(config)
+    raw_cmp = file_vals.pop("compare", {})
+    if not isinstance(raw_cmp, dict):
+        raise ConfigError("compare: must be a table ([compare])")
+    shared = {**file_vals, **{k: v for k, v in (shared_flags or {}).items() if v is not None}}
+    for k, why in SHARED_FORBIDDEN.items():
+        if k in shared:
+            raise ConfigError(f"{k}: not a shared option in a comparison; {why}")
+    if "lr_grid" in raw_cmp and "lr_grid" in (compare_flags or {}):
+        compare_flags = {**compare_flags, "lr_grid": {**raw_cmp["lr_grid"], **compare_flags["lr_grid"]}}
+    try:
+        spec = CompareSpec(**{**raw_cmp, **(compare_flags or {})})
+    except ValidationError as e:
+        raise ConfigError(one_line(e, "compare")) from None
+    load_config(None, **{"lr": 1.0, **shared})  # the shared part alone must be valid (an arm's lr: below)
+
+    # variants and per-algorithm overrides
+    for name, keys in spec.variants.items():
+        where = f"compare.variants.{name}"
+        if name in ALGORITHMS:
+            raise ConfigError(f"{where}: a variant cannot be named after an algorithm "
+                              f"(use [compare.overrides.{name}] to change {name} itself)")
+        if not _NAME.match(name):
+            raise ConfigError(f"{where}: variant names may only use letters, digits and . - _ +")
+        if "algorithm" not in keys:
+            raise ConfigError(f"{where}: needs an algorithm (one of {', '.join(ALGORITHMS)})")
+        if keys["algorithm"] not in ALGORITHMS:
+            raise ConfigError(f"{where}: unknown algorithm {keys['algorithm']!r} (choose from {', '.join(ALGORITHMS)})")
+        _check_keys(where, keys)
+    for alg, keys in spec.overrides.items():
+        where = f"compare.overrides.{alg}"
+        if alg not in ALGORITHMS:
+            raise ConfigError(f"{where}: unknown algorithm {alg!r} (choose from {', '.join(ALGORITHMS)})")
+        if "algorithm" in keys:
+            raise ConfigError(f"{where}: algorithm cannot be overridden")
+        _check_keys(where, keys)
+
+    known = set(ALGORITHMS) | set(spec.variants)
+    if not spec.algorithms:
+        raise ConfigError("compare.algorithms: empty")
+    for name in spec.algorithms:
+        if name not in known:
+            extra = f" or a variant ({', '.join(spec.variants)})" if spec.variants else ""
+            raise ConfigError(f"compare.algorithms: unknown algorithm {name!r} (choose from {', '.join(ALGORITHMS)}{extra})")
+    dup = {n for n in spec.algorithms if spec.algorithms.count(n) > 1}
+    if dup:
+        raise ConfigError(f"compare.algorithms: {sorted(dup)[0]!r} listed twice")
+    for name, lrs in spec.lr_grid.items():
+        if name not in known:
+            raise ConfigError(f"compare.lr_grid: {name!r} is neither an algorithm nor a variant")
+        if not lrs:
+            raise ConfigError(f"compare.lr_grid.{name}: empty")
+        if any(not (lr > 0 and math.isfinite(lr)) for lr in lrs):
+            raise ConfigError(f"compare.lr_grid.{name}: learning rates must be positive, got {lrs}")
+        if len(set(map(float, lrs))) != len(lrs):
+            raise ConfigError(f"compare.lr_grid.{name}: an lr is listed twice ({lrs})")
+    if not spec.seeds:
+        raise ConfigError("compare.seeds: empty")
+    if any(s < 0 for s in spec.seeds) or len(set(spec.seeds)) != len(spec.seeds):
+        raise ConfigError(f"compare.seeds: need distinct non-negative integers, got {spec.seeds}")
+
+    arms = []
+    for name in spec.algorithms:
+        var = spec.variants.get(name, {"algorithm": name})
+        alg = var["algorithm"]
+        overrides = {**spec.overrides.get(alg, {}), **{k: v for k, v in var.items() if k != "algorithm"}}
+        lrs = spec.lr_grid.get(name, spec.lr_grid.get(alg))
+        if lrs is None:  # no grid: the shared lr, else this algorithm's default for the task
+            try:
+                lrs = [load_config(None, **{**shared, **overrides, "algorithm": alg}).lr]
+            except ConfigError as e:
+                raise ConfigError(f"{name}: {e} (in a comparison: --lr-grid {name}=LR,...)") from None
+        arms.append(Arm(name, alg, overrides, tuple(float(x) for x in lrs)))
+
+    reference = spec.reference
+    if reference is None:
+        reference = "decomfl" if "decomfl" in spec.algorithms else spec.algorithms[0]
+    elif reference not in spec.algorithms:
+        raise ConfigError(f"compare.reference: {reference!r} is not one of the compared algorithms ({', '.join(spec.algorithms)})")
+
+    task = shared.get("task", RunConfig.model_fields["task"].default)
+    metrics = task_info(task).metrics  # the task registers its metrics (validated above)
+    metric = spec.metric or next(iter(metrics))
+    if metric not in metrics:
+        raise ConfigError(f"compare.metric: task {task} reports {', '.join(metrics)}, not {metric!r}")
+
+    select_on, note = _select_on(spec.select_on, task, metric, shared.get("val_fraction") or 0.0)
+    plan = Plan(shared, arms, list(spec.seeds), reference, metric, select_on, note)
+    for arm in arms:  # validate every run's configuration now, not after hours of runs
+        for lr in arm.lrs:
+            plan.config(arm, lr, spec.seeds[0])
+    return plan
+
+
+def _select_on(asked: str | None, task: str, metric: str, val_fraction: float) -> tuple[str, str]:
+    """``("val" | "test", note)``: what lr and the reported round are selected on. Not asked:
+    val where the runs have a validation split (the task has one and val_fraction > 0), else test
+    with a note saying why. Asked for val without a split: a one-line error naming the fix."""
+    validation = task_info(task).validation
+    has_val = metric.startswith("eval_")
+    if asked == "val":
+        if not validation:
+            raise ConfigError(f"compare.select_on: task {task} has no validation split (no val_* metrics) to select "
+                              "on; use --select-on test")
+        if not has_val:
+            raise ConfigError(f"compare.select_on: metric {metric} has no validation counterpart (only eval_* "
+                              "metrics do); use --select-on test")
+        if val_fraction <= 0:
+            raise ConfigError("compare.select_on: val_fraction = 0 leaves no validation split to select on; give "
+                              "--val-fraction 0.5 (val_fraction = 0.5 in the file: that share of the held-out "
+                              "examples is kept apart) or --select-on test")
+        return "val", ""
+    if asked == "test":
+        return "test", ""
+    if validation and has_val and val_fraction > 0:
+        return "val", ""
+    if validation and has_val:
+        return "test", ("val_fraction = 0: no validation split; --val-fraction 0.5 --select-on val selects on "
+                        "held-out examples apart from the reported ones")
+    return "test", f"task {task} has no validation split"

@@ -1,0 +1,318 @@
+"""Running a compare's plan: each (arm, lr, seed) into its run directory, serially or over a
+pool of worker processes, with progress and per-run peak memory.
+
+Runs and resuming
+-----------------
+Each (arm, lr, seed) runs with :func:`~hiso.runners.rundir.run_to_dir` into
+``DIR/runs/<arm>/lr<lr>/seed<seed>/`` (``lr`` written as Python's shortest repr, e.g.
+``lr0.001``, ``lr3e-05``), seeds outermost. A run whose ``summary.json`` exists is finished and
+skipped, so an interrupted compare resumes where it stopped (a partly written run is redone);
+a finished run whose ``config.json`` differs from what is asked now is an error unless
+``--force``, which reruns everything. The task (data, partition) is built once per distinct
+task configuration and shared by the runs that use it.
+
+``peak_rss_mb`` of a run inside compare: on Linux the process's resident high-water mark is
+reset before each run and read after it (``/proc/self/clear_refs``, ``VmHWM``), and stored as
+``peak_rss_mb_run`` in the run's ``summary.json``; it is the whole process's peak during that
+run (interpreter, torch, the loaded data and the run itself). Elsewhere the lifetime peak of
+the process is all there is.
+
+Progress
+--------
+Each finished run prints one line with its best value of the selection metric (``val_acc``
+when selecting on validation: the test metric is not shown while runs are chosen) and its own
+time (``wall_s_total`` of its ``summary.json``: task building and queueing excluded). With ``--jobs`` > 1 the bar counts
+rounds over all runs to do, fed by the workers (each sends its round numbers through a queue),
+and shows each running run's round. A worker process starts Python and torch and builds its own
+task (seconds, and the task's data once per run instead of once per seed), so for runs of a few
+seconds ``--jobs 2`` is slower than serial: compare says so, and prints at the end the elapsed
+time next to the runs' own total.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+from ..config import ConfigError, RunConfig
+
+from .compare_plan import NOT_TASK_FIELDS, RESUME_IGNORED, Plan, RunSpec, lr_dirname
+
+
+# --------------------------------------------------------------------------- running
+
+def _task_key(cfg: RunConfig) -> tuple[int, str]:
+    return cfg.seed, json.dumps({k: v for k, v in cfg.model_dump().items() if k not in NOT_TASK_FIELDS},
+                                sort_keys=True)
+
+
+def _finished(spec: RunSpec) -> bool:
+    """Whether ``spec.dir`` holds a finished run of ``spec.cfg`` (raises if of another config)."""
+    if not (spec.dir / "summary.json").is_file():
+        return False
+    try:
+        old = json.loads((spec.dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    new = json.loads(json.dumps(spec.cfg.model_dump()))
+    for k in sorted(set(old) | set(new)):
+        if k in RESUME_IGNORED or k == "task_info":
+            continue
+        if k not in old and k in RunConfig.model_fields and new[k] == RunConfig.model_fields[k].default:
+            continue  # an option added after that run was made, asked for at its default
+        if old.get(k) != new.get(k):
+            raise ConfigError(f"{spec.dir} holds a finished run with {k} = {old.get(k)!r}, not {new.get(k)!r} "
+                              "as asked now (use --force to rerun, or another --out)")
+    return True
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_mb() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+_PROGRESS = None  # in a worker process: the queue its runs report their rounds to
+
+
+def _init_worker(queue, parent: int | None = None) -> None:
+    global _PROGRESS
+    _PROGRESS = queue
+    if parent is not None:
+        _exit_with_parent(parent)
+
+
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    """A killed ``hiso compare`` (SIGTERM, SIGKILL) must not leave its workers computing runs
+    nobody waits for: each worker checks its parent every second and exits when it is gone
+    (rerunning the compare reruns the runs that did not finish)."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="hiso-parent-watch", daemon=True).start()
+
+
+def _round_reporter(label: str, rounds: int, every_s: float = 0.2) -> Callable[[dict], None] | None:
+    """A progress callback sending (label, round) to the parent: round 1, then at most every
+    ``every_s`` seconds, and the last round."""
+    queue = _PROGRESS
+    if queue is None:
+        return None
+    last = [-math.inf]
+
+    def report(row: dict) -> None:
+        rnd, now = int(row["round"]), time.monotonic()
+        if rnd == 1 or rnd >= rounds or (rnd > 0 and now - last[0] >= every_s):
+            last[0] = now
+            queue.put((label, rnd))
+    return report
+
+
+def _run_in_worker(spec: RunSpec, tracking=None) -> dict:
+    """One run in a worker process (``--jobs`` > 1): its own task, its own peak memory."""
+    from ..tasks.registry import build_task
+    from .rundir import run_to_dir
+
+    reset = _reset_peak_rss()
+    task = build_task(spec.cfg)
+    summary = run_to_dir(spec.cfg, spec.dir, _round_reporter(spec.label, spec.cfg.rounds), task=task,
+                         tracking=tracking)
+    hwm = _vm_hwm_mb() if reset else None
+    if hwm is not None:
+        summary["peak_rss_mb_run"] = hwm
+        (spec.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _tracked(tracking, spec: RunSpec):
+    """``tracking`` (:class:`hiso.report.tracking.Tracking`) for one run: named arm/lr/seed, tagged so."""
+    if tracking is None:
+        return None
+    return tracking.for_run(f"{spec.arm.name}/{lr_dirname(spec.lr)}/seed{spec.seed}", arm=spec.arm.name,
+                            algorithm=spec.arm.algorithm, lr=spec.lr, seed=spec.seed)
+
+
+def _run_seconds(summary: dict) -> str:
+    """A finished run's own time for its progress line: ``wall_s_total`` of its summary.json."""
+    s = summary.get("wall_s_total")
+    return "? s" if s is None else f"{s:.1f} s"
+
+
+def _summary_seconds(d: Path) -> float:
+    try:
+        return float(json.loads((d / "summary.json").read_text()).get("wall_s_total") or 0.0)
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _stop_workers(pool) -> None:
+    """Stop a process pool's workers now (their runs are lost; finished runs are on disk)."""
+    from ..procs import stop_processes
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    stop_processes([p.pid for p in procs if p.pid], grace=5.0)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], jobs: int, bar, tracking=None) -> int:
+    """Runs spread over ``jobs`` worker processes (spawned: forking after torch starts its
+    thread pools can hang). Each finished run is reported as it lands; returns how many ran."""
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    import queue as queue_mod
+
+    done, skipped = 0, len(specs) - len(todo)
+    ctx = mp.get_context("spawn")
+    rounds_q = ctx.Queue()
+    at: dict[str, int] = {}  # label -> the last round a running run reported
+    counted: dict[str, int] = {}  # label -> rounds of it already added to the bar
+
+    def advance(label: str, rnd: int) -> None:
+        if rnd > counted.get(label, 0):
+            bar.update(rnd - counted.get(label, 0))
+            counted[label] = rnd
+
+    def drain() -> None:
+        while True:
+            try:
+                label, rnd = rounds_q.get_nowait()
+            except (queue_mod.Empty, OSError, ValueError):
+                return
+            if label in by_label and label not in finished_labels:
+                at[label] = max(at.get(label, 0), rnd)
+                advance(label, at[label])
+
+    by_label = {s.label: s for s in todo}
+    finished_labels: set[str] = set()
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
+                             initargs=(rounds_q, os.getpid())) as pool:
+        pending = {pool.submit(_run_in_worker, spec, _tracked(tracking, spec)): spec for spec in todo}
+        try:
+            while pending:
+                finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                drain()
+                for fut in finished:
+                    spec = pending.pop(fut)
+                    summary = fut.result()  # a failed run raises here; finished runs stay on disk
+                    done += 1
+                    finished_labels.add(spec.label)
+                    at.pop(spec.label, None)
+                    advance(spec.label, spec.cfg.rounds)  # a diverged run's rounds left count as done
+                    best = summary.get("best", {}).get(plan.select_metric, float("nan"))
+                    bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.select_metric} {best:.4g}, "
+                              f"{_run_seconds(summary)}")
+                running = ", ".join(f"{lab}: {r}/{by_label[lab].cfg.rounds}" for lab, r in sorted(at.items()))
+                bar.set_postfix_str(f"runs {done + skipped}/{len(specs)}" + (f"; {running}" if running else ""))
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            _stop_workers(pool)  # or leaving the with-block would wait for the running runs to finish
+            bar.write(f"stopped: {done + skipped} of {len(specs)} runs are finished and kept "
+                      "(rerun the same command to resume)")
+            raise
+    return done
+
+
+def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
+            jobs: int = 1, tracking=None) -> dict[str, int]:
+    """Run every unfinished run of ``plan`` into ``out``; returns counts run / skipped.
+
+    ``jobs`` > 1 runs that many runs at once in worker processes (set ``threads = 1`` then).
+    """
+    from tqdm import tqdm
+
+    from ..tasks.registry import build_task
+    from .rundir import run_to_dir
+
+    out = Path(out)
+    specs = plan.runs(out)
+    todo = specs if force else [s for s in specs if not _finished(s)]  # refuses a changed config
+    out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare writes nothing
+    (out / "compare.json").write_text(json.dumps(plan.to_json(), indent=2))
+    skipped = len(specs) - len(todo)
+    if jobs > 1 and len(todo) > 1:  # a bar of rounds, moved by the workers' reports
+        bar = tqdm(total=sum(s.cfg.rounds for s in todo), desc="compare", unit="round", disable=quiet,
+                   dynamic_ncols=True, file=sys.stderr)
+        if not quiet:
+            if skipped:
+                bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
+            bar.write(f"--jobs {jobs}: {len(todo)} runs, {min(jobs, len(todo))} at a time, each in a worker "
+                      "process that starts Python and torch and builds its own task (seconds): for runs of a "
+                      "few seconds --jobs 1 is faster")
+        t_start = time.perf_counter()
+        try:
+            done = _execute_parallel(plan, specs, todo, jobs, bar, tracking)
+        finally:
+            bar.close()
+        if not quiet:
+            own = sum(_summary_seconds(s.dir) for s in todo)
+            print(f"--jobs {jobs}: {time.perf_counter() - t_start:.1f} s elapsed for {done} runs taking "
+                  f"{own:.1f} s by themselves", file=sys.stderr)
+        return {"run": done, "skipped": skipped, "total": len(specs)}
+    bar = tqdm(total=len(specs), initial=skipped, desc="compare", unit="run", disable=quiet,
+               dynamic_ncols=True, file=sys.stderr)
+    if skipped and not quiet:
+        bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
+    tasks: dict[str, Any] = {}
+    done = 0
+    try:
+        for spec in todo:
+            key = _task_key(spec.cfg)
+            if key not in tasks:
+                if any(k[0] != spec.seed for k in tasks):
+                    tasks.clear()  # seeds are outermost: an earlier seed's tasks are not needed again
+                tasks[key] = build_task(spec.cfg)
+            last_refresh = [0.0]
+
+            def progress(row: dict, spec: RunSpec = spec) -> None:
+                now = time.monotonic()
+                if not quiet and now - last_refresh[0] > 0.5:
+                    last_refresh[0] = now
+                    bar.set_postfix_str(f"{spec.label}: round {row['round']}/{spec.cfg.rounds}")
+
+            reset = _reset_peak_rss()
+            t0 = time.perf_counter()
+            try:
+                summary = run_to_dir(spec.cfg, spec.dir, progress, task=tasks[key], tracking=_tracked(tracking, spec))
+            except BaseException:
+                bar.write(f"{spec.label}: failed after {time.perf_counter() - t0:.0f} s; {done + skipped} "
+                          f"of {len(specs)} runs are finished and kept (rerun the same command to resume)")
+                raise
+            hwm = _vm_hwm_mb() if reset else None
+            if hwm is not None:
+                summary["peak_rss_mb_run"] = hwm
+                (spec.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            done += 1
+            bar.update(1)
+            if not quiet:
+                best = summary.get("best", {}).get(plan.select_metric, float("nan"))
+                bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.select_metric} {best:.4g}, "
+                          f"{_run_seconds(summary)}")
+    finally:
+        bar.close()
+    return {"run": done, "skipped": skipped, "total": len(specs)}
