@@ -7,6 +7,7 @@ from typing import Literal
 
 from .momentum import MomentumConfig
 from .preconditioner import PreconditionerConfig
+from .stepnorm import StepNormConfig
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class ZOConfig:
     scalar_dtype: str = "float32"  # the scalars' number format on the wire and in the log (float16, bfloat16)
     momentum: MomentumConfig | None = None  # server-side momentum (hiso.core.momentum); None: none
     lr_decay: float | None = None  # inverse-time decay horizon T (rounds): round r steps with lr / (1 + r / T)
+    step_norm: StepNormConfig | None = None  # global step / spread of the logged scalars (hiso.core.stepnorm)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -35,9 +37,10 @@ class ZOConfig:
             raise ValueError(f"perturbations must be >= 1, got {self.perturbations}")
         if self.local_steps < 1:
             raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
-        from .directions import FAMILIES
-        if self.directions not in FAMILIES:
-            raise ValueError(f"unknown direction family {self.directions!r} (choose from {', '.join(FAMILIES)})")
+        from .directions import check_family
+        check_family(self.directions)
+        if self.step_norm is not None and self.local_steps > 1:
+            raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
         if self.scalar_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"scalar_dtype must be float32, float16 or bfloat16, got {self.scalar_dtype!r}")
         if self.difference not in ("forward", "central"):
