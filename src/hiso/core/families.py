@@ -33,7 +33,8 @@ U[i,l] V[j,l] are independent signs). One-dimensional tensors (biases) keep the 
 What a round does with these directions (shift, replay) is the arithmetic of the dense
 families, operation for operation (:func:`hiso.core.philox.shift_torch`, ``combine_torch``),
 with torch elementwise ops on the tensor's device; the direction is materialised one tensor
-at a time (no fused kernel yet).
+at a time (no fused kernel yet). On the CPU the Philox bits come from small numba kernels
+(:mod:`hiso.core._families_numba`), elsewhere from torch's integer ops: the same integers.
 """
 
 from __future__ import annotations
@@ -83,8 +84,34 @@ def _words(seed: int, index: int, stream: int, first: int, n: int, device) -> to
     return torch.stack(philox.philox_torch(ctr, philox.key_of(int(seed))), dim=1)
 
 
+_NB: list = []
+
+
+def _numba(device):
+    """The numba kernels (hiso.core._families_numba) for CPU tensors, or None (then torch's ops)."""
+    if torch.device(device).type != "cpu":
+        return None
+    if not _NB:
+        try:
+            from . import _families_numba
+        except ImportError:  # pragma: no cover - numba is a dependency
+            _families_numba = None
+        _NB.append(_families_numba)
+    return _NB[0]
+
+
+def _key(seed: int) -> tuple[np.uint64, np.uint64]:
+    k0, k1 = philox.key_of(int(seed))
+    return np.uint64(k0), np.uint64(k1)
+
+
 def _signs(seed: int, index: int, stream: int, count: int, device) -> torch.Tensor:
     """Elements 0 .. count-1 of a Rademacher stream (float32 +-1)."""
+    nb = _numba(device)
+    if nb is not None:
+        out = np.empty(count, np.float32)
+        nb.signs(out, *_key(seed), np.uint64(index), np.uint64(stream))
+        return torch.from_numpy(out)
     w = _words(seed, index, stream, 0, -(-count // 128), device)
     bits = (w.unsqueeze(-1) >> torch.arange(32, dtype=torch.int64, device=device)) & 1
     return (1 - 2 * bits).reshape(-1)[:count].to(torch.float32)
@@ -133,6 +160,11 @@ class Sparse(_Family):
     def values(self, seed, index, shape, device) -> torch.Tensor:
         """The flat float32 direction of tensor ``index`` (a fresh tensor)."""
         n = math.prod(shape)
+        nb = _numba(device)
+        if nb is not None:
+            out = np.empty(n, np.float32)
+            nb.sparse(out, *_key(seed), np.uint64(index), np.uint64(SPARSE_STREAM), np.uint64(self.T), np.float32(self.c))
+            return torch.from_numpy(out)
         w = _words(seed, index, SPARSE_STREAM, 0, -(-n // 8), device)
         v = ((w.unsqueeze(-1) >> torch.tensor([0, 16], dtype=torch.int64, device=device)) & 0xFFFF).reshape(-1)[:n]
         keep = (v >> 1) < self.T
@@ -155,8 +187,8 @@ class LowRank(_Family):
 
     def values(self, seed, index, shape, device) -> torch.Tensor:
         n_all = math.prod(shape)
-        if len(shape) < 2:  # a vector: the dense philox-rademacher direction
-            return philox.values_torch("philox-rademacher", seed, index, 0, n_all, device)
+        if len(shape) < 2:  # a vector: the dense philox-rademacher direction (stream 0)
+            return _signs(seed, index, 0, n_all, device)
         m = shape[0]
         n = n_all // m
         U, V = self.factors(seed, index, m, n, device)
