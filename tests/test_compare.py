@@ -128,7 +128,7 @@ def test_build_table_numbers():
     assert row["fedavg"].bytes_total == 5e8 and row["fedavg"].peak_rss_mb == 101.0
     from hiso.report.table import to_markdown
     md = to_markdown(t)
-    assert "| HiSo | 0.001 | 90.00 ± 0.00 | 10 | — | 2.00× | 1 KB | 9 KB | 10 KB |" in md  # no wall_s: no time
+    assert "| HiSo | 0.001 | 90.00 ± 0.00 | 10 | — | — | 2.00× | 1 KB | 9 KB | 10 KB |" in md  # no wall_s, no bytes rows
     assert "20 (own best)" in md and "— (1/2 seeds)" in md and "500 MB" in md
 
 

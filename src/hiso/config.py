@@ -17,6 +17,7 @@ from .core.config import ZOConfig
 from .core.momentum import MomentumConfig
 from .core.preconditioner import PreconditionerConfig
 from .core.privacy import DPConfig
+from .core.stepnorm import StepNormConfig
 
 ZO_SCALAR = ("hiso", "decomfl", "feedsign", "ferret")  # scalar-only protocol (seeds + scalars on the wire)
 FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
@@ -85,7 +86,11 @@ class RunConfig(BaseModel):
         "direction family: how a seed becomes a random direction: philox-rademacher (default: random signs) or "
         "philox-gaussian (a Gaussian by table lookup), both Philox4x32-10 with the same bits on every device and "
         "torch version and fused kernels; or torch-normal (the paper's Gaussian from torch's CPU stream: slower, "
-        "peers need the same torch version)"))
+        "peers need the same torch version); sparse or lowrank (structured, see hiso.core.families)"))
+    direction_density: float | None = Field(None, gt=0, le=1, description=(
+        "directions sparse: the share q of coordinates each direction perturbs, scaled by 1/sqrt(q) (default 0.1)"))
+    direction_rank: int | None = Field(None, gt=0, description=(
+        "directions lowrank: the rank r of each weight matrix's direction U V^T / sqrt(r) (default 1)"))
     scalar_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
         "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
         "float16/bfloat16)"))
@@ -155,6 +160,11 @@ class RunConfig(BaseModel):
         "authors' script; ferret_k x ferret_blocks <= 65536)"))
     ferret_blocks: int = Field(8, description=(
         "ferret: B, contiguous blocks of trainable tensors of about equal size, each with its own K directions"))
+    step_norm: Literal["std"] | None = Field(None, description=(
+        "std: divide the global step by a moving RMS of the round's aggregated scalars, from the log alone "
+        "(hiso.core.stepnorm; hiso, decomfl, local_steps 1; default: none)"))
+    step_norm_beta: float = Field(0.9, ge=0, lt=1, description=(
+        "step_norm: weight of the old value in the moving average of the scalars' mean square (0: this round's)"))
     # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
     server_lr: float | None = Field(None, gt=0, description=(
         "server learning rate of full-model baselines (default: 1.0 for fedavg and fedzo, 0.01 for fedadam, "
@@ -275,6 +285,14 @@ class RunConfig(BaseModel):
                 raise ValueError("DP is accounted for the plain mean: use aggregate mean without weighted")
         if self.batch_memory is not None:
             parse_size(self.batch_memory)
+        if self.step_norm is not None and not self.scalar_only:
+            raise ValueError(f"step_norm is for hiso and decomfl, not {self.algorithm}")
+        if self.step_norm is not None and self.local_steps > 1:
+            raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
+        if self.direction_density is not None and self.directions != "sparse":
+            raise ValueError("direction_density is for directions sparse")
+        if self.direction_rank is not None and self.directions != "lowrank":
+            raise ValueError("direction_rank is for directions lowrank")
         if self.h_bias_correction and self.nu == 0:
             raise ValueError("h_bias_correction needs nu > 0")
         if self.algorithm in ("feedsign", "fedkseed"):
@@ -299,9 +317,11 @@ class RunConfig(BaseModel):
         if self.ferret_k * self.ferret_blocks > MAX_PER_ROUND:
             raise ValueError(f"ferret_k x ferret_blocks = {self.ferret_k * self.ferret_blocks} seeds a round, more "
                              f"than the format allows ({MAX_PER_ROUND})")
-        for name in ("dp_clip", "momentum", "lr_decay"):
+        for name in ("dp_clip", "momentum", "lr_decay", "step_norm"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is for hiso and decomfl, not ferret")
+        if self.directions in ("sparse", "lowrank"):
+            raise ValueError(f"ferret projects on a dense direction family, not {self.directions}")
 
     def _one_seed_defaults(self) -> None:
         """FeedSign (arXiv 2501.17610) and FedKSeed (arXiv 2312.06353) take one seed per step and a
@@ -365,10 +385,18 @@ class RunConfig(BaseModel):
                             ferret=FerretConfig(self.local_steps, self.resolved_server_lr(), self.ferret_blocks))
         momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
         dp = None if self.dp_clip is None else DPConfig(self.dp_clip, self.dp_noise, self.dp_mode)
+        step_norm = None if self.step_norm is None else StepNormConfig(self.step_norm, self.step_norm_beta)
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
-                        directions=self.directions, scalar_dtype=self.scalar_dtype, momentum=momentum,
-                        lr_decay=self.lr_decay, dp=dp, signs=self.algorithm == "feedsign")
+                        directions=self.direction_spec, scalar_dtype=self.scalar_dtype, momentum=momentum,
+                        lr_decay=self.lr_decay, dp=dp, signs=self.algorithm == "feedsign", step_norm=step_norm)
+
+    @property
+    def direction_spec(self) -> str:
+        """The direction family with its parameters (``sparse:q=0.1``): what history.bin's header
+        and the join fingerprint record (a dense family's spec is its name)."""
+        from .core.families import spec
+        return spec(self.directions, self.direction_density, self.direction_rank)
 
 
 @functools.lru_cache(maxsize=64)

@@ -9,6 +9,7 @@ from .ferret import FerretConfig
 from .momentum import MomentumConfig
 from .preconditioner import PreconditionerConfig
 from .privacy import DPConfig
+from .stepnorm import StepNormConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ZOConfig:
     dp: DPConfig | None = None  # client-level differential privacy of the scalars (hiso.core.privacy); None: none
     ferret: FerretConfig | None = None  # Ferret (hiso.core.ferret): (tau, P) is then (blocks, K)
     signs: bool = False  # FeedSign (hiso.core.feedsign): clients upload sign bits, the server logs the majority vote
+    step_norm: StepNormConfig | None = None  # global step / spread of the logged scalars (hiso.core.stepnorm)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -40,9 +42,10 @@ class ZOConfig:
             raise ValueError(f"perturbations must be >= 1, got {self.perturbations}")
         if self.local_steps < 1:
             raise ValueError(f"local_steps must be >= 1, got {self.local_steps}")
-        from .directions import FAMILIES
-        if self.directions not in FAMILIES:
-            raise ValueError(f"unknown direction family {self.directions!r} (choose from {', '.join(FAMILIES)})")
+        from .directions import check_family
+        check_family(self.directions)
+        if self.step_norm is not None and self.local_steps > 1:
+            raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
         if self.scalar_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"scalar_dtype must be float32, float16 or bfloat16, got {self.scalar_dtype!r}")
         if self.difference not in ("forward", "central"):

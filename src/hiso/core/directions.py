@@ -43,6 +43,9 @@ tensor-sized direction buffer) and the torch kernels (any device: the CUDA path)
 ``torch.Tensor.normal_`` fills the tensor; generated on the CPU (then moved), so peers must run
 the same torch version, and about 5-10x slower than the Philox families.
 
+``sparse`` and ``lowrank`` (with their parameters, e.g. ``sparse:q=0.1``, ``lowrank:r=4``) are
+defined in :mod:`hiso.core.families`: Philox bits too, exact on every device.
+
 In every family each tensor has its own stream, so which numbers a tensor gets does not depend
 on the order tensors are visited: a client may perturb or update one layer at a time.
 """
@@ -54,13 +57,14 @@ import os
 import numpy as np
 import torch
 
-from . import exact, philox
+from . import exact, families, philox
 
 # Direction families by name: what ``ZOConfig.directions`` may hold (recorded in config.json).
 FAMILIES = {
     "philox-rademacher": "random signs from Philox4x32-10 (bit-identical on every device)",
     "philox-gaussian": "standard Gaussian from Philox4x32-10 by a 2^16-entry inverse-CDF table (bit-identical on every device)",
     "torch-normal": "standard Gaussian from torch's CPU generator (peers need the same torch version and CPU kind: its vectorised sampler differs without AVX2)",
+    **families.STRUCTURED,  # with parameters: sparse:q=Q, lowrank:r=R (hiso.core.families)
 }
 DEFAULT_FAMILY = "philox-rademacher"  # measured: 15.7x torch normal_, MNIST accuracy equal (3 seeds)
 KERNELS = ("auto", "numba", "torch")
@@ -74,6 +78,15 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
     return x ^ (x >> 31)
+
+
+def check_family(name: str) -> None:
+    """Raise ValueError unless ``name`` is a dense family's name or a structured family's spec."""
+    if name in FAMILIES and name not in families.STRUCTURED:
+        return
+    if name.partition(":")[0] not in families.STRUCTURED:
+        raise ValueError(f"unknown direction family {name!r} (choose from {', '.join(FAMILIES)})")
+    families.parse(name)
 
 
 def tensor_seed(seed: int, index: int) -> int:
@@ -139,8 +152,9 @@ class DirectionGenerator:
     """
 
     def __init__(self, family: str = DEFAULT_FAMILY, kernel: str = "auto") -> None:
-        if family not in FAMILIES:
-            raise ValueError(f"unknown direction family {family!r} (choose from {', '.join(FAMILIES)})")
+        check_family(family)
+        # sparse / lowrank: their own torch arithmetic (hiso.core.families), dispatched first
+        self._structured = None if family in FAMILIES and family not in families.STRUCTURED else families.parse(family)
         kernel = os.environ.get("HISO_DIRECTION_KERNEL", kernel) if kernel == "auto" else kernel
         if kernel not in KERNELS:
             raise ValueError(f"unknown direction kernel {kernel!r} (choose from {', '.join(KERNELS)})")
@@ -192,6 +206,10 @@ class DirectionGenerator:
     def fill(self, seed: int, index: int, shape: torch.Size, device: torch.device | str = "cpu") -> torch.Tensor:
         """Return u_i for direction ``seed``: a float32 buffer on ``device`` (the torch-normal
         family generates on the CPU and moves it), valid until the next fill."""
+        if self._structured is not None:
+            out = self.scratch("u", shape, device)
+            out.view(-1).copy_(self._structured.values(seed, index, shape, out.device))
+            return out
         if not self.philox:
             self._gen.manual_seed(tensor_seed(seed, index))
             return self.scratch("u", shape).normal_(generator=self._gen).to(device)
@@ -211,6 +229,8 @@ class DirectionGenerator:
     def shift(self, out: torch.Tensor, x: torch.Tensor, seed: int, index: int, scale: float,
               h: torch.Tensor | None = None, delta: torch.Tensor | None = None) -> torch.Tensor:
         """out = x [+ delta] + scale * [H^{-1/2}] u(seed)_index, in one pass; x is not written."""
+        if self._structured is not None:
+            return self._structured.shift(out, x, seed, index, scale, h, delta)
         if not self.philox:  # the torch-normal family: CPU-generated Gaussians
             out.copy_(x)
             if delta is not None:
@@ -273,6 +293,10 @@ class DirectionGenerator:
         The result lives in this generator's scratch space: use it before the next call.
         """
         P = len(seeds)
+        if self._structured is not None:  # the same coefficients c_p = float32(g_p / P) as below
+            coefs = (np.asarray(scalars, dtype=np.float64) / P).astype(np.float32)
+            return self._structured.combine(self.scratch("acc", shape, device), index,
+                                            [int(s) for s in np.asarray(seeds).tolist()], coefs, h)
         if not self.philox:  # the torch-normal family: CPU-generated Gaussians
             acc = self.scratch("acc", shape).zero_()
             for s, g in zip(seeds.tolist(), scalars.tolist()):

@@ -442,10 +442,12 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
 
 
 def _state_tensors(state) -> list[torch.Tensor]:
-    """What a snapshot carries: the trainable tensors, H (HiSo) and the server momentum's
-    buffer (when the run uses momentum), in protocol order."""
+    """What a snapshot carries: the trainable tensors, H (HiSo), the server momentum's
+    buffer (when the run uses momentum) and the step normalisation's (v, w) (float64, when
+    used), in protocol order."""
+    sn = getattr(state, "sn", None)
     return (list(state.params) + (list(state.h) if state.h is not None else [])
-            + list(getattr(state, "m", None) or []))
+            + list(getattr(state, "m", None) or []) + ([sn] if sn is not None else []))
 
 
 def state_size(state) -> int:

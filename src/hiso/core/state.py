@@ -14,6 +14,7 @@ from torch import nn
 from . import exact
 from . import momentum as mo
 from . import preconditioner as pc
+from . import stepnorm as sn
 from .config import ZOConfig
 from .directions import DirectionGenerator
 from .history import RoundRecord
@@ -55,6 +56,7 @@ class ModelState:
         self.params = [p for _, p in self.named]
         self.h = pc.init(self.params) if cfg.precond is not None else None
         self.m = mo.init(self.params) if cfg.momentum is not None else None  # momentum buffer
+        self.sn = sn.init() if cfg.step_norm is not None else None  # (v, w) of the step normalisation
         self.round = round
         self.gen = DirectionGenerator(cfg.directions)
 
@@ -66,7 +68,8 @@ class ModelState:
         """x_{r+1} = x_r - eta sum_k ghat_k, then H_{r+1} from ghat (H_r fixed in the round).
 
         With momentum x moves along the buffer m instead (:mod:`hiso.core.momentum`); with a
-        blockwise H (:mod:`hiso.core.preconditioner`) H is updated after every tensor's step."""
+        blockwise H (:mod:`hiso.core.preconditioner`) H is updated after every tensor's step;
+        with a step normalisation eta is divided by the scalars' spread (:mod:`hiso.core.stepnorm`)."""
         if self.cfg.ferret is not None:  # Ferret: each block's own K directions (hiso.core.ferret)
             from . import ferret
             return ferret.apply_(self, record)
@@ -76,6 +79,8 @@ class ModelState:
         if record.seeds.shape != (tau, P) or record.scalars.shape != (tau, P):
             raise ValueError(f"record of shape {record.seeds.shape} does not match (tau, P) = {(tau, P)}")
         lr, precond, mom = self.cfg.lr_at(self.round), self.cfg.precond, self.cfg.momentum
+        if self.sn is not None:  # checked above, so a refused record leaves (v, w) as they were
+            lr = lr / sn.update_(self.sn, record.scalars, self.cfg.step_norm)
         hstep = _HStep(precond, record, self.round, tau) if precond is not None else None
         for i, p in enumerate(self.params):
             h = self.h_of(i)
@@ -113,6 +118,8 @@ class ModelState:
             out["h"] = {n: h for (n, _), h in zip(self.named, self.h)}
         if self.m is not None:
             out["momentum"] = {n: m for (n, _), m in zip(self.named, self.m)}
+        if self.sn is not None:
+            out["step_norm"] = {"vw": self.sn}
         return out
 
     @torch.no_grad()
@@ -125,7 +132,8 @@ class ModelState:
         extra = sorted(set(state) - set(want) - {"base"})  # "base": model.pt's name of a LoRA base
         if extra:
             raise ValueError(f"state has {', '.join(map(repr, extra))}, which this replica does not keep"
-                             + (" (its config has no preconditioner/momentum)" if {"h", "momentum"} & set(extra) else ""))
+                             + (" (its config has no preconditioner/momentum/step_norm)"
+                                if {"h", "momentum", "step_norm"} & set(extra) else ""))
         missing = sorted(set(want) - set(state))
         if missing:
             raise ValueError(f"state lacks {', '.join(map(repr, missing))}, which this replica keeps")

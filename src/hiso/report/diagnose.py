@@ -164,7 +164,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
         "parameters": int(sum(h.numel() for h in final)),
         "variant": {"nu": cfg.nu, "h_granularity": cfg.h_granularity, "h_stat": cfg.h_stat,
                     "h_bias_correction": cfg.h_bias_correction, "momentum": cfg.momentum,
-                    "lr_decay": cfg.lr_decay},
+                    "lr_decay": cfg.lr_decay, "step_norm": cfg.step_norm, "directions": cfg.direction_spec},
         "effective_step": "lr / H per coordinate (E[ghat] = H^-1 grad f); DeComFL's is lr",
         "over_rounds": rounds,
         "per_tensor": [{"name": n, "numel": int(h.numel()), **_quantiles(h.reshape(-1).double().numpy()),

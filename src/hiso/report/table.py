@@ -22,6 +22,12 @@ for selection on test:
   training instead of rounds: that round's ``wall_s`` (cumulative training time, evaluation
   excluded), mean over seeds if every seed reaches ``T``, else ``—``; for the reference, the time
   to its own best. Wall time depends on the machine and on what else ran beside it (``--jobs``).
+* **bytes to reach the reference's best**: the same first evaluated round, counted in bytes:
+  the federation's cumulative uplink + downlink bytes at that round (``bytes_up + bytes_down``
+  of its metrics row) divided by the number of clients, i.e. per client as in the communication
+  columns; mean over seeds if every seed reaches ``T``, else ``—``; for the reference, the bytes
+  to its own best. This is the column that compares arms of different bytes per round (float16
+  scalars, more perturbations) at equal communication.
 * **speed-up**: the reference's rounds to its own best divided by this arm's rounds to reach
   ``T`` (1.00x for the reference; ``—`` when not reached or when reached at round 0).
 
@@ -292,6 +298,7 @@ class TableRow:
     bytes_down: float
     s_per_round: float | None
     peak_rss_mb: float | None
+    bytes_to_reach: float | None = None  # per client, up + down, at the reaching round (mean over seeds)
 
     @property
     def bytes_total(self) -> float:
@@ -319,6 +326,16 @@ class Table:
     @property
     def higher(self) -> bool:
         return higher_is_better(self.metric, self.context.get("task"))
+
+
+def bytes_per_client_at(rows: list[dict], round: int | None, clients: int | None) -> float | None:
+    """Cumulative (uplink + downlink) bytes per client at ``round`` (None where unknown)."""
+    if round is None or not clients:
+        return None
+    for r in rows:
+        if r.get("round") == round and "bytes_up" in r and "bytes_down" in r:
+            return (float(r["bytes_up"]) + float(r["bytes_down"])) / clients
+    return None
 
 
 def _mean_of(vals: list) -> float | None:
@@ -350,6 +367,8 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
             reach = rounds_to_reach([r.rows for r in arm.runs], select, threshold, higher)
             rounds = reach.mean
         comm = [r.summary["communication_per_client"] for r in arm.runs]
+        nbytes = [bytes_per_client_at(run.rows, rnd, run.config.get("clients"))
+                  for run, rnd in zip(arm.runs, reach.per_seed)]
         peaks = [r.peak_rss_mb for r in arm.runs if r.peak_rss_mb is not None]
         rows.append(TableRow(
             name=arm.name, algorithm=arm.algorithm, lr=arm.lr, best_mean=m, best_std=s,
@@ -359,7 +378,8 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
             bytes_up=mean(c["bytes_up_mean"] for c in comm),
             bytes_down=mean(c["bytes_down_mean"] for c in comm),
             s_per_round=_mean_of([r.summary.get("s_per_round") for r in arm.runs]),
-            peak_rss_mb=max(peaks) if peaks else None))
+            peak_rss_mb=max(peaks) if peaks else None,
+            bytes_to_reach=None if not nbytes or any(b is None for b in nbytes) else mean(nbytes)))
     cfg0 = ref.runs[0].config
     info = cfg0.get("task_info", {}) or {}
     context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "eval_every": cfg0.get("eval_every"),
@@ -408,7 +428,7 @@ def markdown_columns(table: Table) -> list[str]:
     best = "best" if table.on_test else f"best {metric_label(table.select)}"
     return ["algorithm", "lr", _best_header(table),
             f"rounds to {ref}'s {best} ({_fmt_threshold(table.threshold, table.metric)})",
-            f"time to {ref}'s {best}", "speed-up",
+            f"time to {ref}'s {best}", f"bytes / client to {ref}'s {best}", "speed-up",
             "uplink / client", "downlink / client", "total / client", "s / round", "peak memory"]
 
 
@@ -418,7 +438,7 @@ def to_markdown(table: Table) -> str:
     for r in table.rows:
         cells = [display_name(r.name), f"{r.lr:g}", _fmt_best(r, table.metric),
                  _fmt_reach(r, "own best" if table.on_test else "selected round"),
-                 human_seconds(r.seconds),
+                 human_seconds(r.seconds), human_bytes(r.bytes_to_reach),
                  "—" if r.speedup is None else f"{r.speedup:.2f}×",
                  human_bytes(r.bytes_up), human_bytes(r.bytes_down), human_bytes(r.bytes_total),
                  human_seconds(r.s_per_round),
@@ -473,6 +493,8 @@ def footer(table: Table) -> str:
         + ("" if table.on_test else f"; where it attains its own best {sel}") + ").",
         f"- time to {ref}'s {best}: the same, in seconds of training (wall_s at that round; evaluation "
         "excluded), mean over seeds; it depends on the machine and on the runs beside it (--jobs).",
+        f"- bytes / client to {ref}'s {best}: the same, in bytes: the federation's uplink + downlink "
+        "bytes up to that round / clients, mean over seeds (arms of different bytes per round compare here).",
         f"- speed-up: {ref}'s rounds to {own} / this row's rounds to reach it "
         f"(resolution: {c.get('eval_every')} rounds).",
         "- communication: bytes per client over the whole run (mean over all clients, then seeds); "
@@ -507,7 +529,8 @@ def csv_columns(metric: str, select: str | None = None) -> list[str]:
     b = f"best_{metric}{pct}" if select in (None, metric) else f"{metric}{pct}_at_best_{select}"
     return ["algorithm", "base_algorithm", "lr", f"{b}_mean", f"{b}_std", "seeds", "reference",
             "rounds_to_reach", "seconds_to_reach", "seeds_reached", "speedup", "bytes_up_per_client",
-            "bytes_down_per_client", "bytes_total_per_client", "s_per_round", "peak_rss_mib"]
+            "bytes_down_per_client", "bytes_total_per_client", "s_per_round", "peak_rss_mib",
+            "bytes_to_reach_per_client"]
 
 
 def to_csv(table: Table) -> str:
@@ -522,7 +545,8 @@ def to_csv(table: Table) -> str:
                     r.reach.reached,
                     "" if r.speedup is None else r.speedup, r.bytes_up, r.bytes_down, r.bytes_total,
                     "" if r.s_per_round is None else r.s_per_round,
-                    "" if r.peak_rss_mb is None else r.peak_rss_mb])
+                    "" if r.peak_rss_mb is None else r.peak_rss_mb,
+                    "" if r.bytes_to_reach is None else r.bytes_to_reach])
     return buf.getvalue()
 
 

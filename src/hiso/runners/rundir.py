@@ -204,9 +204,9 @@ def resume_point(out: Path, shape: tuple[int, int], cfg: RunConfig | None = None
     if log.version < 3:
         raise ValueError(f"{path} was written by hiso before protocol v2 (history version {log.version}): "
                          f"`hiso rebuild` still reads it, but the run cannot be continued")
-    if cfg is not None and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.directions):
+    if cfg is not None and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.direction_spec):
         raise ValueError(f"{path} is of run seed {log.seed}, {log.scalar_dtype} scalars, directions {log.directions!r}, "
-                         f"but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.directions!r}")
+                         f"but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.direction_spec!r}")
     R = min(len(lines) - 1, len(log.records))
     return lines[:R + 1], log.records[:R]
 
@@ -254,7 +254,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         if cfg.scalar_only:  # full-model baselines have no seed/scalar log to rebuild from
             hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape,
                                                      keep=len(records) if resume else None, seed=cfg.seed,
-                                                     scalar_dtype=cfg.scalar_dtype, directions=cfg.directions))
+                                                     scalar_dtype=cfg.scalar_dtype, directions=cfg.direction_spec))
         elif cfg.algorithm == "fedkseed":  # its own log: each round's (index, scalar) pairs
             from ..core.fedkseed import PoolLogWriter
             hist = stack.enter_context(PoolLogWriter(out / "history.bin", cfg.local_steps, cfg.seed_pool, cfg.seed,
@@ -398,9 +398,9 @@ def read_run_history(run_dir: str | Path, cfg: RunConfig):
     zo = cfg.zo()
     if (log.tau, log.P) != zo.shape:
         raise ValueError(f"history has (tau, P) = {(log.tau, log.P)} but config.json says {zo.shape}")
-    if log.version >= 3 and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.directions):
+    if log.version >= 3 and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.direction_spec):
         raise ValueError(f"history is of run seed {log.seed}, {log.scalar_dtype} scalars, directions "
-                         f"{log.directions!r}, but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.directions!r}")
+                         f"{log.directions!r}, but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.direction_spec!r}")
     return log
 
 
