@@ -10,7 +10,7 @@ import torch
 
 from hiso.core import ModelState, decomfl, hiso
 from hiso.core.directions import DirectionGenerator, direction
-from hiso.core.philox import philox4x32_10
+from hiso.kernels.philox import philox4x32_10
 from hiso.runners.simulate import Simulation
 
 from conftest import TinyTask

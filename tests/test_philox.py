@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hiso
-from hiso.core import philox
+from hiso.kernels import philox
 from hiso.core.directions import DEFAULT_FAMILY, FAMILIES, DirectionGenerator, direction
 
 PHILOX = ["philox-rademacher", "philox-gaussian"]
@@ -40,7 +40,7 @@ def test_known_answers_reference_and_torch(ctr, key, want):
 @needs_numba
 @pytest.mark.parametrize("ctr,key,want", KAT)
 def test_known_answers_numba(ctr, key, want):
-    from hiso.core import _philox_numba
+    from hiso.kernels import philox_numba as _philox_numba
     assert tuple(int(w) for w in _philox_numba.philox_words(*ctr, *key)) == want
 
 
@@ -217,7 +217,7 @@ import sys, numpy as np, torch
 sys.path.insert(0, {tests!r})
 from test_philox import GROUP_INDICES, _group, _one_by_one
 from triton.runtime.interpreter import InterpretedFunction
-from hiso.core import _philox_triton
+from hiso.kernels import philox_triton as _philox_triton
 from hiso.core.directions import DirectionGenerator
 assert isinstance(_philox_triton._shift_all_kernel, InterpretedFunction)
 xs, hs, ds = _group()
@@ -266,7 +266,7 @@ def test_triton_kernels_compile_for_an_h100_without_fused_multiply_add(kernel):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hiso.core import _philox_triton as T
+    from hiso.kernels import philox_triton as T
 
     ptr, i64 = "*fp32", "i64"
     sig = {"_shift_all_kernel": {"slots": "*i64", "blocks": "*i64", "table": ptr},

@@ -115,7 +115,7 @@ def test_direction_elements_from_random123_vector(kernel):
     assert z[:8].tolist() == [-1, 1, -1, 1, -1, 1, -1, -1]  # 0x...D5 = 1101 0101, low bit first
     # the Gaussian family reads the same words 16 bits at a time through its pinned table
     g = DirectionGenerator("philox-gaussian", kernel=kernel).fill(0, 0, torch.Size([8])).clone()
-    from hiso.core.philox import gaussian_table
+    from hiso.kernels.philox import gaussian_table
     t = gaussian_table()
     halves = [(w >> s) & 0xFFFF for w in PHILOX_ZERO for s in (0, 16)]
     assert halves[:2] == [0xE8D5, 0x6627]

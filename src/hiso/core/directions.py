@@ -21,7 +21,7 @@ bits depend on neither torch's version nor the device. Then
   random signs of SPSA);
 * ``philox-gaussian``: a block gives 8 elements; element ``j = 8 b + 2 k + h`` is ``T[u]``
   with ``u`` the low (``h = 0``) or high (``h = 1``) 16 bits of ``w_k`` and ``T`` the
-  65,536-entry inverse-normal-CDF table of :func:`hiso.core.philox.gaussian_table`
+  65,536-entry inverse-normal-CDF table of :func:`hiso.kernels.philox.gaussian_table`
   (``T[u] = c Phi^{-1}((u + 1/2) / 2^16)``, exactly symmetric, unit second moment; pinned by
   its SHA-256): a standard Gaussian quantised to 2^16 equiprobable levels, |z| <= 4.33.
 
@@ -57,7 +57,8 @@ import os
 import numpy as np
 import torch
 
-from . import exact, families, philox
+from ..kernels import philox
+from . import exact, families
 
 # Direction families by name: what ``ZOConfig.directions`` may hold (recorded in config.json).
 FAMILIES = {
@@ -108,7 +109,7 @@ def _numba():
     """
     global _NUMBA_READY
     try:
-        from . import _philox_numba
+        from ..kernels import philox_numba as _philox_numba
     except ImportError:  # pragma: no cover - numba is a dependency; the torch kernels still work
         return None
     if not _NUMBA_READY:
@@ -126,7 +127,7 @@ def _triton():
     """The fused GPU kernels, or None where Triton cannot be imported (then: torch's integer ops)."""
     if not _TRITON:
         try:
-            from . import _philox_triton
+            from ..kernels import philox_triton as _philox_triton
         except ImportError:  # CPU-only torch has no Triton
             _philox_triton = None
         _TRITON.append(_philox_triton)
@@ -262,7 +263,7 @@ class DirectionGenerator:
         ``seed`` is one seed for all, or one per tensor (the P points of a round in one call:
         outs and xs repeated per point, seeds and indices per slot). On CUDA with Triton, when
         every tensor is float32 and contiguous on one device and ``hs``/``deltas`` are given for
-        all tensors or for none, this is ONE kernel launch (``_philox_triton.shift_all``) instead
+        all tensors or for none, this is ONE kernel launch (``hiso.kernels.philox_triton.shift_all``) instead
         of one per tensor; otherwise (CPU, bfloat16, torch kernel) it loops over :meth:`shift`.
 
         For the perturbation modes (``core/perturb.py``): a mode that shifts every parameter

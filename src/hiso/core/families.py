@@ -31,10 +31,10 @@ U[i,l] V[j,l] are independent signs). One-dimensional tensors (biases) keep the 
 ``philox-rademacher`` direction, the same bits as that family.
 
 What a round does with these directions (shift, replay) is the arithmetic of the dense
-families, operation for operation (:func:`hiso.core.philox.shift_torch`, ``combine_torch``),
+families, operation for operation (:func:`hiso.kernels.philox.shift_torch`, ``combine_torch``),
 with torch elementwise ops on the tensor's device; the direction is materialised one tensor
 at a time (no fused kernel yet). On the CPU the Philox bits come from small numba kernels
-(:mod:`hiso.core._families_numba`), elsewhere from torch's integer ops: the same integers.
+(:mod:`hiso.kernels.families_numba`), elsewhere from torch's integer ops: the same integers.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import math
 import numpy as np
 import torch
 
-from . import philox
+from ..kernels import philox
 
 STRUCTURED = {
     "sparse": "a seeded random subset of a q share of the coordinates, signs scaled by 1/sqrt(q) (E[u u^T] = I)",
@@ -88,12 +88,12 @@ _NB: list = []
 
 
 def _numba(device):
-    """The numba kernels (hiso.core._families_numba) for CPU tensors, or None (then torch's ops)."""
+    """The numba kernels (hiso.kernels.families_numba) for CPU tensors, or None (then torch's ops)."""
     if torch.device(device).type != "cpu":
         return None
     if not _NB:
         try:
-            from . import _families_numba
+            from ..kernels import families_numba as _families_numba
         except ImportError:  # pragma: no cover - numba is a dependency
             _families_numba = None
         _NB.append(_families_numba)

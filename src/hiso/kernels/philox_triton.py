@@ -1,7 +1,7 @@
 """Fused GPU kernels of the Philox direction families (Triton): fill, shift, combine, and the
 grouped shift of many tensors in one launch (:func:`shift_all`).
 
-The same definition as :func:`hiso.core.philox.values_torch` and the numba CPU kernels, element
+The same definition as :func:`hiso.kernels.philox.values_torch` and the numba CPU kernels, element
 by element: element ``i`` of tensor ``index`` for direction ``seed`` comes from Philox block
 ``i // per`` (counter ``(block lo, block hi, index, 0)``, key ``key_of(seed)``). Each element
 computes its block itself (integer work is cheap on a GPU; the kernels are bound by memory).

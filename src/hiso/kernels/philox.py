@@ -6,8 +6,8 @@ direction families, in three implementations that give the same bits:
 * :func:`values_torch`: torch int64 tensor operations on any device (the CPU path when numba
   is missing, the GPU path when Triton is); every product is split so it stays below 2^63, so
   no integer operation overflows on any device;
-* :mod:`hiso.core._philox_numba`: fused multi-threaded CPU kernels (numba);
-* :mod:`hiso.core._philox_triton`: fused CUDA kernels (Triton).
+* :mod:`hiso.kernels.philox_numba`: fused multi-threaded CPU kernels (numba);
+* :mod:`hiso.kernels.philox_triton`: fused CUDA kernels (Triton).
 
 The float32 values are integer functions of the generator's output (a sign, or a table entry
 selected by 16 bits), and what is done with them afterwards (scale, H^{-1/2}, add, sum over p)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._philox_numba import philox
+from .philox_numba import philox
 
 U = np.uint64
 MASK, S32, ONE, H16 = U(0xFFFFFFFF), U(32), U(1), U(0xFFFF)

@@ -1,7 +1,7 @@
 """Fused multi-threaded CPU kernels of the Philox direction families (numba, compiled on first use
 and cached on disk).
 
-They compute exactly what :mod:`hiso.core.philox`'s torch functions compute, element by
+They compute exactly what :mod:`hiso.kernels.philox`'s torch functions compute, element by
 element: the same Philox4x32-10 words, the same sign or table transform, the same binary32
 operations in the same order (numba does not fuse multiply-adds unless asked to with
 ``fastmath``, which is not used here). Each kernel produces a direction element where it is
