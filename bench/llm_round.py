@@ -28,20 +28,14 @@ import argparse
 import json
 import time
 
+from llm_setup import add_model_args, body_params, model_config, start
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", default="sst2")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--data-dir", required=True)
-    ap.add_argument("--lora-r", type=int)
-    ap.add_argument("--algorithm", default="hiso")
-    ap.add_argument("--autocast", default="auto")
+    add_model_args(ap, autocast="auto")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--directions", default=None, help="direction family (default: the config's default)")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--perturb-mode", default="hooks", help="hooks, swap or batched")
     ap.add_argument("--batch-memory", default=None, help="batched mode's budget of stacked tensors, e.g. 4G")
     args = ap.parse_args()
@@ -49,20 +43,14 @@ def main() -> None:
     import torch
 
     from direction_timer import DirectionTimer
-    from hiso.config import load_config
     from hiso.core.state import ModelState
     from hiso.runners.compare import _reset_peak_rss, _vm_hwm_mb
     from hiso.runners.simulate import Simulation
     from hiso.tasks.registry import build_task
 
-    torch.set_num_threads(args.threads)
-    cuda = args.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    cfg = load_config(device=args.device, task=args.task, model=args.model, data_dir=args.data_dir, lora_r=args.lora_r,
-                      algorithm=args.algorithm, autocast=args.autocast, clients=6, sampled=2,
-                      batch_size=args.batch_size, lr=1e-6, eval_max=16, min_size=2,
-                      perturb_mode=args.perturb_mode, batch_memory=args.batch_memory,
-                      **({"directions": args.directions} if args.directions else {}))
+    cuda, sync = start(args)
+    cfg = model_config(args, perturb_mode=args.perturb_mode, batch_memory=args.batch_memory,
+                       **({"directions": args.directions} if args.directions else {}))
     t0 = time.perf_counter()
     task = build_task(cfg)
     model = task.build_model()
@@ -131,7 +119,7 @@ def main() -> None:
     n_fwd = 2 * cfg.local_steps * (cfg.perturbations + 1)
     # work of the round's forwards, a lower bound: 2 x non-embedding parameters x tokens (the
     # attention products and the label head left out)
-    body = sum(p.numel() for n, p in sim.state.model.named_parameters() if "embed" not in n and "lm_head" not in n)
+    body = body_params(sim.state.model)
     flops = 2 * body * int(batch["attention_mask"].numel()) * n_fwd
     out = {
         "task": args.task, "model": args.model, "lora_r": args.lora_r, "algorithm": args.algorithm,

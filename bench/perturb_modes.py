@@ -22,44 +22,34 @@ import json
 import statistics
 import time
 
+from llm_setup import add_model_args, body_params, model_config, start
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--task", default="sst2")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--data-dir", required=True)
-    ap.add_argument("--lora-r", type=int)
-    ap.add_argument("--algorithm", default="hiso")
-    ap.add_argument("--autocast", default="none")
+    add_model_args(ap, autocast="none")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--perturbations", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-memory", default=None, help="batched mode's budget, e.g. 4G (default: the run default)")
     ap.add_argument("--modes", default="hooks,batched")
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = ap.parse_args()
 
     import numpy as np
     import torch
 
-    from hiso.config import load_config, parse_size
+    from hiso.config import parse_size
     from hiso.core.estimator import local_update
     from hiso.core.perturb import Perturber
     from hiso.core.state import ModelState
     from hiso.tasks.registry import build_task
 
-    torch.set_num_threads(args.threads)
-    cuda = args.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    cfg = load_config(device=args.device, task=args.task, model=args.model, data_dir=args.data_dir, lora_r=args.lora_r,
-                      algorithm=args.algorithm, autocast=args.autocast, clients=6, sampled=2,
-                      perturbations=args.perturbations, batch_size=args.batch_size, lr=1e-6, eval_max=16, min_size=2)
+    cuda, sync = start(args)
+    cfg = model_config(args, perturbations=args.perturbations)
     task = build_task(cfg)
     state = ModelState(task.build_model(), cfg.zo())
     batch = task.batch(0, 0, 0, args.batch_size)
     tokens = int(batch["attention_mask"].numel()) if isinstance(batch, dict) and "attention_mask" in batch else None
-    body = sum(p.numel() for n, p in state.model.named_parameters() if "embed" not in n and "lm_head" not in n)
+    body = body_params(state.model)
     modes = args.modes.split(",")
     budget = parse_size(args.batch_memory) if args.batch_memory else None
     perturbers = {m: Perturber(state.model, state.params, m, budget) for m in modes}
