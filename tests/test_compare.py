@@ -204,9 +204,14 @@ def test_resume_skips_finished_runs_and_refuses_a_changed_config(tmp_path, capsy
     assert len(calls) == 7  # --force reruns all 6
 
     # asking for a different configuration in the same directory is refused (one line, exit 2)
-    code, _, err = _main(["compare", "--out", str(out), *TINY_FLAGS, "--rounds", "40", "--seeds", "0,1",
+    # (more rounds continue the runs: tests/test_extend.py)
+    code, _, err = _main(["compare", "--out", str(out), *TINY_FLAGS, "--mu", "0.02", "--seeds", "0,1",
                           "--lr-grid", "hiso=0.01,0.05", "--lr-grid", "decomfl=0.05", "--quiet"], capsys)
-    assert code == 2 and "rounds = 30, not 40" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "mu = 0.001, not 0.02" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _main(["compare", "--out", str(out), *TINY_FLAGS, "--rounds", "20", "--seeds", "0,1",
+                          "--lr-grid", "hiso=0.01,0.05", "--lr-grid", "decomfl=0.05", "--quiet"], capsys)
+    assert code == 2 and "rounds = 30, not 20" in err and "not cut to fewer" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_variants_and_overrides_from_toml(tmp_path):

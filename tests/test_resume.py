@@ -30,7 +30,7 @@ from hiso.runners.rundir import run_to_dir
 
 QUAD = ["--task", "quadratic", "--dim", "40", "--clients", "6", "--sampled", "3", "--eval-every", "4"]
 WALL = {"wall_s", "client_s"}  # wall-clock keys: the only ones a resumed run may change
-WALL_SUMMARY = {"wall_s_train", "wall_s_total", "s_per_round", "peak_rss_mb", "client"}
+WALL_SUMMARY = {"wall_s_train", "wall_s_total", "s_per_round", "peak_rss_mb", "peak_rss_mb_run", "client"}
 CLIENT_EXACT = ("answers", "forwards_per_round", "backwards_per_round", "resident_bytes")  # "client": the counted part
 
 
@@ -314,7 +314,7 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, capsys):
     code, _, err = _cli(["run", "--resume", str(out), "--dim", "40", "--lr", "0.5", "--quiet"], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "lr" in err and "config.json" in err
     conf = tmp_path / "c.toml"
-    conf.write_text("rounds = 50\n")
+    conf.write_text("rounds = 3\n")  # (more rounds continue it: tests/test_extend.py)
     code, _, err = _cli(["run", "--resume", str(out), "--config", str(conf), "--quiet"], capsys)
     assert code == 2 and "rounds" in err
     assert _cli(["run", "--resume", str(out), "--dim", "40", "--quiet"], capsys)[0] == 0

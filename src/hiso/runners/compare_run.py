@@ -6,9 +6,12 @@ Runs and resuming
 Each (arm, lr, seed) runs with :func:`~hiso.runners.rundir.run_to_dir` into
 ``DIR/runs/<arm>/lr<lr>/seed<seed>/`` (``lr`` written as Python's shortest repr, e.g.
 ``lr0.001``, ``lr3e-05``), seeds outermost. A run whose ``summary.json`` exists is finished and
-skipped, so an interrupted compare resumes where it stopped (a partly written run is redone);
-a finished run whose ``config.json`` differs from what is asked now is an error unless
-``--force``, which reruns everything. The task (data, partition) is built once per distinct
+skipped, so an interrupted compare resumes where it stopped: a partly written run of a
+scalar-only algorithm (or FedKSeed) continues from its log, bit for bit as if uninterrupted
+(``hiso run --resume``); the full-model baselines' partial runs are redone. Asking for more
+``rounds`` than a finished run has continues it the same way (the horizon of a compare can be
+raised later without redoing its rounds); any other change of a finished run's
+``config.json`` is an error unless ``--force``, which reruns everything. The task (data, partition) is built once per distinct
 task configuration and shared by the runs that use it.
 
 ``peak_rss_mb`` of a run inside compare: on Linux the process's resident high-water mark is
@@ -54,22 +57,58 @@ def _task_key(cfg: RunConfig) -> tuple[int, str]:
 
 def _finished(spec: RunSpec) -> bool:
     """Whether ``spec.dir`` holds a finished run of ``spec.cfg`` (raises if of another config)."""
-    if not (spec.dir / "summary.json").is_file():
-        return False
+    return _state(spec) == "finished"
+
+
+def _state(spec: RunSpec) -> str:
+    """What to do with ``spec.dir``: ``"finished"`` (skip it), ``"continue"`` (a run of this
+    configuration cut short, or a finished one asked to more rounds now: continued from its log,
+    exactly as an uninterrupted run) or ``"start"`` (nothing there, a partial run that cannot be
+    continued, or a partial run of another configuration). A finished run of another
+    configuration is an error (:class:`ConfigError`)."""
+    from .runfiles import extend_refusal, resume_point
+
     try:
         old = json.loads((spec.dir / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return "start"
     new = json.loads(json.dumps(spec.cfg.model_dump()))
+    diff = []
     for k in sorted(set(old) | set(new)):
         if k in RESUME_IGNORED or k == "task_info":
             continue
         if k not in old and k in RunConfig.model_fields and new[k] == RunConfig.model_fields[k].default:
             continue  # an option added after that run was made, asked for at its default
         if old.get(k) != new.get(k):
+            diff.append(k)
+    try:
+        summary = json.loads((spec.dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = None
+    longer = diff == ["rounds"] and spec.cfg.rounds > old["rounds"]
+    refusal = extend_refusal(spec.cfg, old["rounds"] if longer else None)
+    can_continue = refusal is None
+    if summary is not None:
+        ended = bool(summary.get("diverged") or (summary.get("privacy") or {}).get("stopped"))
+        if longer and not ended and not can_continue and not spec.cfg.scalar_only and spec.cfg.dp_epsilon is None:
+            return "start"  # a full-model baseline keeps no log: run again to the new horizon
+        if diff and not (longer and (can_continue or ended)):
+            k = diff[0]
+            why = (f": {refusal}" if longer else
+                   " (a run can be continued to more rounds, not cut to fewer)" if k == "rounds" else "")
             raise ConfigError(f"{spec.dir} holds a finished run with {k} = {old.get(k)!r}, not {new.get(k)!r} "
-                              "as asked now (use --force to rerun, or another --out)")
-    return True
+                              f"as asked now{why} (use --force to rerun, or another --out)")
+        if ended or (not longer and summary.get("rounds_done", 0) >= old.get("rounds", 0)):
+            return "finished"  # (a diverged run stays the result at any horizon)
+    elif diff and not longer:
+        return "start"
+    if not can_continue:
+        return "start"
+    try:  # a log that cannot be continued (damaged before its end, an old format): run it again
+        resume_point(spec.dir, spec.cfg.zo().shape if spec.cfg.scalar_only else None, spec.cfg)
+    except (OSError, ValueError):
+        return "start"
+    return "continue"
 
 
 def _reset_peak_rss() -> bool:
@@ -133,7 +172,7 @@ def _round_reporter(label: str, rounds: int, every_s: float = 0.2) -> Callable[[
     return report
 
 
-def _run_in_worker(spec: RunSpec, tracking=None) -> dict:
+def _run_in_worker(spec: RunSpec, tracking=None, resume: bool = False) -> dict:
     """One run in a worker process (``--jobs`` > 1): its own task, its own peak memory."""
     from ..tasks.registry import build_task
     from .rundir import run_to_dir
@@ -141,7 +180,7 @@ def _run_in_worker(spec: RunSpec, tracking=None) -> dict:
     reset = _reset_peak_rss()
     task = build_task(spec.cfg)
     summary = run_to_dir(spec.cfg, spec.dir, _round_reporter(spec.label, spec.cfg.rounds), task=task,
-                         tracking=tracking)
+                         tracking=tracking, resume=resume)
     hwm = _vm_hwm_mb() if reset else None
     if hwm is not None:
         summary["peak_rss_mb_run"] = hwm
@@ -178,7 +217,14 @@ def _stop_workers(pool) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], jobs: int, bar, tracking=None) -> int:
+def _continuing(labels: set[str]) -> str:
+    return (f"{len(labels)} run{'s' if len(labels) > 1 else ''} continue{'' if len(labels) > 1 else 's'} from "
+            f"{'their' if len(labels) > 1 else 'its'} log (cut short, or asked to more rounds): "
+            + ", ".join(sorted(labels)))
+
+
+def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], jobs: int, bar, tracking=None,
+                      resume: set[str] = frozenset()) -> int:
     """Runs spread over ``jobs`` worker processes (spawned: forking after torch starts its
     thread pools can hang). Each finished run is reported as it lands; returns how many ran."""
     import multiprocessing as mp
@@ -211,7 +257,8 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
     finished_labels: set[str] = set()
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_init_worker,
                              initargs=(rounds_q, os.getpid())) as pool:
-        pending = {pool.submit(_run_in_worker, spec, _tracked(tracking, spec)): spec for spec in todo}
+        pending = {pool.submit(_run_in_worker, spec, _tracked(tracking, spec), spec.label in resume): spec
+                   for spec in todo}
         try:
             while pending:
                 finished, _ = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
@@ -251,7 +298,9 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
 
     out = Path(out)
     specs = plan.runs(out)
-    todo = specs if force else [s for s in specs if not _finished(s)]  # refuses a changed config
+    states = {s.label: ("start" if force else _state(s)) for s in specs}  # refuses a changed config
+    todo = [s for s in specs if states[s.label] != "finished"]
+    resume = {s.label for s in todo if states[s.label] == "continue"}
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare writes nothing
     (out / "compare.json").write_text(json.dumps(plan.to_json(), indent=2))
     skipped = len(specs) - len(todo)
@@ -261,12 +310,14 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
         if not quiet:
             if skipped:
                 bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
+            if resume:
+                bar.write(_continuing(resume))
             bar.write(f"--jobs {jobs}: {len(todo)} runs, {min(jobs, len(todo))} at a time, each in a worker "
                       "process that starts Python and torch and builds its own task (seconds): for runs of a "
                       "few seconds --jobs 1 is faster")
         t_start = time.perf_counter()
         try:
-            done = _execute_parallel(plan, specs, todo, jobs, bar, tracking)
+            done = _execute_parallel(plan, specs, todo, jobs, bar, tracking, resume)
         finally:
             bar.close()
         if not quiet:
@@ -278,6 +329,8 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
                dynamic_ncols=True, file=sys.stderr)
     if skipped and not quiet:
         bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
+    if resume and not quiet:
+        bar.write(_continuing(resume))
     tasks: dict[str, Any] = {}
     done = 0
     try:
@@ -298,7 +351,8 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
             reset = _reset_peak_rss()
             t0 = time.perf_counter()
             try:
-                summary = run_to_dir(spec.cfg, spec.dir, progress, task=tasks[key], tracking=_tracked(tracking, spec))
+                summary = run_to_dir(spec.cfg, spec.dir, progress, task=tasks[key], tracking=_tracked(tracking, spec),
+                                     resume=spec.label in resume)
             except BaseException:
                 bar.write(f"{spec.label}: failed after {time.perf_counter() - t0:.0f} s; {done + skipped} "
                           f"of {len(specs)} runs are finished and kept (rerun the same command to resume)")

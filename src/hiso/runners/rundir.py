@@ -47,8 +47,8 @@ from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task, higher_is_better
 from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one import path for a run directory)
-from .runfiles import (checkpoint, cut_rejections, dp_secret, read_run_history, resume_point,  # noqa: F401
-                       same_run, saved_config, write_atomic)
+from .runfiles import (checkpoint, cut_rejections, dp_secret, extend_refusal, read_run_history,  # noqa: F401
+                       resume_point, same_run, saved_config, write_atomic)
 from .simulate import PrivacyBudgetSpent, Simulation
 
 
@@ -130,6 +130,20 @@ def loss_diverged(loss: float | None, first: float | None, factor: float | None)
     return None
 
 
+def _extend(out: Path, done: int, cfg: RunConfig, info: dict) -> None:
+    """Resume ``out`` (a run of ``done`` rounds, finished or not) towards ``cfg.rounds`` > ``done``:
+    config.json names the new horizon first, then the old summary goes (a kill in between leaves
+    a summary of fewer rounds than config.json asks for, which counts as unfinished)."""
+    if cfg.rounds < done:
+        raise ValueError(f"{out} holds a run of {done} rounds: it cannot be cut to {cfg.rounds} "
+                         f"(`hiso rebuild --round {cfg.rounds}` gives the model at that round)")
+    why = extend_refusal(cfg, done)
+    if why is not None:
+        raise ValueError(f"{out} cannot be continued to {cfg.rounds} rounds: {why}")
+    write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
+    (out / "summary.json").unlink(missing_ok=True)
+
+
 def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None,
                task: Task | None = None, resume: bool = False, runner: Callable | None = None,
                tracking=None) -> dict:
@@ -161,7 +175,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         kept, records = pool_resume_point(out, cfg, resume_point(out, None)[0])
     else:
         kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
-    if not resume or not (out / "config.json").exists():
+    if resume and (out / "config.json").exists() and saved_config(out)[0].rounds != cfg.rounds:
+        _extend(out, saved_config(out)[0].rounds, cfg, info)
+    elif not resume or not (out / "config.json").exists():
         write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
     best: dict[str, float] = {}
     last_eval: dict = {}

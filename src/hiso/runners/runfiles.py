@@ -48,9 +48,22 @@ def same_run(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:
     saved, _ = saved_config(run_dir)
     a, b = saved.model_dump(), cfg.model_dump()
     diff = [k for k in b if a.get(k) != b.get(k)]
-    if not diff:
-        return "same", ""
+    if not diff or (diff == ["rounds"] and cfg.rounds > saved.rounds and extend_refusal(cfg, saved.rounds) is None):
+        return "same", ""  # (or the same run asked to more rounds: continued to them)
     return "other", f"{diff[0]} = {a.get(diff[0])!r} there, {b.get(diff[0])!r} here"
+
+
+def extend_refusal(cfg: RunConfig, rounds: int | None = None) -> str | None:
+    """Why a run of ``cfg`` cannot be continued from its log (None: it can), and with ``rounds``
+    (the horizon it was started with) why it cannot be continued from there to ``cfg.rounds``.
+    Extending is resuming with a later horizon: the rounds done are kept and the run goes on
+    exactly as a run started with the larger ``rounds`` would have."""
+    if not cfg.scalar_only and cfg.algorithm != "fedkseed":
+        return f"{cfg.algorithm} runs keep no log to rebuild their state from"
+    if rounds is not None and rounds != cfg.rounds and cfg.dp_epsilon is not None:
+        return (f"its DP noise was solved for epsilon {cfg.dp_epsilon:g} over {rounds} rounds: more rounds "
+                "would spend more than that budget (give --dp-noise-multiplier to fix the noise instead)")
+    return None
 
 
 def dp_secret(out: Path, cfg: RunConfig, resume: bool) -> RunConfig:
