@@ -50,6 +50,7 @@ import torch
 from ..core import exact
 from ..core.config import ZOConfig
 from ..core.messages import MessageError, decode_scalars, encode_scalars, get_varint, put_varint, quantize
+from ..core.scalars import SCALAR_BYTES
 from ..core.seeds import MASK, mix64
 from ..core.state import ModelState
 from ..core.wire import read_head as _head
@@ -197,7 +198,7 @@ def decode_pool_uplink(data, tau: int, K: int, dtype: str = "float32"):
         raise MessageError(f"{what}: unknown flags {flags:#x}")
     client, off = get_varint(data, off, what)
     rnd, off = get_varint(data, off, what)
-    sb = 4 if dtype == "float32" else 2
+    sb = SCALAR_BYTES[dtype]  # (fixed-width formats only: FedKSeed refuses int8)
     end = off + tau * (2 + sb) + (sb if flags & FLAG_LOSS else 0)
     if end != len(data):
         raise MessageError(f"{what} from client {client}: {len(data)} bytes, expected {end}")
@@ -230,7 +231,7 @@ def decode_pool_downlink(data, tau: int, K: int, dtype: str = "float32") -> tupl
     n, off = get_varint(data, off, what)
     if n > rnd:
         raise MessageError(f"{what} for round {rnd}: {n} records reach back before round 0")
-    sb = 4 if dtype == "float32" else 2
+    sb = SCALAR_BYTES[dtype]  # (fixed-width formats only: FedKSeed refuses int8)
     recs = []
     for j in range(n):
         m, off = get_varint(data, off, what)
@@ -318,7 +319,7 @@ def read_pool_log(path) -> tuple[dict, list[PoolRecord]]:
         raise ValueError(f"{path}: not a FedKSeed history file")
     _, ver, tau, K, seed, code = _HEAD.unpack_from(data, 0)
     dtype = DTYPES[code]
-    sb = 4 if dtype == "float32" else 2
+    sb = SCALAR_BYTES[dtype]  # (fixed-width formats only: FedKSeed refuses int8)
     off, recs = _HEAD.size, []
     while off < len(data):
         start = off
