@@ -109,6 +109,8 @@ def test_uplink_is_tau_index_scalar_pairs():
     (["--seed-pool", "0"], "seed pool must hold 1 to"),
     (["--seed-pool", str(MAX_POOL + 1)], "16-bit"),
     (["--perturbations", "2"], "perturbations must be 1"),
+    (["--directions", "sparse", "--direction-density", "0.1"], "dense family, not sparse"),
+    (["--directions", "lowrank", "--direction-rank", "2"], "dense family, not lowrank"),
 ])
 def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):
     assert_run_refused(tmp_path, capsys, ["--algorithm", "fedkseed", "--task", "quadratic", "--rounds", "2", "--quiet",

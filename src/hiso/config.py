@@ -336,6 +336,8 @@ class RunConfig(BaseModel, MethodRules):
             if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
                 raise ValueError("fedkseed runs with the plain mean only (no faults, attackers, robust or weighted "
                                  "aggregation, lr decay)")
+            if self.directions in ("sparse", "lowrank"):  # its pool log records a dense family only
+                raise ValueError(f"fedkseed draws its pool's directions from a dense family, not {self.directions}")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self
