@@ -207,44 +207,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (args.out is None) == (args.resume is None):
         return _fail("give --out DIR (a new run) or --resume DIR (an interrupted one)")
     if args.resume is not None:
-        import json
-
-        from .runners.rundir import saved_config
+        from .runners.runfiles import continuation
         if args.force:
             return _fail("--resume continues a run and --force overwrites it: choose one")
         out = Path(args.resume)
-        cfg, _ = saved_config(out)
         given = {**read_toml(args.config), **{k: v for k, v in overrides.items() if v is not None}}
-        saved = cfg.model_dump()
-        asked = load_config(None, **{**saved, **given})
-        wanted = asked.model_dump()
-        changed = [k for k in given if wanted.get(k) != saved.get(k)]
-        longer = changed == ["rounds"] and asked.rounds > cfg.rounds
-        if longer:  # the same run continued to a later horizon, if its log allows it
-            from .runners.rundir import extend_refusal
-            why = extend_refusal(asked, cfg.rounds)
-            if why is not None:
-                return _fail(f"{out} cannot be continued to {asked.rounds} rounds: {why}")
-        elif changed:
-            k = next((k for k in changed if k != "rounds"), changed[0])  # (rounds alone could be fine)
-            return _fail(f"--resume continues {out} as configured in its config.json: {k} = {wanted.get(k)!r} would "
-                         f"change its {saved.get(k)!r} (start a new run with --out instead; only a larger "
-                         f"--rounds continues it further)")
-        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
-        ended = summary is not None and (summary["diverged"] or (summary.get("privacy") or {}).get("stopped")
-                                         or summary["rounds_done"] >= cfg.rounds)
-        if ended:  # finished at its horizon, diverged, or out of privacy budget
-            why = (f"diverged in round {summary['diverged']['round']}" if summary["diverged"]
-                   else "stopped at its privacy budget" if summary["rounds_done"] < cfg.rounds
-                   else f"{summary['rounds_done']} rounds")
-            if not longer or summary["rounds_done"] < cfg.rounds:
-                print(f"{out} is a finished run ({why}): nothing to "
-                      + (f"continue to {asked.rounds} rounds" if longer else "resume"))
-                return 1 if summary["diverged"] else 0
-            if not args.quiet:
-                print(f"{out}: continuing its {summary['rounds_done']} rounds to {asked.rounds}", file=sys.stderr)
-        if longer:
-            cfg = asked
+        try:
+            plan = continuation(out, given)
+        except ValueError as e:
+            return _fail(str(e))
+        if plan.finished is not None:
+            print(plan.finished)
+            return 1 if plan.diverged else 0
+        if plan.note and not args.quiet:
+            print(plan.note, file=sys.stderr)
+        cfg = plan.cfg
     else:
         cfg = load_config(args.config, **overrides)
         out = Path(args.out)

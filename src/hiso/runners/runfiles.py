@@ -1,6 +1,7 @@
 """The files of a run directory, and how they are read back: ``config.json`` (what ran),
 ``model.pt``'s checkpoint, the resume point of an interrupted run (the rounds both
-``metrics.jsonl`` and ``history.bin`` hold), the DP noise key (``dp_secret.json``), and the
+``metrics.jsonl`` and ``history.bin`` hold) and what continuing a run may change (a later
+horizon only), the DP noise key (``dp_secret.json``), and the
 atomic replacement every rewrite uses. What each file holds: :mod:`hiso.runners.rundir`.
 """
 
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..config import RunConfig
+from ..config import RunConfig, load_config
 from ..core.history import parse_history
 
 
@@ -64,6 +66,49 @@ def extend_refusal(cfg: RunConfig, rounds: int | None = None) -> str | None:
         return (f"its DP noise was solved for epsilon {cfg.dp_epsilon:g} over {rounds} rounds: more rounds "
                 "would spend more than that budget (give --dp-noise-multiplier to fix the noise instead)")
     return None
+
+
+@dataclass
+class Continuation:
+    """What ``hiso run --resume DIR`` does with DIR: continue it with ``cfg`` (``note`` says so
+    when it extends a finished run), or nothing (``finished`` says why; ``diverged``: exit 1)."""
+    cfg: RunConfig
+    finished: str | None = None
+    diverged: bool = False
+    note: str | None = None
+
+
+def continuation(out: Path, given: dict) -> Continuation:
+    """How to continue the run in ``out`` with the options ``given`` (command line and config file):
+    options must agree with its ``config.json``, except a larger ``rounds``, which continues the run
+    (finished or not) to that horizon. Raises ``ValueError`` (one line) for what cannot be done."""
+    cfg, _ = saved_config(out)
+    saved = cfg.model_dump()
+    asked = load_config(None, **{**saved, **given})
+    wanted = asked.model_dump()
+    changed = [k for k in given if wanted.get(k) != saved.get(k)]
+    longer = changed == ["rounds"] and asked.rounds > cfg.rounds
+    if longer:  # the same run continued to a later horizon, if its log allows it
+        why = extend_refusal(asked, cfg.rounds)
+        if why is not None:
+            raise ValueError(f"{out} cannot be continued to {asked.rounds} rounds: {why}")
+    elif changed:
+        k = next((k for k in changed if k != "rounds"), changed[0])  # (rounds alone could be fine)
+        raise ValueError(f"--resume continues {out} as configured in its config.json: {k} = {wanted.get(k)!r} would "
+                         f"change its {saved.get(k)!r} (start a new run with --out instead; only a larger "
+                         f"--rounds continues it further)")
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
+    if summary is None or not (summary["diverged"] or (summary.get("privacy") or {}).get("stopped")
+                               or summary["rounds_done"] >= cfg.rounds):
+        return Continuation(asked if longer else cfg)  # cut short (or killed while being extended)
+    done = summary["rounds_done"]
+    if longer and done >= cfg.rounds:  # finished at its horizon: on to the new one
+        return Continuation(asked, note=f"{out}: continuing its {done} rounds to {asked.rounds}")
+    why = (f"diverged in round {summary['diverged']['round']}" if summary["diverged"]
+           else "stopped at its privacy budget" if done < cfg.rounds else f"{done} rounds")
+    return Continuation(cfg, diverged=bool(summary["diverged"]),
+                        finished=f"{out} is a finished run ({why}): nothing to "
+                                 + (f"continue to {asked.rounds} rounds" if longer else "resume"))
 
 
 def dp_secret(out: Path, cfg: RunConfig, resume: bool) -> RunConfig:
