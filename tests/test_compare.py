@@ -311,3 +311,26 @@ def test_parallel_jobs_give_the_same_runs_as_sequential(tmp_path, capsys):
     assert (tmp_path / "par/table.csv").read_text().splitlines()[0] == (tmp_path / "seq/table.csv").read_text().splitlines()[0]
     code, _, err = _main(["compare", "--out", str(tmp_path / "bad"), "--jobs", "0", *args], capsys)
     assert code == 2 and "--jobs" in err
+
+
+def test_table_only_reports_the_finished_runs_and_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    flags = ["compare", "--out", str(out), *TINY_FLAGS, "--seeds", "0,1", "--lr-grid", "hiso=0.01,0.05",
+             "--lr-grid", "decomfl=0.05", "--quiet"]
+    assert _main(flags, capsys)[0] == 0
+    cut = cmp.run_dir(out, "hiso", 0.05, 1)
+    (cut / "summary.json").unlink()  # as if still running
+    before = {f.name: f.read_bytes() for f in cut.iterdir()}
+    code, stdout, err = _main([*flags[:-1], "--table-only"], capsys)
+    assert code == 0, err
+    assert "hiso: lr=0.05 (seed 1)" in err
+    assert {f.name: f.read_bytes() for f in cut.iterdir()} == before  # nothing ran
+    grid = [e["lr"] for e in json.loads((out / "selection.json").read_text())["arms"]["hiso"]["grid"]]
+    assert grid == [0.01] and "HiSo" in stdout
+    # the reference with nothing finished: one line, exit 2; --force with it: refused
+    for d in out.glob("runs/decomfl/*/seed1"):
+        (d / "summary.json").unlink()
+    code, _, err = _main(flags + ["--table-only"], capsys)
+    assert code == 2 and "reference decomfl" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _main(flags + ["--table-only", "--force"], capsys)
+    assert code == 2 and "choose one" in err

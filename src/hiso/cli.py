@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         "test metric at the chosen round) or on the reported test examples themselves (test: optimistic, "
         "labelled so). Default: val when the runs have a validation split, else test"))
     cmp.add_argument("--force", action="store_true", help="rerun finished runs too")
+    cmp.add_argument("--table-only", action="store_true", help=(
+        "run nothing: the table and plots of the runs finished so far (each arm at the lrs finished for every "
+        "seed; what is left out is listed), e.g. beside a compare still running in --out"))
     cmp.add_argument("--jobs", type=int, default=1,
                      help="runs at a time, each in its own worker process (default 1). A worker starts Python "
                      "and torch and builds its own task (a few seconds), so for runs of a few seconds each, "
@@ -274,9 +277,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     plan = build_plan(args.config, shared, flags)
     if args.jobs < 1:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")
+    if args.table_only and args.force:
+        return _fail("--table-only runs nothing and --force reruns everything: choose one")
     try:
         text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs,
-                       tracking=_tracking(args, "compare"))
+                       tracking=None if args.table_only else _tracking(args, "compare"), run=not args.table_only)
     except KeyboardInterrupt as e:
         if _stopped_by(e):
             raise

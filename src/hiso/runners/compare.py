@@ -42,6 +42,7 @@ Selection and outputs
 from __future__ import annotations
 
 import json
+import sys
 import math
 from pathlib import Path
 
@@ -124,13 +125,48 @@ def _json_safe(x):
     return x
 
 
+def finished_part(plan: Plan, out: str | Path) -> tuple[Plan, list[str]]:
+    """``plan`` cut to what has finished in ``out`` (for ``--table-only``): each arm keeps the lrs
+    whose runs have finished for every seed; an arm with none is left out. Returns the cut plan
+    and one line per thing left out. A finished run of another configuration is still an error."""
+    from dataclasses import replace
+
+    from .compare_run import _state
+
+    out = Path(out)
+    arms, left = [], []
+    for arm in plan.arms:
+        done, missing = [], []
+        for lr in arm.lrs:
+            todo = [s for s in plan.seeds
+                    if _state(RunSpec(arm, lr, s, plan.config(arm, lr, s), run_dir(out, arm.name, lr, s))) != "finished"]
+            (missing.append(f"lr={lr:g} (seed{'s' if len(todo) > 1 else ''} {','.join(map(str, todo))})")
+             if todo else done.append(lr))
+        if done:
+            arms.append(replace(arm, lrs=tuple(done)))
+        if missing:
+            left.append(f"{arm.name}: " + ("no lr finished for every seed" if not done else "") +
+                        ("; " if not done else "") + ", ".join(missing))
+    if not any(a.name == plan.reference for a in arms):
+        raise ConfigError(f"--table-only: the reference {plan.reference} has no lr finished for every seed in {out}/runs "
+                          f"(give --seeds or --lr-grid to what has finished, or --reference another arm)")
+    return replace(plan, arms=arms), left
+
+
 def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
-            plots: bool = True, jobs: int = 1, tracking=None) -> str:
-    """Run, select, write selection.json, the table and the plots; returns the printed table."""
+            plots: bool = True, jobs: int = 1, tracking=None, run: bool = True) -> str:
+    """Run, select, write selection.json, the table and the plots; returns the printed table.
+    ``run=False`` (``--table-only``) runs nothing: the table of the runs finished so far (safe
+    beside a compare still running in ``out``)."""
     from ..report.table import build_table, write_table
 
     out = Path(out)
-    execute(plan, out, force=force, quiet=quiet, jobs=jobs, tracking=tracking)
+    if run:
+        execute(plan, out, force=force, quiet=quiet, jobs=jobs, tracking=tracking)
+    else:
+        plan, left = finished_part(plan, out)
+        if left and not quiet:
+            print("not finished yet, left out of the table:\n  " + "\n  ".join(left), file=sys.stderr)
     arms, selection = collect(plan, out)
     (out / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
     table = build_table(arms, plan.reference, plan.metric, plan.select_metric, plan.select_note)
