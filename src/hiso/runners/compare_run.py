@@ -98,7 +98,8 @@ def _state(spec: RunSpec) -> str:
                    " (a run can be continued to more rounds, not cut to fewer)" if k == "rounds" else "")
             raise ConfigError(f"{spec.dir} holds a finished run with {k} = {old.get(k)!r}, not {new.get(k)!r} "
                               f"as asked now{why} (use --force to rerun, or another --out)")
-        if ended or (not longer and summary.get("rounds_done", 0) >= old.get("rounds", 0)):
+        # (a summary without rounds_done, as older or hand-made ones, counts as the whole run)
+        if ended or (not longer and summary.get("rounds_done", old.get("rounds", 0)) >= old.get("rounds", 0)):
             return "finished"  # (a diverged run stays the result at any horizon)
     elif diff and not longer:
         return "start"
