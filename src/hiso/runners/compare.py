@@ -42,8 +42,8 @@ Selection and outputs
 from __future__ import annotations
 
 import json
-import sys
 import math
+import sys
 from pathlib import Path
 
 from ..config import ConfigError
@@ -140,13 +140,14 @@ def finished_part(plan: Plan, out: str | Path) -> tuple[Plan, list[str]]:
         for lr in arm.lrs:
             todo = [s for s in plan.seeds
                     if _state(RunSpec(arm, lr, s, plan.config(arm, lr, s), run_dir(out, arm.name, lr, s))) != "finished"]
-            (missing.append(f"lr={lr:g} (seed{'s' if len(todo) > 1 else ''} {','.join(map(str, todo))})")
-             if todo else done.append(lr))
+            if todo:
+                missing.append(f"lr={lr:g} (seed{'s' if len(todo) > 1 else ''} {','.join(map(str, todo))})")
+            else:
+                done.append(lr)
         if done:
             arms.append(replace(arm, lrs=tuple(done)))
         if missing:
-            left.append(f"{arm.name}: " + ("no lr finished for every seed" if not done else "") +
-                        ("; " if not done else "") + ", ".join(missing))
+            left.append(f"{arm.name}: " + ("" if done else "no lr finished for every seed; ") + ", ".join(missing))
     if not any(a.name == plan.reference for a in arms):
         raise ConfigError(f"--table-only: the reference {plan.reference} has no lr finished for every seed in {out}/runs "
                           f"(give --seeds or --lr-grid to what has finished, or --reference another arm)")

@@ -66,7 +66,7 @@ def _state(spec: RunSpec) -> str:
     exactly as an uninterrupted run) or ``"start"`` (nothing there, a partial run that cannot be
     continued, or a partial run of another configuration). A finished run of another
     configuration is an error (:class:`ConfigError`)."""
-    from .runfiles import extend_refusal, resume_point
+    from .runfiles import ended_early, extend_refusal, resume_point
 
     try:
         old = json.loads((spec.dir / "config.json").read_text())
@@ -85,12 +85,13 @@ def _state(spec: RunSpec) -> str:
         summary = json.loads((spec.dir / "summary.json").read_text())
     except (OSError, ValueError):
         summary = None
-    longer = diff == ["rounds"] and spec.cfg.rounds > old["rounds"]
-    refusal = extend_refusal(spec.cfg, old["rounds"] if longer else None)
+    done_rounds = old.get("rounds", 0)
+    longer = diff == ["rounds"] and spec.cfg.rounds > done_rounds
+    refusal = extend_refusal(spec.cfg, done_rounds if longer else None)
     can_continue = refusal is None
     if summary is not None:
-        ended = bool(summary.get("diverged") or (summary.get("privacy") or {}).get("stopped"))
-        if longer and not ended and not can_continue and not spec.cfg.scalar_only and spec.cfg.dp_epsilon is None:
+        ended = ended_early(summary)
+        if longer and not ended and extend_refusal(spec.cfg) is not None:
             return "start"  # a full-model baseline keeps no log: run again to the new horizon
         if diff and not (longer and (can_continue or ended)):
             k = diff[0]
@@ -99,7 +100,7 @@ def _state(spec: RunSpec) -> str:
             raise ConfigError(f"{spec.dir} holds a finished run with {k} = {old.get(k)!r}, not {new.get(k)!r} "
                               f"as asked now{why} (use --force to rerun, or another --out)")
         # (a summary without rounds_done, as older or hand-made ones, counts as the whole run)
-        if ended or (not longer and summary.get("rounds_done", old.get("rounds", 0)) >= old.get("rounds", 0)):
+        if ended or (not longer and summary.get("rounds_done", done_rounds) >= done_rounds):
             return "finished"  # (a diverged run stays the result at any horizon)
     elif diff and not longer:
         return "start"

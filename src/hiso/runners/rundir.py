@@ -175,9 +175,10 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         kept, records = pool_resume_point(out, cfg, resume_point(out, None)[0])
     else:
         kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
-    if resume and (out / "config.json").exists() and saved_config(out)[0].rounds != cfg.rounds:
-        _extend(out, saved_config(out)[0].rounds, cfg, info)
-    elif not resume or not (out / "config.json").exists():
+    saved_rounds = saved_config(out)[0].rounds if resume and (out / "config.json").exists() else None
+    if saved_rounds is not None and saved_rounds != cfg.rounds:
+        _extend(out, saved_rounds, cfg, info)
+    elif not resume or saved_rounds is None:
         write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
     best: dict[str, float] = {}
     last_eval: dict = {}

@@ -68,6 +68,11 @@ def extend_refusal(cfg: RunConfig, rounds: int | None = None) -> str | None:
     return None
 
 
+def ended_early(summary: dict) -> bool:
+    """Whether a finished run stopped before its horizon for good: diverged, or out of privacy budget."""
+    return bool(summary.get("diverged") or (summary.get("privacy") or {}).get("stopped"))
+
+
 @dataclass
 class Continuation:
     """What ``hiso run --resume DIR`` does with DIR: continue it with ``cfg`` (``note`` says so
@@ -98,8 +103,7 @@ def continuation(out: Path, given: dict) -> Continuation:
                          f"change its {saved.get(k)!r} (start a new run with --out instead; only a larger "
                          f"--rounds continues it further)")
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
-    if summary is None or not (summary["diverged"] or (summary.get("privacy") or {}).get("stopped")
-                               or summary["rounds_done"] >= cfg.rounds):
+    if summary is None or not (ended_early(summary) or summary["rounds_done"] >= cfg.rounds):
         return Continuation(asked if longer else cfg)  # cut short (or killed while being extended)
     done = summary["rounds_done"]
     if longer and done >= cfg.rounds:  # finished at its horizon: on to the new one
