@@ -209,6 +209,9 @@ def test_autocast_auto_follows_the_hardware(monkeypatch):
     monkeypatch.setattr(lm, "has_bf16_matmul_units", lambda: True)
     assert resolve_autocast("auto")[0] == "bf16"
     assert resolve_autocast("none")[0] == "none" and resolve_autocast("bf16")[0] == "bf16"
+    # LoRA's scalars drown in bf16 rounding at the paper's mu: auto keeps float32 even there
+    assert resolve_autocast("auto", lora=True)[0] == "none"
+    assert resolve_autocast("bf16", lora=True)[0] == "bf16"
 
 
 # ---------------------------------------------------------------- runs, rebuilds, errors

@@ -260,6 +260,9 @@ class RunConfig(BaseModel, MethodRules):
         "language tasks' precision: bf16 autocast; auto: bf16 only where bf16 matrix units exist"))
     eval_batch_size: int = Field(16, gt=0, description="language tasks: examples per evaluation batch")
     max_new_tokens: int = Field(16, gt=0, description="squad: longest generated answer in tokens")
+    pack_sequences: bool = Field(True, description=(
+        "language tasks: run a batch's prompts as one packed row without padding where that is cheaper "
+        "(~2x faster forwards on SST-2; logits equal up to float rounding)"))
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

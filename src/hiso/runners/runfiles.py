@@ -28,6 +28,11 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+# options added later with a default that computes differently: what a run of those tasks made
+# before them did, so that `hiso run --resume DIR` continues such a run as it began
+_MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False)}
+
+
 def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     """A run directory's configuration and task description (``config.json``)."""
     path = Path(run_dir) / "config.json"
@@ -38,7 +43,11 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is damaged ({e})") from None
     info = raw.pop("task_info", None) or {}
+    for k, (tasks, v) in _MADE_BEFORE.items():
+        if raw.get("task") in tasks:
+            raw.setdefault(k, v)
     return RunConfig(**raw), info
+
 
 
 def same_run(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:

@@ -222,12 +222,16 @@ def has_bf16_matmul_units() -> bool:
     return "amx_bf16" in flags
 
 
-def resolve_autocast(choice: str) -> tuple[str, str]:
+def resolve_autocast(choice: str, lora: bool = False) -> tuple[str, str]:
     """('bf16' or 'none', why) for ``--autocast auto|bf16|none``.
 
-    Measured on SmolLM2-135M (16 x 32 tokens, 2 threads): on CPUs with AMX, bf16 forwards were
-    ~3x faster than float32; without AMX ~7x slower. So ``auto`` takes bf16 only where bf16
-    matrix units exist. bf16 also makes finite differences noisier (see bench/llm_precision.py).
+    Measured on SmolLM2-135M (16 x 32 tokens): on CPUs with AMX, bf16 forwards were ~3x faster
+    than float32; on an AVX-512 CPU with avx512_bf16 but no AMX 1.8x faster, and on one without
+    either ~4x slower. bf16 rounding also enters the finite differences (``bench/llm_precision.py``):
+    with all parameters perturbed at mu = 1e-3 the scalars kept a correlation of 0.94 with
+    float32's, but a LoRA adapter moves the loss far less than bf16 rounds it (correlation 0.22,
+    median error 17x the scalar). So ``auto`` takes bf16 only for full-parameter runs and only
+    where bf16 matrix units exist.
     """
     if choice == "none":
         return "none", "asked for"
@@ -235,6 +239,9 @@ def resolve_autocast(choice: str) -> tuple[str, str]:
         return "bf16", "asked for"
     if choice != "auto":
         raise ValueError(f"autocast must be auto, bf16 or none, got {choice!r}")
+    if lora:
+        return "none", ("auto: LoRA's finite differences at mu ~1e-3 are below bf16's rounding of the loss "
+                        "(bench/llm_precision.py), so float32")
     if has_bf16_matmul_units():
         return "bf16", "auto: bf16 matrix units found (CUDA bf16 or CPU AMX)"
     return "none", "auto: no bf16 matrix units on this machine (no AMX), so float32 forwards are faster"
