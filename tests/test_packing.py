@@ -156,3 +156,35 @@ def test_runs_record_packing_and_old_runs_resume_padded(files, tmp_path, capsys)
     del cfg["pack_sequences"]
     (tmp_path / "u" / "config.json").write_text(json.dumps(cfg))
     assert saved_config(tmp_path / "u")[0].pack_sequences is False
+
+
+def test_a_run_made_before_packing_continues_padded(files, tmp_path, capsys, monkeypatch):
+    """Resumed, a run whose config.json predates pack_sequences runs padded, as it began."""
+    seen = []
+    real = language.LanguageTask._logits
+
+    def spy(self, model, batch, keep):
+        seen.append(self.pack)
+        return real(self, model, batch, keep)
+
+    monkeypatch.setattr(language.LanguageTask, "_logits", spy)
+    out = tmp_path / "old"
+    base = ["run", "--task", "sst2", "--model", files["lm"], "--data-dir", files["sst2"],
+            "--label-words", ",".join(WORDS), "--clients", "3", "--sampled", "2", "--min-size", "2",
+            "--batch-size", "8", "--lr", "1e-2", "--lora-r", "2", "--eval-every", "100", "--quiet"]
+    assert run_cli(base + ["--rounds", "1", "--no-pack-sequences", "--out", str(out)], capsys)[0] == 0
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["pack_sequences"]  # as written before the option existed
+    (out / "config.json").write_text(json.dumps(cfg))
+    seen.clear()
+    assert run_cli(base + ["--rounds", "2", "--out", str(out), "--resume"], capsys)[0] == 0
+    assert seen and not any(seen)  # every forward of the continued round was padded
+    assert json.loads((out / "config.json").read_text())["pack_sequences"] is False
+    # the same through run_to_dir given today's default (hiso compare continues runs this way)
+    from hiso.runners.rundir import run_to_dir
+    (out / "config.json").write_text(json.dumps(cfg))
+    seen.clear()
+    given = saved_config(out)[0].model_copy(update={"pack_sequences": True, "rounds": 3})
+    run_to_dir(given, out, resume=True)
+    assert seen and not any(seen)
+    assert json.loads((out / "config.json").read_text())["pack_sequences"] is False

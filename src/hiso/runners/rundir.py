@@ -48,7 +48,7 @@ from ..tasks.device import on_device
 from ..tasks.registry import build_task, higher_is_better
 from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one import path for a run directory)
 from .runfiles import (checkpoint, cut_rejections, dp_secret, extend_refusal, read_run_history,  # noqa: F401
-                       resume_point, same_run, saved_config, write_atomic)
+                       made_before, resume_point, same_run, saved_config, write_atomic)
 from .simulate import PrivacyBudgetSpent, Simulation
 
 
@@ -159,6 +159,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     ``tracking`` (:class:`hiso.report.tracking.Tracking`): each row also goes to TensorBoard / MLflow.
     """
     out = Path(out)
+    older = made_before(out) if resume else {}
+    if older:  # options added after the run began keep the values it began with
+        cfg, task = cfg.model_copy(update=older), None  # (a task built for the new values is not this run's)
     if resume and not cfg.scalar_only and cfg.algorithm != "fedkseed":
         raise ValueError(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          f"their state from (start again with --force)")

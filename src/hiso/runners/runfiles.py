@@ -43,10 +43,21 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is damaged ({e})") from None
     info = raw.pop("task_info", None) or {}
-    for k, (tasks, v) in _MADE_BEFORE.items():
-        if raw.get("task") in tasks:
-            raw.setdefault(k, v)
-    return RunConfig(**raw), info
+    return RunConfig(**{**raw, **_made_before(raw)}), info
+
+
+def _made_before(raw: dict) -> dict:
+    """The options a saved configuration predates, at the values its run was made with."""
+    return {k: v for k, (tasks, v) in _MADE_BEFORE.items() if k not in raw and raw.get("task") in tasks}
+
+
+def made_before(run_dir: str | Path) -> dict:
+    """What :func:`_made_before` gives for ``run_dir``'s ``config.json`` ({} if it has none):
+    a resumed run takes these values, so it continues as it began."""
+    try:
+        return _made_before(json.loads((Path(run_dir) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return {}
 
 
 
@@ -58,7 +69,8 @@ def same_run(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:
         return "empty", ""
     saved, _ = saved_config(run_dir)
     a, b = saved.model_dump(), cfg.model_dump()
-    diff = [k for k in b if a.get(k) != b.get(k)]
+    older = made_before(run_dir)  # options the run predates: it resumes with their old values
+    diff = [k for k in b if a.get(k) != b.get(k) and k not in older]
     if not diff or (diff == ["rounds"] and cfg.rounds > saved.rounds and extend_refusal(cfg, saved.rounds) is None):
         return "same", ""  # (or the same run asked to more rounds: continued to them)
     return "other", f"{diff[0]} = {a.get(diff[0])!r} there, {b.get(diff[0])!r} here"
