@@ -4,7 +4,7 @@
 
 The same training batches (client 0, rounds 0..batches-1, batch --batch-size) through the same
 model, each loss computed padded (``pack_sequences=False``) and packed, interleaved, at --threads
-threads. Reported: the batches' real tokens against their padded size, process CPU seconds per
+threads (on --device cuda: synchronised wall seconds instead of CPU seconds). Reported: the batches' real tokens against their padded size, process CPU seconds per
 forward in each layout (median), their ratio, how many batches the cost rule packed, and the
 largest |loss difference| (float rounding; a ZO scalar divides it by mu).
 """
@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
 
     import numpy as np
@@ -40,7 +41,14 @@ def main() -> None:
         cfg = load_config(task=args.task, model=args.model, data_dir=args.data_dir, lora_r=args.lora_r or None,
                           autocast="none", clients=6, lr=1e-2, pack_sequences=pack)
         tasks[pack] = build_task(cfg)
-    model = tasks[True].build_model()
+    model = tasks[True].build_model().to(args.device)
+    cuda = args.device.startswith("cuda")
+
+    def clock() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
     batches = [tasks[True].batch(0, r, 0, args.batch_size) for r in range(args.batches)]
     real = sum(int(b["attention_mask"].sum()) for b in batches)
     size = sum(b["attention_mask"].numel() for b in batches)
@@ -53,11 +61,11 @@ def main() -> None:
         for b in batches:
             loss = {}
             for pack in (False, True):
-                t = time.process_time()
+                t = clock()
                 loss[pack] = float(tasks[pack].loss(model, b))
-                times[pack].append(time.process_time() - t)
+                times[pack].append(clock() - t)
             gap = max(gap, abs(loss[True] - loss[False]))
-    out = {"task": args.task, "model": args.model, "lora_r": args.lora_r, "threads": args.threads,
+    out = {"task": args.task, "model": args.model, "lora_r": args.lora_r, "threads": args.threads, "device": args.device,
            "batch_size": args.batch_size, "batches": args.batches, "real_tokens": real, "padded_tokens": size,
            "batches_packed": int(packed), "packing_probe": tasks[True]._pack_ok,
            "padded_cpu_s": float(np.median(times[False])), "packed_cpu_s": float(np.median(times[True])),
@@ -65,7 +73,7 @@ def main() -> None:
     out["packed_over_padded"] = out["packed_cpu_s"] / out["padded_cpu_s"]
     print(f"{args.task} {args.model} LoRA r={args.lora_r}, batch {args.batch_size}, {args.threads} thread(s): "
           f"{real} real of {size} padded tokens ({size / real:.2f}x); {packed}/{args.batches} batches packed; "
-          f"forward {out['padded_cpu_s']:.2f} CPU s padded, {out['packed_cpu_s']:.2f} packed "
+          f"forward {out['padded_cpu_s']:.3f} {'s' if cuda else 'CPU s'} padded, {out['packed_cpu_s']:.3f} packed "
           f"({out['packed_over_padded']:.2f}x); largest loss gap {gap:.1e}")
     print(json.dumps(out))
 
