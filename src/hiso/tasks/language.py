@@ -21,7 +21,7 @@ apart. SST-2 training batches are ~2.2x padding at 32 tokens, and a forward's co
 (``bench/llm_packing.py``), so packing makes the forward ~2x cheaper; the logits equal the padded
 ones up to float rounding. A batch is packed only where that costs less: attention over the packed
 row grows with its square (see :func:`packing_pays`). Models whose attention does not follow
-packed position ids are found by a probe on first use (packed and padded logits of two prompts
+packed position ids are found by a probe on load (packed and padded logits of two prompts
 must agree) and run padded.
 
 Every random choice (train/eval subsets, partition, batches, LoRA init) is a function of the run
