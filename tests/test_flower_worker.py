@@ -74,3 +74,25 @@ def test_flower_relay_imports_neither_torch_nor_the_core():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_worker_socket_appears_only_once_it_listens(tmp_path, monkeypatch):
+    """A relay that finds the socket's path connects (no refusal between bind and listen)."""
+    import socket as so
+    real = so.socket.listen
+
+    def slow_listen(self, *a):
+        time.sleep(0.3)
+        return real(self, *a)
+
+    monkeypatch.setattr(so.socket, "listen", slow_listen)
+    sock = tmp_path / "w.sock"
+    threading.Thread(target=Worker().serve, args=(str(sock),), daemon=True).start()
+    t_end = time.monotonic() + 10
+    while not sock.exists():
+        assert time.monotonic() < t_end
+        time.sleep(0.005)
+    c = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+    c.connect(str(sock))
+    c.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["w.sock"]  # no temporary path left behind

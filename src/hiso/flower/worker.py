@@ -94,8 +94,10 @@ class Worker:
         if os.path.exists(path):
             os.unlink(path)
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(path)
+        tmp = f"{path}.{os.getpid()}~"  # the path appears only once the socket listens: a relay
+        srv.bind(tmp)                    # that finds it never meets a refused connection
         srv.listen(8)
+        os.replace(tmp, path)
         while True:
             conn, _ = srv.accept()
             with conn:
