@@ -72,3 +72,9 @@ def write_squad(path: Path, n: int = 24) -> Path:
         doc = {"version": "1.1", "data": [{"title": "", "paragraphs": [{"context": ctx, "qas": items}]}]}
         (path / name).write_text(json.dumps(doc))
     return path
+
+
+def write_lm_files(d: Path, *datasets: str) -> dict:
+    """The tiny LM and the named datasets (sst2, qqp, squad) under ``d``: {"lm": path, name: path}."""
+    writers = {"sst2": write_sst2, "qqp": write_qqp, "squad": write_squad}
+    return {"lm": str(write_tiny_lm(d / "lm")), **{n: str(writers[n](d / n)) for n in datasets}}

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_helpers import run_cli  # noqa: E402
-from lm_fixtures import write_sst2, write_tiny_lm  # noqa: E402
+from lm_fixtures import write_lm_files  # noqa: E402
 
 from hiso.config import load_config, parse_size  # noqa: E402
 from hiso.core.config import ZOConfig  # noqa: E402
@@ -29,8 +29,7 @@ WORDS = ["great", "terrible"]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("batched")
-    return {"lm": str(write_tiny_lm(d / "lm")), "sst2": str(write_sst2(d / "sst2"))}
+    return write_lm_files(tmp_path_factory.mktemp("batched"), "sst2")
 
 
 def _task(files, lora):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from lm_fixtures import write_qqp, write_squad, write_sst2, write_tiny_lm  # noqa: E402
+from lm_fixtures import write_lm_files, write_tiny_lm  # noqa: E402
 
 from cli_helpers import run_cli  # noqa: E402
 from hiso.core.config import ZOConfig  # noqa: E402
@@ -26,8 +26,7 @@ WORDS = [" great", " terrible"][::-1]  # label 0 = terrible, 1 = great
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("lm")
-    return {"lm": str(write_tiny_lm(d / "lm")), "sst2": str(write_sst2(d / "sst2")),
-            "qqp": str(write_qqp(d / "qqp")), "squad": str(write_squad(d / "squad")), "root": d}
+    return {**write_lm_files(d, "sst2", "qqp", "squad"), "root": d}
 
 
 def sst2(files, **kw):

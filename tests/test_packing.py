@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_helpers import run_cli  # noqa: E402
-from lm_fixtures import write_squad, write_sst2, write_tiny_lm  # noqa: E402
+from lm_fixtures import write_lm_files  # noqa: E402
 
 from hiso.runners.runfiles import saved_config  # noqa: E402
 from hiso.tasks import language  # noqa: E402
@@ -27,9 +27,7 @@ WORDS = [" terrible", " great"]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("packing")
-    return {"lm": str(write_tiny_lm(d / "lm")), "sst2": str(write_sst2(d / "sst2")),
-            "squad": str(write_squad(d / "squad"))}
+    return write_lm_files(tmp_path_factory.mktemp("packing"), "sst2", "squad")
 
 
 def _task(files, name="sst2", **kw):

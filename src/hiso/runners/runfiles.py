@@ -60,7 +60,6 @@ def made_before(run_dir: str | Path) -> dict:
         return {}
 
 
-
 def same_run(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:
     """What ``run_dir`` holds for ``hiso run --out DIR --resume``, and why: ``"same"`` (a run of
     ``cfg``, to continue), ``"empty"`` (absent, empty or no ``config.json`` yet: a run killed
