@@ -88,6 +88,39 @@ def test_evaluate_accuracy_matches_argmax_over_label_words(files):
     assert out["eval_acc"] == pytest.approx(acc) and np.isfinite(out["eval_loss"])
 
 
+def _accuracy(task, model, examples):
+    with torch.no_grad():
+        pred = [int(model(input_ids=torch.tensor([task.tok(task._prompt(e)).input_ids])).logits[0, -1, task.label_ids].argmax())
+                for e in examples]
+    return np.mean([p == e.label for p, e in zip(pred, examples)])
+
+
+def test_validation_split_is_kept_apart_from_the_reported_examples(files):
+    whole = sst2(files)
+    task = sst2(files, val_fraction=0.5, eval_batch_size=4)
+    ev, val = task._data["eval"], task._data["val"]
+    assert len(ev) == len(val) == 6 and not whole._data["val"]
+    key = lambda e: (e.text_a, e.label)  # noqa: E731
+    assert sorted(map(key, ev + val)) == sorted(map(key, whole._data["eval"]))  # a partition of the held-out set
+    model = task.build_model()
+    out = task.evaluate(model)
+    assert out["eval_acc"] == pytest.approx(_accuracy(task, model, ev))
+    assert out["val_acc"] == pytest.approx(_accuracy(task, model, val)) and np.isfinite(out["val_loss"])
+    assert "val_acc" not in whole.evaluate(model)
+    again = sst2(files, val_fraction=0.5)._data  # fixed by the seed, and another seed draws another split
+    assert again["val"] == val and sst2(files, val_fraction=0.5, seed=1)._data["val"] != val
+    with pytest.raises(ValueError, match="empty validation or test split"):
+        sst2(files, val_fraction=0.99)._data
+
+
+def test_squad_validation_split_reports_val_em_and_f1(files):
+    task = LanguageTask("squad", 2, model=files["lm"], data_dir=files["squad"], min_size=2, val_fraction=0.5,
+                        max_new_tokens=3)
+    out = task.evaluate(task.build_model())
+    assert {"eval_em", "eval_f1", "val_em", "val_f1", "val_loss"} <= out.keys()
+    assert len(task._data["val"]) == len(task._data["eval"]) == 3
+
+
 def test_qqp_prompt_uses_both_questions(files):
     task = LanguageTask("qqp", 2, model=files["lm"], data_dir=files["qqp"], label_words=[" no", " yes"], min_size=2)
     ex = task._data["train"][1]
@@ -225,11 +258,12 @@ def _tiny_run(files, out, *extra):
 @pytest.mark.parametrize("lora", [False, True])
 def test_run_and_rebuild_bit_identical(files, tmp_path, capsys, lora):
     out = tmp_path / "run"
-    extra = ["--lora-r", "2"] if lora else []
+    extra = ["--lora-r", "2", "--val-fraction", "0.5"] if lora else []  # the LoRA run with a validation split
     code, stdout, err = _run(_tiny_run(files, out, *extra), capsys)
     assert code == 0, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "eval_acc" in rows[0] and "eval_acc" in rows[3]
+    assert ("val_acc" in rows[0] and "val_acc" in rows[3]) == lora
     info = json.loads((out / "config.json").read_text())["task_info"]
     ckpt = torch.load(out / "model.pt")
     assert ckpt["base"]["fingerprint"] == info["base_fingerprint"]

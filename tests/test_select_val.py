@@ -170,6 +170,8 @@ def test_default_is_val_with_a_validation_split_else_test_with_a_note(tmp_path, 
     assert cmp.build_plan(None, *_flags(val_flags)).select_on == "val"
     plan = cmp.build_plan(None, *_flags(FLAGS))  # val_fraction 0: no split
     assert plan.select_on == "test" and "--val-fraction" in plan.select_note
+    lang = {"task": "sst2", "val_fraction": 0.5}  # the language tasks have one too
+    assert cmp.build_plan(None, lang, {}).select_on == "val"
     quad = cmp.build_plan(None, {"task": "quadratic"}, {})
     assert quad.select_on == "test" and "has no validation split" in quad.select_note
     toml = tmp_path / "c.toml"

@@ -240,7 +240,8 @@ class RunConfig(BaseModel, MethodRules):
         "evaluate on at most this many held-out examples, a seeded subset (default: all)"))
     val_fraction: float = Field(0.0, ge=0, lt=1, description=(
         "share of the held-out examples kept apart as a validation split (val_* metrics; eval_* on the rest), "
-        "what hiso compare then selects lr and round on (vision tasks; default 0: none, compare selects on test)"))
+        "what hiso compare then selects lr and round on (vision and language tasks; default 0: none, compare selects on "
+        "test)"))
     train_max: int | None = Field(None, gt=0, description=(
         "train on a seeded subset of this many examples (default: all)"))
     # language tasks (sst2, qqp, squad): a causal LM by short name, local directory or hub name

@@ -9,7 +9,7 @@ Selection and outputs
 ---------------------
 * **What the choices are made on** (``select_on``, ``--select-on``). ``"val"``: on a validation
   split, so the reported examples are never looked at while choosing. It needs runs with one: a
-  task that supports it (registered with ``validation=True``: mnist, fashion-mnist) and
+  task that supports it (registered with ``validation=True``: mnist, fashion-mnist, sst2, qqp, squad) and
   ``val_fraction > 0``, which keeps that share of the held-out examples apart (seeded) and
   reports ``val_*`` on them beside ``eval_*`` on the rest (the reported examples are then that
   rest, fewer than without a split). The selection metric is ``metric``'s validation

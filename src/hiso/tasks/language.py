@@ -51,6 +51,7 @@ from .registry import register_task
 _SALT_BATCH = 0x7E47
 _SALT_SUBSET = 0x5B5E
 _SALT_LORA = 0x10FA
+_SALT_VAL = 0x7A1D
 
 CLASSIFICATION = {
     "sst2": {"template": "{sentence} It was", "label_words": (" terrible", " great"), "max_length": 32},
@@ -83,7 +84,7 @@ class LanguageTask(Task):
                  label_words: list[str] | None = None, lora_r: int | None = None,
                  lora_alpha: float = 16.0, lora_targets: list[str] | tuple[str, ...] = ("q_proj", "v_proj"),
                  autocast: str = "auto", eval_batch_size: int = 16, max_new_tokens: int = 16,
-                 pack: bool = True):
+                 pack: bool = True, val_fraction: float = 0.0):
         super().__init__(num_clients, seed)
         if name not in LANGUAGE_TASKS:
             raise ValueError(f"unknown language task {name!r} (choose from {', '.join(LANGUAGE_TASKS)})")
@@ -99,6 +100,9 @@ class LanguageTask(Task):
             raise ValueError(f"{name} has no labels to skew: use partition iid")
         self.partition, self.alpha, self.min_size = partition, float(alpha), int(min_size)
         self.train_max, self.eval_max = train_max, eval_max
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.val_fraction = float(val_fraction)
         self.data_dir = data_dir
         self.eval_batch_size, self.max_new_tokens = int(eval_batch_size), int(max_new_tokens)
         self.lora = None if lora_r is None else {"r": int(lora_r), "alpha": float(lora_alpha),
@@ -188,12 +192,25 @@ class LanguageTask(Task):
             raise DataError(f"{self.name}: empty {'train' if not train else 'eval'} split")
         train = self._subset(train, self.train_max, 0)
         ev = self._subset(ev, self.eval_max, 1)
+        ev, val = self._split_val(ev)
         labels = np.zeros(len(train), dtype=np.int64) if self.qa else np.array([e.label for e in train])
         parts = partitioners.partition(self.partition, labels, self.num_clients, self.seed,
                                        alpha=self.alpha, min_size=self.min_size)
         classes = 1 if self.qa else len(self.label_words)
-        return {"train": train, "eval": ev, "parts": parts,
+        return {"train": train, "eval": ev, "val": val, "parts": parts,
                 "label_hist": label_histograms(labels, parts, classes)}
+
+    def _split_val(self, held_out: list) -> tuple[list, list]:
+        """``(test, val)``: a seeded ``val_fraction`` of the held-out examples kept apart, so that
+        ``hiso compare`` picks lr and round on examples it does not report (as the vision tasks do)."""
+        n_val = int(round(self.val_fraction * len(held_out)))
+        if self.val_fraction == 0:
+            return held_out, []
+        if not 0 < n_val < len(held_out):
+            raise ValueError(f"val_fraction {self.val_fraction} of {len(held_out)} held-out examples leaves an "
+                             "empty validation or test split")
+        perm = np.random.default_rng([_SALT_VAL, self.seed]).permutation(len(held_out))
+        return [held_out[i] for i in np.sort(perm[n_val:])], [held_out[i] for i in np.sort(perm[:n_val])]
 
     def _subset(self, examples: list, limit: int | None, which: int) -> list:
         if limit is None or limit >= len(examples):
@@ -272,40 +289,44 @@ class LanguageTask(Task):
         logits = self._class_logits(model, batch)
         return F.cross_entropy(logits, batch["labels"].to(logits.device))
 
-    def _eval_batches(self, what: str):
-        ev = self._data["eval"]
-        starts = range(0, len(ev), self.eval_batch_size)
+    def _eval_batches(self, examples: list, what: str):
+        starts = range(0, len(examples), self.eval_batch_size)
         for s in tqdm(starts, desc=f"eval {self.name} ({what})", unit="batch", leave=False, disable=None):
-            yield ev[s: s + self.eval_batch_size]
+            yield examples[s: s + self.eval_batch_size]
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """Classification: ``eval_loss``, ``eval_acc``. SQuAD: ``eval_loss``, ``eval_em``, ``eval_f1``."""
+        """Classification: ``eval_loss``, ``eval_acc``. SQuAD: ``eval_loss``, ``eval_em``, ``eval_f1``.
+        With a validation split (``val_fraction``) the same metrics as ``val_*`` on it as well."""
         was_training = model.training
         model.eval()
+        score = self._evaluate_qa if self.qa else self._evaluate_cls
         try:
-            return self._evaluate_qa(model) if self.qa else self._evaluate_cls(model)
+            out = score(model, self._data["eval"], "eval")
+            if self._data["val"]:
+                out.update(score(model, self._data["val"], "val"))
+            return out
         finally:
             model.train(was_training)
 
-    def _evaluate_cls(self, model: nn.Module) -> dict[str, float]:
+    def _evaluate_cls(self, model: nn.Module, examples: list, prefix: str) -> dict[str, float]:
         loss, correct, n = 0.0, 0, 0
-        for exs in self._eval_batches("scoring"):
+        for exs in self._eval_batches(examples, f"{prefix}, scoring"):
             b = self._collate(exs)
             logits = self._class_logits(model, b)
             y = b["labels"].to(logits.device)
             loss += float(F.cross_entropy(logits, y, reduction="sum"))
             correct += int((logits.argmax(1) == y).sum())
             n += len(exs)
-        return {"eval_loss": loss / n, "eval_acc": correct / n}
+        return {f"{prefix}_loss": loss / n, f"{prefix}_acc": correct / n}
 
-    def _evaluate_qa(self, model: nn.Module) -> dict[str, float]:
+    def _evaluate_qa(self, model: nn.Module, examples: list, prefix: str) -> dict[str, float]:
         from .qa_metrics import exact_match, f1
 
         device = next(model.parameters()).device
         loss, tokens, em, f = 0.0, 0, 0.0, 0.0
         n = 0
-        for exs in self._eval_batches("generating"):
+        for exs in self._eval_batches(examples, f"{prefix}, generating"):
             b = self._encode(exs, with_answers=True)
             loss += float(self._answer_loss(model, b, reduction="sum"))
             tokens += int(b["answer_lens"].sum())
@@ -313,7 +334,7 @@ class LanguageTask(Task):
                 em += exact_match(pred, list(ex.answers))
                 f += f1(pred, list(ex.answers))
             n += len(exs)
-        return {"eval_loss": loss / tokens, "eval_em": em / n, "eval_f1": f / n}
+        return {f"{prefix}_loss": loss / tokens, f"{prefix}_em": em / n, f"{prefix}_f1": f / n}
 
     def generate(self, model: nn.Module, examples: list, device: torch.device | None = None) -> list[str]:
         """Greedy answers (up to ``max_new_tokens``, cut at the first line break)."""
@@ -340,7 +361,8 @@ class LanguageTask(Task):
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         info = {
             "task": "language", "dataset": self.name, "data_dir": self.data_dir,
-            "n_train": len(d["train"]), "n_eval": len(d["eval"]), "num_clients": self.num_clients,
+            "n_train": len(d["train"]), "n_eval": len(d["eval"]), "n_val": len(d["val"]),
+            "num_clients": self.num_clients,
             "partition": self.partition, "alpha": None if self.partition == "iid" else self.alpha,
             "client_size_min": int(min(sizes)), "client_size_max": int(max(sizes)),
             "model": self.model_name, "model_source": self.source,
@@ -438,7 +460,8 @@ def _builder(name: str):
                             lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                             lora_targets=[t.strip() for t in split(cfg.lora_targets)],
                             autocast=cfg.autocast, eval_batch_size=cfg.eval_batch_size,
-                            max_new_tokens=cfg.max_new_tokens, pack=cfg.pack_sequences)
+                            max_new_tokens=cfg.max_new_tokens, pack=cfg.pack_sequences,
+                            val_fraction=cfg.val_fraction)
     return build
 
 
@@ -448,6 +471,6 @@ _LM_LR = {"zo": 5e-6, "zo+lora": 1e-2}
 for _name, _doc in (("sst2", "SST-2 sentiment, prompt + label words on a causal LM"),
                     ("qqp", "QQP paraphrase, prompt + label words on a causal LM")):
     register_task(_name, metrics={"eval_acc": "max", "eval_loss": "min"}, default_lr=_LM_LR,
-                  default_partition="dirichlet", doc=_doc)(_builder(_name))
+                  default_partition="dirichlet", validation=True, doc=_doc)(_builder(_name))
 register_task("squad", metrics={"eval_f1": "max", "eval_em": "max", "eval_loss": "min"}, default_lr=_LM_LR,
-              default_partition="iid", doc="SQuAD extractive QA, greedy answers of a causal LM")(_builder("squad"))
+              default_partition="iid", validation=True, doc="SQuAD extractive QA, greedy answers of a causal LM")(_builder("squad"))
