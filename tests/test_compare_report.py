@@ -228,3 +228,30 @@ def test_killing_compare_does_not_leave_its_workers_running(tmp_path):
         os.kill(w, signal.SIGKILL)
     assert len(workers) == 2, "the compare never started its two workers"
     assert not alive, "workers outlived their compare"
+
+
+def test_warns_when_an_arm_ends_below_what_it_reports():
+    # gains from 0.5: held 0.40 of 0.40 / ended 0.55 of 0.30 gained (17 % kept) / lost a quarter exactly
+    holds = _arm("hiso", [[0.5, 0.9, 0.88, 0.9], [0.5, 0.8, 0.9, 0.9]])
+    falls = _arm("decomfl", [[0.5, 0.8, 0.6, 0.55], [0.5, 0.8, 0.7, 0.55]])
+    edge = _arm("fedzo", [[0.5, 0.9, 0.8, 0.8], [0.5, 0.9, 0.8, 0.8]])  # kept 0.75: no warning
+    t = build_table([holds, falls, edge], "decomfl", "eval_acc")
+    row = {r.name: r for r in t.rows}
+    assert row["decomfl"].kept == pytest.approx(1 / 6) and row["decomfl"].last_mean == pytest.approx(0.55)
+    assert row["hiso"].kept == pytest.approx(1.0) and row["fedzo"].kept == pytest.approx(0.75)
+    warned = [line for line in footer(t).splitlines() if "ended below what it reports" in line]
+    assert warned == ["- warning: DeComFL ended below what it reports: eval accuracy 55.00% at the last evaluation "
+                      "against 80.00% reported (mean over seeds), 83% of its gain since round 0 lost after the "
+                      "reported round: the final model is not the reported one (hiso export DIR --round R rebuilds "
+                      "that round's); a smaller lr or --lr-decay for runs that hold their best."]
+    j = csv_columns("eval_acc").index("last_eval_acc_pct_mean")
+    last = {line.split(",")[0]: line.split(",")[j] for line in to_csv(t).splitlines()[1:]}
+    assert float(last["decomfl"]) == pytest.approx(55.0) and float(last["hiso"]) == pytest.approx(90.0)
+
+
+def test_ending_below_counts_for_metrics_where_lower_is_better():
+    from hiso.report.reach import kept_share
+    assert kept_share(1.0, 0.2, 0.6, higher=False) == pytest.approx(0.5)  # a gap: 1.0 -> 0.2, then back to 0.6
+    assert kept_share(1.0, 0.2, 1.4, higher=False) == pytest.approx(-0.5)  # worse than it started
+    assert kept_share(0.5, 0.5, 0.1, higher=True) is None  # nothing gained, nothing to keep
+    assert kept_share(float("nan"), 0.9, 0.8, higher=True) is None

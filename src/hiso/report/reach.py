@@ -23,6 +23,24 @@ def best_of(rows: list[dict], metric: str, higher: bool) -> float:
     return max(vals) if higher else min(vals)
 
 
+def first_and_last(rows: list[dict], metric: str) -> tuple[float, float]:
+    """``metric`` at a run's first and last evaluated rows (NaN ignored; NaN if none)."""
+    vals = [r[metric] for r in rows if _finite(r.get(metric))]
+    return (vals[0], vals[-1]) if vals else (math.nan, math.nan)
+
+
+def kept_share(start: float, reported: float, last: float, higher: bool) -> float | None:
+    """How much of its gain a run still holds at its last evaluation: (last - start) /
+    (reported - start), signs turned so that "better" is positive (1: it ended where it was
+    reported, 0: back where it started, below 0: worse than it started). None where the run
+    gained nothing to keep or a value is missing."""
+    if not all(math.isfinite(v) for v in (start, reported, last)):
+        return None
+    sign = 1.0 if higher else -1.0
+    gain = sign * (reported - start)
+    return None if gain <= 0 else sign * (last - start) / gain
+
+
 def val_metric(metric: str) -> str:
     """The validation split's name of an eval metric: ``eval_acc`` -> ``val_acc``."""
     if not metric.startswith("eval_"):

@@ -50,8 +50,12 @@ reference's own row holds its selected rounds (marked "selected round").
 
 The footer under the table states the setup and each column's definition, and warns where the
 table can mislead: an arm whose chosen lr is the smallest or largest of a grid of two or more
-(the best lr may lie outside it), an arm with a one-point grid ("lr not tuned"), and a single
-seed ("1 seed: no spread").
+(the best lr may lie outside it), an arm with a one-point grid ("lr not tuned"), a single
+seed ("1 seed: no spread"), and an arm whose runs **ended below what the table reports**: at
+their last evaluation they keep, on average over seeds, less than three quarters of what they
+had gained from round 0 to the reported value (``kept_share``), so the final model is not the
+one reported (a run that degrades after its best: lr too large for the horizon). The CSV's
+``last_<metric>_mean`` is the metric at each run's last evaluation, mean over seeds.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ from statistics import mean
 
 from ..tasks.registry import higher_is_better  # the one rule (re-exported here)
 # the runs read and the pure metrics, re-exported: ``from hiso.report.table import ...`` keeps working
-from .reach import (REL_TOL, Reach, best_of, first_reach, first_reach_row, mean_std, reaches,  # noqa: F401
-                    rounds_to_own_best, rounds_to_reach, selected_row, selected_value, speedup, val_metric)
+from .reach import (REL_TOL, Reach, best_of, first_and_last, first_reach, first_reach_row,  # noqa: F401
+                    kept_share, mean_std, reaches, rounds_to_own_best, rounds_to_reach, selected_row, selected_value, speedup, val_metric)
 from .runs import ArmResult, RunResult, load_run_result  # noqa: F401
 
 DISPLAY = {"hiso": "HiSo", "decomfl": "DeComFL", "feedsign": "FeedSign", "fedkseed": "FedKSeed", "ferret": "Ferret", "fedzo": "FedZO", "fedavg": "FedAvg",
@@ -138,6 +142,8 @@ class TableRow:
     client_backwards: float | None = None
     client_s: float | None = None  # a client's compute seconds per round it is sampled in
     client_peak_bytes: float | None = None  # resident + transient peak of one answer (max over seeds)
+    last_mean: float | None = None  # metric at each run's last evaluation, mean over seeds
+    kept: float | None = None  # share of the gain (round 0 -> reported) still held at the end, mean over seeds
 
     @property
     def bytes_total(self) -> float:
@@ -199,7 +205,10 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
     ref_own = rounds_to_own_best([r.rows for r in ref.runs], select, higher)  # = its selected rounds
     rows = []
     for arm in arms:
-        m, s = mean_std([selected_value(r.rows, metric, select, higher) for r in arm.runs])
+        reported = [selected_value(r.rows, metric, select, higher) for r in arm.runs]
+        m, s = mean_std(reported)
+        ends = [first_and_last(r.rows, metric) for r in arm.runs]
+        kept = [kept_share(first, rep, last, higher) for (first, last), rep in zip(ends, reported)]
         if arm.name == reference:
             reach, rounds = ref_own, ref_own.mean
         else:
@@ -224,7 +233,8 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
             client_forwards=_mean_of([c.get("forwards_per_round") for c in client]),
             client_backwards=_mean_of([c.get("backwards_per_round") for c in client]),
             client_s=_mean_of([c.get("s_per_round") for c in client]),
-            client_peak_bytes=max(cpeaks) if cpeaks else None))
+            client_peak_bytes=max(cpeaks) if cpeaks else None,
+            last_mean=_mean_of([last for _, last in ends if math.isfinite(last)]), kept=_mean_of(kept)))
     cfg0 = ref.runs[0].config
     info = cfg0.get("task_info", {}) or {}
     context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "eval_every": cfg0.get("eval_every"),
@@ -360,7 +370,26 @@ def footer(table: Table) -> str:
         "client peak memory: its resident tensors (model, H, ...) + the peak of the tensors one answer allocates, "
         "max over seeds, without the client's data and the Python/torch runtime (hiso.runners.client_cost).",
         *lr_warnings(table),
+        *ending_warnings(table),
     ])
+
+
+KEPT_WARN = 0.75  # warn when the runs end holding less than this share of their reported gain
+
+
+def ending_warnings(table: Table) -> list[str]:
+    """Footer lines for arms whose runs ended well below what the table reports for them."""
+    lines = []
+    for r in table.rows:
+        if r.kept is None or r.kept >= KEPT_WARN or r.last_mean is None:
+            continue
+        lines.append(f"- warning: {display_name(r.name)} ended below what it reports: {metric_label(table.metric)} "
+                     f"{_fmt_threshold(r.last_mean, table.metric)} at the last evaluation against "
+                     f"{_fmt_threshold(r.best_mean, table.metric)} reported (mean over seeds), {1 - r.kept:.0%} of its "
+                     "gain since round 0 lost after the reported round: the final model is not the reported one "
+                     "(hiso export DIR --round R rebuilds that round's); a smaller lr or --lr-decay for runs that "
+                     "hold their best.")
+    return lines
 
 
 def lr_warnings(table: Table) -> list[str]:
@@ -389,7 +418,7 @@ def csv_columns(metric: str, select: str | None = None) -> list[str]:
             "rounds_to_reach", "seconds_to_reach", "seeds_reached", "speedup", "bytes_up_per_client",
             "bytes_down_per_client", "bytes_total_per_client", "s_per_round", "peak_rss_mib",
             "bytes_to_reach_per_client", "client_forwards_per_round", "client_backwards_per_round",
-            "client_s_per_round", "client_peak_bytes"]
+            "client_s_per_round", "client_peak_bytes", f"last_{metric}{pct}_mean"]
 
 
 def to_csv(table: Table) -> str:
@@ -407,7 +436,8 @@ def to_csv(table: Table) -> str:
                     "" if r.peak_rss_mb is None else r.peak_rss_mb,
                     "" if r.bytes_to_reach is None else r.bytes_to_reach,
                     *("" if v is None else v for v in (r.client_forwards, r.client_backwards, r.client_s,
-                                                        r.client_peak_bytes))])
+                                                        r.client_peak_bytes)),
+                    "" if r.last_mean is None else r.last_mean * scale])
     return buf.getvalue()
 
 
