@@ -242,8 +242,8 @@ def test_warns_when_an_arm_ends_below_what_it_reports():
     warned = [line for line in footer(t).splitlines() if "ended below what it reports" in line]
     assert warned == ["- warning: DeComFL ended below what it reports: eval accuracy 55.00% at the last evaluation "
                       "against 80.00% reported (mean over seeds), 83% of its gain since round 0 lost after the "
-                      "reported round: the final model is not the reported one (hiso export DIR --round R rebuilds "
-                      "that round's); a smaller lr or --lr-decay for runs that hold their best."]
+                      "reported round: the final model is not the reported one (hiso export RUN --round R --out DIR "
+                      "rebuilds that round's); a smaller lr or --lr-decay for runs that hold their best."]
     j = csv_columns("eval_acc").index("last_eval_acc_pct_mean")
     last = {line.split(",")[0]: line.split(",")[j] for line in to_csv(t).splitlines()[1:]}
     assert float(last["decomfl"]) == pytest.approx(55.0) and float(last["hiso"]) == pytest.approx(90.0)
@@ -255,3 +255,24 @@ def test_ending_below_counts_for_metrics_where_lower_is_better():
     assert kept_share(1.0, 0.2, 1.4, higher=False) == pytest.approx(-0.5)  # worse than it started
     assert kept_share(0.5, 0.5, 0.1, higher=True) is None  # nothing gained, nothing to keep
     assert kept_share(float("nan"), 0.9, 0.8, higher=True) is None
+
+
+def test_a_single_run_that_ends_below_its_best_says_which_round_to_export(tmp_path, capsys):
+    from hiso.cli import _ending_note
+    from hiso.config import RunConfig
+    from hiso.report.table import run_ending_note
+    falls = _rows([0.5, 0.8, 0.9, 0.6, 0.55])
+    note = run_ending_note(falls, "eval_acc", True, "runs/a")
+    assert note == ("note: eval_acc ended at 0.55, below its best 0.9 at round 20 (87% of its gain lost): the last "
+                    "model is not the best one (hiso export runs/a --round 20 --out DIR rebuilds that one; a smaller "
+                    "lr or --lr-decay for runs that hold their best)")
+    assert "hiso export" not in run_ending_note(falls, "eval_acc", True)  # a run without a log to rebuild from
+    assert run_ending_note(_rows([0.5, 0.8, 0.9, 0.85]), "eval_acc", True, "runs/a") is None  # kept 7/8
+    gap = _rows([1.0, 0.2, 0.9], metric="gap")  # lower is better: back up to 0.9 from its best 0.2
+    assert "gap ended at 0.9, below its best 0.2 at round 10" in run_ending_note(gap, "gap", False, "r")
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows([20.0, 2.0, 15.0], metric="gap")))
+    _ending_note(RunConfig(task="quadratic", algorithm="hiso"), tmp_path)  # the line `hiso run` ends with
+    assert f"hiso export {tmp_path} --round 10 --out DIR" in capsys.readouterr().out
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows([20.0, 2.0, 2.5], metric="gap")))
+    _ending_note(RunConfig(task="quadratic", algorithm="hiso"), tmp_path)
+    assert capsys.readouterr().out == ""

@@ -266,7 +266,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"{cfg.algorithm} on {cfg.task}: {cfg.rounds} rounds, {final}; "
           f"per client {comm['bytes_up_mean']:.0f} B up, {comm['bytes_down_mean']:.0f} B down (mean); "
           f"{summary['s_per_round'] * 1e3:.1f} ms/round; results in {out}/")
+    _ending_note(cfg, out)
     return 0
+
+
+def _ending_note(cfg: RunConfig, out: Path) -> None:
+    """Say so when a run ended well below its best evaluation (see report.table.run_ending_note)."""
+    import json
+
+    from .report.table import higher_is_better, run_ending_note
+    from .tasks.registry import task_info
+
+    metric = next(iter(task_info(cfg.task).metrics))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    note = run_ending_note(rows, metric, higher_is_better(metric, cfg.task), out if cfg.scalar_only else None)
+    if note:
+        print(note)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -394,6 +409,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
     final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items())
     print(f"{cfg.algorithm} on {cfg.task} over Flower: {summary['rounds_done']} rounds, {final}; "
           f"{summary['s_per_round']:.2f} s/round; results in {out}/")
+    _ending_note(cfg, out)
     return 0
 
 

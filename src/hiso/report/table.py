@@ -387,9 +387,25 @@ def ending_warnings(table: Table) -> list[str]:
                      f"{_fmt_threshold(r.last_mean, table.metric)} at the last evaluation against "
                      f"{_fmt_threshold(r.best_mean, table.metric)} reported (mean over seeds), {1 - r.kept:.0%} of its "
                      "gain since round 0 lost after the reported round: the final model is not the reported one "
-                     "(hiso export DIR --round R rebuilds that round's); a smaller lr or --lr-decay for runs that "
-                     "hold their best.")
+                     "(hiso export RUN --round R --out DIR rebuilds that round's); a smaller lr or --lr-decay for "
+                     "runs that hold their best.")
     return lines
+
+
+def run_ending_note(rows: list[dict], metric: str, higher: bool, rebuild_from: str | Path | None = None) -> str | None:
+    """One line for a single run that ended below its best evaluation (less than ``KEPT_WARN``
+    of its gain from round 0 kept), naming the best round and, for a run with a log
+    (``rebuild_from``: its directory), how to get that round's model; else None."""
+    first, last = first_and_last(rows, metric)
+    best = best_of(rows, metric, higher)
+    kept = kept_share(first, best, last, higher)
+    if kept is None or kept >= KEPT_WARN:
+        return None
+    at = first_reach(rows, metric, best, higher)
+    how = f"hiso export {rebuild_from} --round {at} --out DIR rebuilds that one; " if rebuild_from else ""
+    return (f"note: {metric} ended at {last:.4g}, below its best {best:.4g} at round {at} ({1 - kept:.0%} of its "
+            f"gain lost): the last model is not the best one ({how}a smaller lr or --lr-decay for runs that "
+            "hold their best)")
 
 
 def lr_warnings(table: Table) -> list[str]:
