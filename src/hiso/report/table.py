@@ -70,7 +70,8 @@ from statistics import mean
 from ..tasks.registry import higher_is_better  # the one rule (re-exported here)
 # the runs read and the pure metrics, re-exported: ``from hiso.report.table import ...`` keeps working
 from .reach import (REL_TOL, Reach, best_of, first_and_last, first_reach, first_reach_row,  # noqa: F401
-                    kept_share, mean_std, reaches, rounds_to_own_best, rounds_to_reach, selected_row, selected_value, speedup, val_metric)
+                    kept_share, mean_std, reaches, rounds_to_own_best, rounds_to_reach, selected_row,
+                    selected_value, speedup, val_metric)
 from .runs import ArmResult, RunResult, load_run_result  # noqa: F401
 
 DISPLAY = {"hiso": "HiSo", "decomfl": "DeComFL", "feedsign": "FeedSign", "fedkseed": "FedKSeed", "ferret": "Ferret", "fedzo": "FedZO", "fedavg": "FedAvg",

@@ -203,9 +203,9 @@ class LanguageTask(Task):
     def _split_val(self, held_out: list) -> tuple[list, list]:
         """``(test, val)``: a seeded ``val_fraction`` of the held-out examples kept apart, so that
         ``hiso compare`` picks lr and round on examples it does not report (as the vision tasks do)."""
-        n_val = int(round(self.val_fraction * len(held_out)))
         if self.val_fraction == 0:
             return held_out, []
+        n_val = int(round(self.val_fraction * len(held_out)))
         if not 0 < n_val < len(held_out):
             raise ValueError(f"val_fraction {self.val_fraction} of {len(held_out)} held-out examples leaves an "
                              "empty validation or test split")
