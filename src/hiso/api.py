@@ -81,7 +81,8 @@ class Run:
     @property
     def metrics(self) -> list[dict]:
         """The rows of ``metrics.jsonl`` (row 0: before training; ``eval_*`` on evaluated rounds)."""
-        return [json.loads(line) for line in (self.dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        from .report.runs import read_rows
+        return read_rows(self.dir)
 
     def checkpoint(self) -> dict:
         """``model.pt``: ``round``, ``model`` (state dict) and, for HiSo, ``h``."""

@@ -272,14 +272,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _ending_note(cfg: RunConfig, out: Path) -> None:
     """Say so when a run ended well below its best evaluation (see report.table.run_ending_note)."""
-    import json
-
+    from .report.runs import read_rows
     from .report.table import higher_is_better, run_ending_note
     from .tasks.registry import task_info
 
     metric = next(iter(task_info(cfg.task).metrics))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    note = run_ending_note(rows, metric, higher_is_better(metric, cfg.task), out if cfg.scalar_only else None)
+    note = run_ending_note(read_rows(out), metric, higher_is_better(metric, cfg.task), out if cfg.scalar_only else None)
     if note:
         print(note)
 

@@ -46,11 +46,17 @@ class ArmResult:
     grid: dict[float, list[float]] = field(default_factory=dict)  # lr -> per-seed best
 
 
+def read_rows(run_dir: str | Path) -> list[dict]:
+    """The rows of a run directory's ``metrics.jsonl``, one dict per round (blank lines skipped)."""
+    text = (Path(run_dir) / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def load_run_result(run_dir: str | Path, seed: int | None = None) -> RunResult:
     d = Path(run_dir)
     if not (d / "summary.json").is_file():
         raise FileNotFoundError(f"{d}/summary.json not found: the run did not finish")
     config = json.loads((d / "config.json").read_text())
-    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_rows(d)
     summary = json.loads((d / "summary.json").read_text())
     return RunResult(d, config.get("seed", seed) if seed is None else seed, config, rows, summary)
