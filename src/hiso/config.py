@@ -88,9 +88,9 @@ class RunConfig(BaseModel, MethodRules):
         "torch version and fused kernels; or torch-normal (the paper's Gaussian from torch's CPU stream: slower, "
         "peers need the same torch version); sparse or lowrank (structured, see hiso.core.families)"))
     direction_density: float | None = Field(None, gt=0, le=1, description=(
-        "directions sparse: the share q of coordinates each direction perturbs, scaled by 1/sqrt(q) (default 0.1)"))
+        "directions sparse: the share q of coordinates each direction perturbs, scaled by 1/sqrt(q) (default: 0.1)"))
     direction_rank: int | None = Field(None, gt=0, description=(
-        "directions lowrank: the rank r of each weight matrix's direction U V^T / sqrt(r) (default 1)"))
+        "directions lowrank: the rank r of each weight matrix's direction U V^T / sqrt(r) (default: 1)"))
     direction_refresh: int | None = Field(None, gt=0, description=(
         "directions lowrank: keep V for this many rounds (LOZO), U fresh each step; V from the run seed and "
         "round // k (default: V fresh each step)"))
@@ -170,14 +170,14 @@ class RunConfig(BaseModel, MethodRules):
         "clients answer (default: a majority of sampled, at least 2; config.json records the value used)"))
     # FedKSeed (hiso.methods.fedkseed)
     seed_pool: int = Field(4096, description=(
-        "fedkseed: K, the candidate seeds fixed for the run (1..65536; default 4096, the value of the paper's LLM "
+        "fedkseed: K, the candidate seeds fixed for the run (1..65536; default: 4096, the value of the paper's LLM "
         "runs, Qin et al. 2024)"))
     seed_sampling: Literal["weighted", "uniform"] = Field("weighted", description=(
         "fedkseed: how a local step picks its seed: weighted (FedKSeed-Pro: softmax of the min-max normalised mean "
         "|scalar| per seed) or uniform (plain FedKSeed)"))
     # Ferret (hiso.methods.ferret)
     ferret_k: int = Field(200, description=(
-        "ferret: K, the random directions per parameter block the local update is projected on (default 200, the "
+        "ferret: K, the random directions per parameter block the local update is projected on (default: 200, the "
         "authors' script; ferret_k x ferret_blocks <= 65536)"))
     ferret_blocks: int = Field(8, description=(
         "ferret: B, contiguous blocks of trainable tensors of about equal size, each with its own K directions"))
@@ -271,6 +271,7 @@ class RunConfig(BaseModel, MethodRules):
             raise ValueError(f"unknown algorithm {self.algorithm!r} (choose from {', '.join(ALGORITHMS)})")
         from .tasks.registry import task_info
         info = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
+        self._task_option_checks(info)
         if self.val_fraction > 0 and not info.validation:
             raise ValueError(f"task {self.task} has no validation split: val_fraction must be 0")
         if self.sampled > self.clients:
@@ -346,6 +347,32 @@ class RunConfig(BaseModel, MethodRules):
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
         return self
 
+    def _task_option_checks(self, info) -> None:
+        """Refuse a task option the task does not read (--lora-r on MNIST, --data-dir on the
+        quadratic): such a run would train as if it were unset while config.json said otherwise."""
+        if info.options is None:
+            return
+        from .tasks.registry import TASK_OPTIONS, tasks_reading
+        for name in sorted(TASK_OPTIONS - info.options):
+            value = getattr(self, name)
+            if value != type(self).model_fields[name].default:
+                where = tasks_reading(name)
+                hint = " (did you mean to give --task?)" if name == "data_dir" and "task" not in self.model_fields_set else ""
+                raise ValueError(f"{name} = {value!r}: task {self.task} does not use it"
+                                 f"{' (it is for ' + ', '.join(where) + ')' if where else ''}{hint}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, values: Any) -> Any:
+        """``rounds = true`` in a TOML file is a mistake, not 1 round: a number option refuses a
+        bool (pydantic would coerce it)."""
+        if isinstance(values, dict):
+            for name, value in values.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and field.annotation is not bool:
+                    raise ValueError(f"{name} = {str(value).lower()}: expected {_kind(field.annotation)}, not true/false")
+        return values
+
     @property
     def batch_memory_bytes(self) -> int | None:
         """``batch_memory`` in bytes (None: the perturber's default)."""
@@ -390,6 +417,13 @@ class RunConfig(BaseModel, MethodRules):
                     self.direction_mask)
 
 
+def _kind(annotation: Any) -> str:
+    """A field's type in words, for messages: number, integer, text."""
+    from typing import get_args
+    kinds = {a for a in (annotation, *get_args(annotation)) if a in (int, float, str)}
+    return "an integer" if kinds == {int} else "a number" if kinds & {int, float} else "a value"
+
+
 def parse_size(text: str) -> int:
     """Bytes in a size like ``512M``, ``4G``, ``1.5GiB`` or ``1000`` (powers of 1024)."""
     import re
@@ -425,8 +459,11 @@ def read_toml(path: str | Path | None) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
-    """Defaults, then the TOML file (if any), then non-None overrides; validated."""
+    """Defaults, then the TOML file (if any), then non-None overrides; validated. A ``[compare]``
+    table is ``hiso compare``'s and is left out, so a comparison's file also configures one run."""
     values = read_toml(path)
+    if isinstance(values.get("compare"), dict):
+        values.pop("compare")
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return RunConfig(**values)

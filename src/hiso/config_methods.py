@@ -78,6 +78,22 @@ class MethodRules:
         if self.momentum is not None:
             raise ValueError(f"momentum is for hiso and decomfl, not {self.algorithm}")
 
+    def unused_options(self) -> list[str]:
+        """The options set to a value other than their default that this run's algorithm never
+        reads (``nu`` on decomfl, ``server_lr`` on hiso), each with whose they are: a run warns of
+        them, a comparison's variant refuses them."""
+        fields = type(self).model_fields
+        out = []
+        for names, users, whose in _ALGORITHM_OPTIONS:
+            if self.algorithm in users:
+                continue
+            for name in names:
+                if getattr(self, name) != fields[name].default:
+                    out.append(f"{name} ({whose})")
+        if self.step_norm is None and self.step_norm_beta != fields["step_norm_beta"].default:
+            out.append("step_norm_beta (with step_norm only)")
+        return out
+
     @property
     def dp_noise(self) -> float | None:
         """The DP noise multiplier: as given, or solved from dp_epsilon (None without DP)."""
@@ -94,6 +110,20 @@ class MethodRules:
         from .methods.privacy import epsilon
         return epsilon(self.dp_noise, rounds, self.dp_delta, clients=self.clients, sampled=self.sampled,
                        mode=self.dp_mode, participations=participations)
+
+
+# options only some algorithms read: (names, the algorithms that read them, whose they are)
+_ALGORITHM_OPTIONS = (
+    (("nu", "eps", "h_min", "h_max", "h_source", "h_stat", "h_granularity", "h_bias_correction"),
+     ("hiso",), "HiSo's preconditioner"),
+    (("server_lr",), ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad", "ferret"),
+     "the full-model baselines' and ferret's server step"),
+    (("beta1", "beta2"), ("fedadam", "fedyogi"), "fedadam's and fedyogi's server moments"),
+    (("server_tau",), ("fedadam", "fedyogi", "fedadagrad"), "the adaptive server optimisers'"),
+    (("wire_dtype",), ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad"), "the full-model baselines' messages"),
+    (("seed_pool", "seed_sampling"), ("fedkseed",), "fedkseed's"),
+    (("ferret_k", "ferret_blocks"), ("ferret",), "ferret's"),
+)
 
 
 @functools.lru_cache(maxsize=64)

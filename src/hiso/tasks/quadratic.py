@@ -89,7 +89,8 @@ class QuadraticTask(Task):
 
 @register_task("quadratic", metrics={"gap": "min", "eval_loss": "min"},
                default_lr={"zo": 0.05, "first-order": 0.05},
-               doc="synthetic ill-conditioned federated quadratic with known optimum (seconds)")
+               doc="synthetic ill-conditioned federated quadratic with known optimum (seconds)",
+               options={"dim", "sigma", "heterogeneity", "noise"})
 def _build(cfg) -> QuadraticTask:
     return QuadraticTask(cfg.clients, seed=cfg.seed, dim=cfg.dim, sigma=cfg.sigma,
                          heterogeneity=cfg.heterogeneity, noise=cfg.noise)

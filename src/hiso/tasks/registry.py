@@ -47,6 +47,9 @@ class TaskInfo:
     # whether the task honours ``val_fraction`` (then evaluate() also reports val_* metrics on a
     # held-out validation split, what ``hiso compare`` selects lr and round on)
     validation: bool = False
+    # which of the task-specific options (TASK_OPTIONS) the task reads; None: any (a user's task).
+    # A run that sets one the task does not read is refused rather than recorded as if it applied.
+    options: frozenset[str] | None = None
 
     @property
     def metric(self) -> str:
@@ -68,16 +71,37 @@ def _check_metrics(where: str, metrics: Any) -> dict[str, str]:
     return dict(metrics)
 
 
+# the RunConfig options that belong to some task rather than to the federation or the algorithm
+TASK_OPTIONS = frozenset({
+    "dim", "sigma", "heterogeneity", "noise",  # quadratic
+    "data_dir", "partition", "alpha", "min_size", "eval_max", "val_fraction", "train_max",  # data
+    "model", "max_length", "template", "label_words", "lora_r", "lora_alpha", "lora_targets", "autocast",
+    "eval_batch_size", "max_new_tokens", "pack_sequences",  # language models
+})
+
+
 def register_task(name: str, *, metrics: dict[str, str], default_lr: dict[str, float] | None = None,
-                  default_partition: str | None = None, validation: bool = False, doc: str = ""):
-    """Decorator registering ``build(cfg) -> Task`` under ``name`` (see :class:`TaskInfo`)."""
+                  default_partition: str | None = None, validation: bool = False, doc: str = "",
+                  options: set[str] | frozenset[str] | None = None):
+    """Decorator registering ``build(cfg) -> Task`` under ``name`` (see :class:`TaskInfo`);
+    ``options``: the names in :data:`TASK_OPTIONS` the task reads (None: all of them)."""
+    if options is not None and not set(options) <= TASK_OPTIONS:
+        raise ValueError(f"task {name}: {sorted(set(options) - TASK_OPTIONS)} are not task options")
+
     def deco(build: Callable[["RunConfig"], "Task"]):
         if name in _REGISTRY and _REGISTRY[name].build is not build:
             raise ValueError(f"task {name!r} is registered twice")
         _REGISTRY[name] = TaskInfo(name, build, _check_metrics(f"task {name}", metrics), dict(default_lr or {}),
-                                   default_partition, doc, validation)
+                                   default_partition, doc, validation,
+                                   None if options is None else frozenset(options))
         return build
     return deco
+
+
+def tasks_reading(option: str) -> list[str]:
+    """The built-in tasks that read ``option`` (for a refusal that says where it belongs)."""
+    _load_builtins()
+    return [n for n, info in _REGISTRY.items() if info.options is None or option in info.options]
 
 
 def _load_builtins() -> None:

@@ -8,6 +8,7 @@ the same (client, round, step) gets the same examples.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ _SALT_BATCH = 0xBA7C
 _SALT_MODEL = 0x30DE
 _SALT_EVAL = 0xE7A1
 _SALT_VAL = 0x7A11
+_SALT_TRAIN = 0x75B5
 
 
 class MnistCNN(nn.Module):
@@ -67,6 +69,8 @@ class VisionTask(Task):
         min_size: smallest allowed client (Dirichlet partitions resample until it holds).
         eval_max: evaluate on a fixed seeded random subset of at most this many test examples
             (None = the whole test set); a cheaper eval for frequent logging.
+        train_max: train on a fixed seeded random subset of at most this many training examples
+            (None = all), drawn before the partition; normalisation stays the dataset's.
         val_fraction: keep this share of those held-out examples apart (seeded) as a
             validation split: :meth:`evaluate` then also reports ``val_loss`` and ``val_acc`` on
             them, and ``eval_*`` on the rest only (what ``hiso compare`` selects on and reports).
@@ -91,6 +95,7 @@ class VisionTask(Task):
         eval_max: int | None = None,
         eval_batch_size: int = 128,
         val_fraction: float = 0.0,
+        train_max: int | None = None,
     ):
         super().__init__(num_clients, seed)
         if partition not in PARTITIONS:
@@ -107,6 +112,11 @@ class VisionTask(Task):
         self.min_size = int(min_size)
         self.eval_batch_size = int(eval_batch_size)
         self.data: VisionData = load_vision(name, data_dir, seed)
+        n_train = len(self.data.y_train)
+        if train_max is not None and train_max < n_train:
+            keep = torch.from_numpy(np.sort(
+                np.random.default_rng([_SALT_TRAIN, seed]).choice(n_train, train_max, replace=False)))
+            self.data = replace(self.data, x_train=self.data.x_train[keep], y_train=self.data.y_train[keep])
 
         y_train = self.data.y_train.numpy()
         self.parts: list[np.ndarray] = partitioners.partition(
@@ -232,7 +242,7 @@ def _builder(name: str):
     def build(cfg) -> VisionTask:
         return VisionTask(name, cfg.clients, seed=cfg.seed, data_dir=cfg.data_dir,
                           partition=cfg.partition or "dirichlet", alpha=cfg.alpha, min_size=cfg.min_size,
-                          eval_max=cfg.eval_max, val_fraction=cfg.val_fraction)
+                          eval_max=cfg.eval_max, val_fraction=cfg.val_fraction, train_max=cfg.train_max)
     return build
 
 
@@ -241,9 +251,12 @@ def _builder(name: str):
 # first-order ones 0.1. Fashion-MNIST: 2e-3 for both HiSo (65.2%; 66.1% at 3e-3, the top of its
 # grid) and DeComFL (its best); first-order: MNIST's 0.1 (same CNN; not measured).
 VISION_METRICS = {"eval_acc": "max", "eval_loss": "min"}
+VISION_OPTIONS = {"data_dir", "partition", "alpha", "min_size", "eval_max", "val_fraction", "train_max"}
 register_task("mnist", metrics=VISION_METRICS, default_lr={"zo": 2e-3, "decomfl": 1.5e-3, "first-order": 0.1},
-              default_partition="dirichlet", validation=True, doc="MNIST digits, the authors' 29k-parameter CNN")(_builder("mnist"))
+              default_partition="dirichlet", validation=True, doc="MNIST digits, the authors' 29k-parameter CNN",
+              options=VISION_OPTIONS)(_builder("mnist"))
 register_task("fashion-mnist", metrics=VISION_METRICS, default_lr={"zo": 2e-3, "first-order": 0.1},
-              default_partition="dirichlet", validation=True, doc="Fashion-MNIST, the same CNN")(_builder("fashion-mnist"))
+              default_partition="dirichlet", validation=True, doc="Fashion-MNIST, the same CNN",
+              options=VISION_OPTIONS)(_builder("fashion-mnist"))
 
 __all__ = ["MnistCNN", "VisionTask", "num_params"]

@@ -1,0 +1,116 @@
+"""Options that would not do what they say are refused or named: a task option the task does not
+read, a number given as true/false, an abbreviated flag; options the algorithm never reads are
+named when the run starts; a comparison's config file also configures one run; Ctrl-C exits 130."""
+
+import json
+
+import numpy as np
+import pytest
+
+from cli_helpers import run_cli
+from hiso.config import ConfigError, load_config
+from hiso.tasks.registry import TASK_OPTIONS, build_task, task_info
+
+TINY = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2", "--rounds", "4",
+        "--eval-every", "2", "--quiet"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--task", "mnist", "--lora-r", "8", "--lr", "1e-3"], "lora_r = 8: task mnist does not use it (it is for sst2"),
+    (["--data-dir", "/data/mnist"], "did you mean to give --task?"),
+    (["--task", "mnist", "--model", "gpt2"], "model = 'gpt2': task mnist does not use it"),
+    (["--task", "sst2", "--data-dir", "/d", "--max-new-tokens", "4"], "(it is for squad)"),
+    (["--task", "squad", "--data-dir", "/d", "--label-words", " no, yes"], "label_words"),
+    (["--dim", "20", "--eval-max", "5"], "eval_max = 5: task quadratic does not use it"),
+])
+def test_a_task_option_the_task_does_not_read_is_refused(tmp_path, capsys, args, needle):
+    out = tmp_path / "x"
+    code, _, err = run_cli(["run", "--out", str(out), "--quiet", *args], capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_every_builtin_task_declares_task_options_only():
+    for name in ("quadratic", "mnist", "fashion-mnist", "sst2", "qqp", "squad"):
+        info = task_info(name)
+        assert info.options is not None and info.options <= TASK_OPTIONS
+    # and what it declares it reads is accepted (defaults aside, each is a real knob of the task)
+    assert {"data_dir", "train_max", "val_fraction"} <= task_info("mnist").options
+    assert "lora_r" in task_info("sst2").options and "lora_r" not in task_info("mnist").options
+
+
+def test_vision_train_max_trains_on_a_seeded_subset():
+    full = build_task(load_config(task="mnist", clients=4))
+    small = build_task(load_config(task="mnist", clients=4, train_max=300))
+    again = build_task(load_config(task="mnist", clients=4, train_max=300))
+    other = build_task(load_config(task="mnist", clients=4, train_max=300, seed=1))
+    assert small.describe()["n_train"] == 300 < full.describe()["n_train"]
+    assert sum(len(p) for p in small.parts) == 300
+    assert np.array_equal(small.data.y_train.numpy(), again.data.y_train.numpy())
+    assert all(np.array_equal(a, b) for a, b in zip(small.parts, again.parts))
+    # the subset's images are images of the full training set
+    rows = {bytes(x.numpy()) for x in full.data.x_train}
+    assert all(bytes(x.numpy()) in rows for x in small.data.x_train[:50])
+    seed1_full = build_task(load_config(task="mnist", clients=4, seed=1))
+    rows1 = {bytes(x.numpy()) for x in seed1_full.data.x_train}
+    assert all(bytes(x.numpy()) in rows1 for x in other.data.x_train[:50])
+    assert not np.array_equal(small.data.y_train.numpy(), other.data.y_train.numpy())
+
+
+@pytest.mark.parametrize("text, needle", [("rounds = true", "rounds = true: expected an integer"),
+                                          ("lr = false", "lr = false: expected a number")])
+def test_a_number_given_as_true_or_false_is_refused(tmp_path, capsys, text, needle):
+    conf = tmp_path / "c.toml"
+    conf.write_text(text + "\n")
+    code, _, err = run_cli(["run", "--config", str(conf), "--out", str(tmp_path / "x"), "--quiet"], capsys)
+    assert code == 2 and needle in err, err
+    with pytest.raises(ConfigError, match="true/false"):
+        load_config(conf)
+
+
+def test_run_reads_the_shared_options_of_a_comparison_config(tmp_path, capsys):
+    conf = tmp_path / "cmp.toml"
+    conf.write_text('task = "quadratic"\ndim = 30\nclients = 4\nsampled = 2\nrounds = 3\neval_every = 3\n\n'
+                    '[compare]\nalgorithms = ["hiso", "decomfl"]\nseeds = [0, 1]\n\n[compare.lr_grid]\nhiso = [0.05]\n')
+    out = tmp_path / "run"
+    code, _, err = run_cli(["run", "--config", str(conf), "--out", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["dim"], saved["clients"], saved["rounds"]) == (30, 4, 3)
+    conf.write_text('dim = 30\n[compar]\nseeds = [0]\n')  # a misspelled table is still an unknown key
+    code, _, err = run_cli(["run", "--config", str(conf), "--out", str(tmp_path / "y"), "--quiet"], capsys)
+    assert code == 2 and "compar" in err
+
+
+def test_an_abbreviated_flag_is_refused(tmp_path, capsys):
+    code, _, err = run_cli(["run", "--out", str(tmp_path / "x"), "--round", "5", *TINY], capsys)
+    assert code == 2 and "--round" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_options_the_algorithm_never_reads_are_named(tmp_path, capsys):
+    code, _, err = run_cli(["run", "--out", str(tmp_path / "a"), "--algorithm", "decomfl", "--nu", "0.5",
+                            "--server-lr", "2", *TINY], capsys)
+    assert code == 0
+    assert "decomfl does not use nu (HiSo's preconditioner); server_lr" in err and "no effect" in err
+    code, _, err = run_cli(["run", "--out", str(tmp_path / "b"), "--algorithm", "hiso", "--nu", "0.5", *TINY], capsys)
+    assert code == 0 and "does not use" not in err
+    cfg = load_config(algorithm="fedadam", server_lr=0.1, beta1=0.5, seed_pool=64)
+    assert cfg.unused_options() == ["seed_pool (fedkseed's)"]
+
+
+def test_out_and_resume_together_name_both(tmp_path, capsys):
+    code, _, err = run_cli(["run", "--out", str(tmp_path / "a"), "--resume", str(tmp_path / "b"), *TINY], capsys)
+    assert code == 2 and "give one of them" in err
+
+
+def test_ctrl_c_exits_130_and_says_where_the_rounds_are(tmp_path, capsys, monkeypatch):
+    from hiso.runners import rundir
+
+    def interrupted(cfg, out, *a, **k):
+        out.mkdir(parents=True)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(rundir, "run_to_dir", interrupted)
+    out = tmp_path / "run"
+    code, _, err = run_cli(["run", "--out", str(out), *TINY], capsys)
+    assert code == 130 and f"{out} holds every round logged so far" in err and "Traceback" not in err
