@@ -134,13 +134,15 @@ def test_every_run_option_has_a_description():
 def test_run_help_shows_choices_and_a_meaning_for_every_option(capsys, monkeypatch):
     from typing import Literal, get_args, get_origin
 
+    from hiso.cli import shown_default
     from hiso.config import ALGORITHMS, RunConfig, task_names
     text = _help(["run", "--help"], capsys, monkeypatch)
     for name, field in RunConfig.model_fields.items():
         line = _option_line(text, "--" + name.replace("_", "-"))
         assert field.description in line, (name, line)
         if "default:" not in field.description:  # the default is shown unless the meaning says it
-            assert f"(default: {'off' if field.default is False else field.default})" in line, (name, line)
+            assert f"(default: {shown_default(field.default)})" in line, (name, line)
+            assert "None" not in line, (name, line)
         ann = field.annotation
         for a in (ann, *get_args(ann)):
             if get_origin(a) is Literal:

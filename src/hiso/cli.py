@@ -15,6 +15,11 @@ CHOICES = {"task": lambda: (*task_names(), "module:Class", "file.py:Class"), "al
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        # no prefixes: `hiso run --round 5` would silently mean --rounds (--round is rebuild's, export's, eval's)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
         self.exit(2, f"hiso: error: {message}\n")
 
@@ -41,9 +46,13 @@ def field_help(name: str) -> str:
     field = RunConfig.model_fields[name]
     text = (field.description or "").replace("%", "%%")  # argparse formats help with %
     if "default:" not in text:
-        default = field.default
-        text += f" (default: {'off' if default is False else default})"
+        text += f" (default: {shown_default(field.default)})"
     return text
+
+
+def shown_default(value) -> str:
+    """A default as --help says it: off for False, none for None."""
+    return "off" if value is False else "none" if value is None else str(value)
 
 
 def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -104,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--config", help="TOML file: shared options at the top level, plus a [compare] table")
     cmp.add_argument("--algorithms", help="comma-separated algorithms or variants, e.g. hiso,decomfl "
                      f"(algorithms: {', '.join(ALGORITHMS)}; default: hiso,decomfl)")
-    cmp.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2")
+    cmp.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the config's [compare] seeds, else 0)")
     cmp.add_argument("--lr-grid", action="append", metavar="NAME=LR,LR,...",
                      help="lrs to try for an algorithm or variant (repeatable)")
     cmp.add_argument("--reference", help="the algorithm the others are measured against (default: decomfl)")
@@ -207,6 +216,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if verdict == "other":
             return _fail(f"{args.out} holds another run ({why}): use another --out, or --force to overwrite it")
         args.resume, args.out = (args.out, None) if verdict == "same" else (None, args.out)
+    if args.out is not None and args.resume is not None:
+        return _fail(f"--out {args.out} starts a run and --resume {args.resume} continues one: give one of them "
+                     f"(or --out DIR --resume, no value, to continue DIR if it holds this run)")
     if (args.out is None) == (args.resume is None):
         return _fail("give --out DIR (a new run) or --resume DIR (an interrupted one)")
     if args.resume is not None:
@@ -230,6 +242,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if (out / "config.json").exists() and not args.force:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
+        _warn_unused(cfg)
     tracking = _tracking(args, out.resolve().name)
     task = build_task(cfg)
     if args.show_partition:
@@ -268,6 +281,14 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{summary['s_per_round'] * 1e3:.1f} ms/round; results in {out}/")
     _ending_note(cfg, out)
     return 0
+
+
+def _warn_unused(cfg: RunConfig) -> None:
+    """Name the options a new run was given that its algorithm never reads (recorded, no effect)."""
+    unused = cfg.unused_options()
+    if unused:
+        print(f"hiso: note: {cfg.algorithm} does not use {'; '.join(unused)}: config.json records "
+              f"{'it' if len(unused) == 1 else 'them'} as given, with no effect on the run", file=sys.stderr)
 
 
 def _ending_note(cfg: RunConfig, out: Path) -> None:
@@ -384,6 +405,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if (out / "config.json").exists() and not args.force:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
+        _warn_unused(cfg)
     if args.resume is not None and args.simulation:
         return _fail("--resume continues a deployment (SuperLink and SuperNodes); not with --simulation")
     if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate:
@@ -453,7 +475,11 @@ def _main(argv: list[str] | None) -> int:
             print(f"hiso: stopped by {signal.Signals(sig).name}; every process it started is stopped, "
                   "the run directory holds every round logged so far", file=sys.stderr)
             return 128 + sig
-        return _fail("interrupted; the run directory holds every round logged so far")
+        out = getattr(args, "out", None) or getattr(args, "resume", None)
+        kept = (f"; {out} holds every round logged so far" if isinstance(out, str) and Path(out).is_dir()
+                else "")
+        print(f"hiso: interrupted{kept}", file=sys.stderr)
+        return 128 + signal.SIGINT  # 130, as a shell reports Ctrl-C (2 is a usage error)
 
 
 if __name__ == "__main__":
