@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "PeftModel.from_pretrained; merged: a model directory for AutoModelForCausalLM.from_pretrained; "
                     "state-dict: model.safetensors (any task). Default: merged for language runs, else state-dict")
     ex.add_argument("--round", type=int, help="export x_R, rebuilt from the first R logged rounds (default: the last)")
-    ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+    ex.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export "
+                    "(a directory holding anything else is refused)")
     ev = sub.add_parser("eval", help="evaluate a run's model (any round) on its task, or on other data of the task")
     ev.add_argument("run_dir")
     ev.add_argument("--round", type=int, help="evaluate x_R, rebuilt from the first R logged rounds "
