@@ -309,10 +309,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_rebuild(args: argparse.Namespace) -> int:
     import torch
 
-    from .runners.rundir import rebuild
+    from .runners.rundir import overwrites_run, rebuild, saved_config
 
+    saved_config(args.run_dir)  # a run directory, before anything else is said about it
+    out = Path(args.out)
+    why = overwrites_run(out, args.run_dir)
+    if why is not None:
+        return _fail(f"--out {out} {why}: write the model elsewhere")
+    if out.is_dir():
+        return _fail(f"--out {out} is a directory: give a file name")
     state, ckpt = rebuild(args.run_dir, device=args.device, round=args.round)
-    torch.save(ckpt, args.out)
+    torch.save(ckpt, out)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
     return 0
 

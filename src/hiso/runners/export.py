@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .runfiles import saved_config
+from .runfiles import overwrites_run, saved_config
 from .runmodel import RunModel, load_run_model
 
 FORMATS = ("peft", "merged", "state-dict")
@@ -227,8 +227,9 @@ def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: 
     cfg, info = saved_config(run_dir)
     fmt = fmt or default_format(info)
     check_format(fmt, cfg, info)
-    if out.resolve() == run_dir.resolve() or out.resolve() in run_dir.resolve().parents:
-        raise ValueError(f"--out {out} would replace the run directory {run_dir} itself: export elsewhere")
+    why = overwrites_run(out, run_dir)
+    if why is not None:
+        raise ValueError(f"--out {out} {why}: export elsewhere")
     _check_out(out, force)
     rm = load_run_model(run_dir, round, device=device)
     meta = metadata(rm, fmt)

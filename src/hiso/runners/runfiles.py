@@ -18,6 +18,22 @@ from ..config import RunConfig, load_config
 from ..core.history import parse_history
 
 
+# the files a run writes into its directory (see hiso.runners.rundir; flower*: a run over Flower)
+RUN_FILES = ("config.json", "metrics.jsonl", "history.bin", "summary.json", "model.pt", "rejections.log",
+             "dp_secret.json", "flower.json", "flower-lineage")
+
+
+def overwrites_run(out: str | Path, run_dir: str | Path) -> str | None:
+    """Why writing ``out`` would destroy (part of) the run in ``run_dir`` (None: it would not):
+    ``out`` is the run directory, a directory holding it, or a file of it (one there, or one a run writes)."""
+    out_r, run = Path(out).resolve(), Path(run_dir).resolve()
+    if out_r == run or out_r in run.parents:
+        return f"would replace the run directory {run_dir} itself"
+    if out_r.parent == run and (out_r.exists() or out_r.name in RUN_FILES):
+        return f"would overwrite {out_r.name} of the run directory {run_dir}"
+    return None
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path`` by ``text`` whole (a crash leaves the old file or the new one)."""
     tmp = path.with_name(path.name + ".tmp")
