@@ -49,3 +49,11 @@ def test_rebuild_never_writes_onto_the_run(tmp_path, capsys):
         assert code == 2 and "run directory" in err and len(err.strip().splitlines()) == 1, err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
+
+def test_rebuild_makes_the_missing_parents_of_its_out(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(["run", "--out", str(out), "--rounds", "6", *RUN], capsys)[0] == 0
+    nested = tmp_path / "new" / "dir" / "x5.pt"
+    code, _, err = run_cli(["rebuild", str(out), "--round", "5", "--out", str(nested)], capsys)
+    assert code == 0, err
+    assert torch.load(nested)["round"] == 5

@@ -319,6 +319,10 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     if out.is_dir():
         return _fail(f"--out {out} is a directory: give a file name")
     state, ckpt = rebuild(args.run_dir, device=args.device, round=args.round)
+    try:  # missing parents are made, as run and export make theirs
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        return _fail(f"--out {out}: {out.parent} is not a directory")
     torch.save(ckpt, out)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
     return 0
