@@ -90,6 +90,16 @@ def test_bad_toml_and_existing_run_dir(tmp_path, capsys):
     assert code == 2 and "config.json" in err
 
 
+def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for out in (afile, afile / "run"):
+        code, _, err = _run(["run", "--out", str(out), "--rounds", "2", "--dim", "10", "--quiet"], capsys)
+        assert code == 2 and f"{afile} is a file, not a directory" in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert afile.read_text() == "keep"
+
+
 @pytest.mark.parametrize("algorithm", ["decomfl", "fedavg"])
 def test_a_diverging_run_keeps_its_rows_and_says_so(tmp_path, capsys, algorithm):
     out = tmp_path / "run"

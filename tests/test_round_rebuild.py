@@ -57,3 +57,7 @@ def test_rebuild_makes_the_missing_parents_of_its_out(tmp_path, capsys):
     code, _, err = run_cli(["rebuild", str(out), "--round", "5", "--out", str(nested)], capsys)
     assert code == 0, err
     assert torch.load(nested)["round"] == 5
+    (tmp_path / "afile").write_text("keep")
+    code, _, err = run_cli(["rebuild", str(out), "--out", str(tmp_path / "afile" / "x.pt")], capsys)
+    assert code == 2 and "not a directory" in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "afile").read_text() == "keep"

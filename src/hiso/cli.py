@@ -193,7 +193,7 @@ def _fail(msg: str) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .runners.rundir import run_to_dir
+    from .runners.rundir import not_a_dir, run_to_dir
     from .tasks.registry import build_task
 
     overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
@@ -229,6 +229,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, **overrides)
         out = Path(args.out)
+        if why := not_a_dir(out):
+            return _fail(why)
         if (out / "config.json").exists() and not args.force:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
     tracking = _tracking(args, out.resolve().name)
@@ -394,6 +396,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
         out = Path(args.out)
+        from .runners.rundir import not_a_dir
+        if why := not_a_dir(out):
+            return _fail(why)
         if (out / "config.json").exists() and not args.force:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
     if args.resume is not None and args.simulation:

@@ -48,7 +48,7 @@ from ..tasks.device import on_device
 from ..tasks.registry import build_task, higher_is_better
 from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one import path for a run directory)
 from .runfiles import (checkpoint, cut_rejections, dp_secret, extend_refusal, read_run_history,  # noqa: F401
-                       made_before, overwrites_run, resume_point, same_run, saved_config, write_atomic)
+                       made_before, not_a_dir, overwrites_run, resume_point, same_run, saved_config, write_atomic)
 from .simulate import PrivacyBudgetSpent, Simulation
 
 

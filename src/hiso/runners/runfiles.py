@@ -34,6 +34,16 @@ def overwrites_run(out: str | Path, run_dir: str | Path) -> str | None:
     return None
 
 
+def not_a_dir(out: str | Path) -> str | None:
+    """Why ``out`` cannot become a run directory (None: it can): it, or a folder above it, is a file."""
+    out = Path(out)
+    for p in (out, *out.parents):
+        if p.exists():
+            return None if p.is_dir() else f"{out} is a file, not a directory" if p == out else \
+                f"{out}: {p} is a file, not a directory"
+    return None
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path`` by ``text`` whole (a crash leaves the old file or the new one)."""
     tmp = path.with_name(path.name + ".tmp")
