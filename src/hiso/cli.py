@@ -193,7 +193,7 @@ def _fail(msg: str) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .runners.rundir import not_a_dir, run_to_dir
+    from .runners.rundir import clear_run, not_a_dir, run_to_dir
     from .tasks.registry import build_task
 
     overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
@@ -256,6 +256,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         bar.set_postfix(post, refresh=False)
         bar.update(1)
 
+    if args.force:  # none of the old run's files may stay beside the new one's
+        clear_run(out)
     try:
         summary = run_to_dir(cfg, out, progress, task=task, resume=args.resume is not None, tracking=tracking)
     finally:
@@ -410,6 +412,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
                      "not --byzantine-per-round or random")
     if cfg.secagg and args.worker:
         return _fail("--secagg runs without --worker: SecAgg+ needs the ClientApp itself to answer")
+    if args.force:  # none of the old run's files may stay beside the new one's
+        from .runners.rundir import clear_run
+        clear_run(out)
     try:
         if args.simulation:
             from .flower.sim import run_simulation

@@ -21,6 +21,18 @@ from ..core.history import parse_history
 # the files a run writes into its directory (see hiso.runners.rundir; flower*: a run over Flower)
 RUN_FILES = ("config.json", "metrics.jsonl", "history.bin", "summary.json", "model.pt", "rejections.log",
              "dp_secret.json", "flower.json", "flower-lineage")
+# what other commands write into it by default (hiso eval, hiso diagnose): about that run too
+ABOUT_RUN_FILES = ("eval.json", "diagnose.json", "diagnose.txt", "diagnose.png")
+
+
+def clear_run(out: str | Path) -> None:
+    """Remove the files of the run in ``out`` before ``--force`` starts another there: what the run
+    wrote and what was written about it (:data:`RUN_FILES`, :data:`ABOUT_RUN_FILES`, and a rewrite's
+    leftover ``.tmp``), so none of another configuration's files outlives it. A user's files stay."""
+    for name in (*RUN_FILES, *ABOUT_RUN_FILES):
+        for path in (Path(out) / name, Path(out) / f"{name}.tmp"):
+            if path.is_file() or path.is_symlink():
+                path.unlink()
 
 
 def overwrites_run(out: str | Path, run_dir: str | Path) -> str | None:
