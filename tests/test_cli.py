@@ -90,6 +90,32 @@ def test_bad_toml_and_existing_run_dir(tmp_path, capsys):
     assert code == 2 and "config.json" in err
 
 
+def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for out in (afile, afile / "run"):
+        code, _, err = _run(["run", "--out", str(out), "--rounds", "2", "--dim", "10", "--quiet"], capsys)
+        assert code == 2 and f"{afile} is a file, not a directory" in err, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert afile.read_text() == "keep"
+
+
+def test_force_removes_every_file_of_the_old_run_and_keeps_the_users(tmp_path, capsys):
+    out = tmp_path / "run"
+    small = ["--out", str(out), "--rounds", "3", "--dim", "10", "--quiet"]
+    code, _, err = _run(["run", *small, "--drop-rate", "0.3", "--dp-clip", "1", "--dp-noise-multiplier", "0.1"], capsys)
+    assert code == 0, err
+    assert _run(["eval", str(out)], capsys)[0] == 0
+    (out / "notes.txt").write_text("mine")
+    old = {"rejections.log", "dp_secret.json", "eval.json"}
+    assert old <= {p.name for p in out.iterdir()}  # the old run wrote them: their removal is the point
+    code, _, err = _run(["run", *small, "--force"], capsys)
+    assert code == 0, err
+    assert not old & {p.name for p in out.iterdir()}
+    assert (out / "notes.txt").read_text() == "mine"
+    assert json.loads((out / "config.json").read_text())["drop_rate"] == 0
+
+
 @pytest.mark.parametrize("algorithm", ["decomfl", "fedavg"])
 def test_a_diverging_run_keeps_its_rows_and_says_so(tmp_path, capsys, algorithm):
     out = tmp_path / "run"

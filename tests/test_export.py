@@ -142,6 +142,25 @@ def test_bad_exports_are_refused_in_one_line_and_write_nothing(runs, tmp_path, c
     _refused(["export", str(q), "--out", str(q), "--force"], capsys, tmp_path, "run directory")
 
 
+def test_force_replaces_an_earlier_export_and_nothing_else(runs, tmp_path, capsys):
+    out = tmp_path / "x"
+    for fmt in ("merged", "peft", "state-dict"):  # each format's files replaced by the next's
+        code, _, err = run_cli(["export", str(runs["lora"]), "--out", str(out), "--format", fmt, "--force"], capsys)
+        assert code == 0, err
+        assert json.loads((out / "hiso.json").read_text())["format"] == fmt
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "hiso.json", "model.safetensors"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("keep")
+    (tmp_path / "afile").write_text("keep")
+    for target, word in ((mine, "thesis.tex"), (tmp_path / "afile", "is a file")):
+        _refused(["export", str(runs["lora"]), "--out", str(target), "--force"], capsys, tmp_path, word)
+    (out / "notes.txt").write_text("keep")  # an export a user added to is theirs too
+    _refused(["export", str(runs["lora"]), "--out", str(out), "--force"], capsys, tmp_path, "notes.txt")
+    assert [(p / n).read_text() for p, n in ((mine, "thesis.tex"), (tmp_path, "afile"), (out, "notes.txt"))] == ["keep"] * 3
+    assert (out / "hiso.json").is_file()
+
+
 def test_export_onto_another_base_is_refused(runs, tmp_path, capsys):
     lm = write_tiny_lm(tmp_path / "lm2", seed=1)
     run = _lm_run({**runs["files"], "lm": str(lm)}, tmp_path / "run", "--lora-r", "2", "--lr", "0.5", "--rounds", "1")

@@ -38,3 +38,26 @@ def test_a_round_past_the_log_is_refused_and_writes_nothing(tmp_path, capsys):
         code, _, err = run_cli(["rebuild", str(out), "--round", bad, "--out", str(tmp_path / "x.pt")], capsys)
         assert code == 2 and "rounds 0..3" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_rebuild_never_writes_onto_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(["run", "--out", str(out), "--rounds", "6", *RUN], capsys)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for target in (out / "model.pt", out / "history.bin", out, tmp_path):
+        code, _, err = run_cli(["rebuild", str(out), "--round", "5", "--out", str(target)], capsys)
+        assert code == 2 and "run directory" in err and len(err.strip().splitlines()) == 1, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_rebuild_makes_the_missing_parents_of_its_out(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(["run", "--out", str(out), "--rounds", "6", *RUN], capsys)[0] == 0
+    nested = tmp_path / "new" / "dir" / "x5.pt"
+    code, _, err = run_cli(["rebuild", str(out), "--round", "5", "--out", str(nested)], capsys)
+    assert code == 0, err
+    assert torch.load(nested)["round"] == 5
+    (tmp_path / "afile").write_text("keep")
+    code, _, err = run_cli(["rebuild", str(out), "--out", str(tmp_path / "afile" / "x.pt")], capsys)
+    assert code == 2 and "not a directory" in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "afile").read_text() == "keep"

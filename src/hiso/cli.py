@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "PeftModel.from_pretrained; merged: a model directory for AutoModelForCausalLM.from_pretrained; "
                     "state-dict: model.safetensors (any task). Default: merged for language runs, else state-dict")
     ex.add_argument("--round", type=int, help="export x_R, rebuilt from the first R logged rounds (default: the last)")
-    ex.add_argument("--force", action="store_true", help="replace --out if it exists")
+    ex.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export "
+                    "(a directory holding anything else is refused)")
     ev = sub.add_parser("eval", help="evaluate a run's model (any round) on its task, or on other data of the task")
     ev.add_argument("run_dir")
     ev.add_argument("--round", type=int, help="evaluate x_R, rebuilt from the first R logged rounds "
@@ -201,7 +202,7 @@ def _fail(msg: str) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .runners.rundir import run_to_dir
+    from .runners.rundir import clear_run, not_a_dir, run_to_dir
     from .tasks.registry import build_task
 
     overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
@@ -240,6 +241,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, **overrides)
         out = Path(args.out)
+        if why := not_a_dir(out):
+            return _fail(why)
         if (out / "config.json").exists() and not args.force:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
         _warn_unused(cfg)
@@ -266,6 +269,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         bar.set_postfix(post, refresh=False)
         bar.update(1)
 
+    if args.force:  # none of the old run's files may stay beside the new one's
+        clear_run(out)
     try:
         summary = run_to_dir(cfg, out, progress, task=task, resume=args.resume is not None, tracking=tracking)
     finally:
@@ -329,10 +334,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_rebuild(args: argparse.Namespace) -> int:
     import torch
 
-    from .runners.rundir import rebuild
+    from .runners.rundir import overwrites_run, rebuild, saved_config
 
+    saved_config(args.run_dir)  # a run directory, before anything else is said about it
+    out = Path(args.out)
+    why = overwrites_run(out, args.run_dir)
+    if why is not None:
+        return _fail(f"--out {out} {why}: write the model elsewhere")
+    if out.is_dir():
+        return _fail(f"--out {out} is a directory: give a file name")
     state, ckpt = rebuild(args.run_dir, device=args.device, round=args.round)
-    torch.save(ckpt, args.out)
+    try:  # missing parents are made, as run and export make theirs
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        return _fail(f"--out {out}: {out.parent} is not a directory")
+    torch.save(ckpt, out)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
     return 0
 
@@ -403,6 +419,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
         out = Path(args.out)
+        from .runners.rundir import not_a_dir
+        if why := not_a_dir(out):
+            return _fail(why)
         if (out / "config.json").exists() and not args.force:
             return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
         _warn_unused(cfg)
@@ -415,6 +434,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
                      "not --byzantine-per-round or random")
     if cfg.secagg and args.worker:
         return _fail("--secagg runs without --worker: SecAgg+ needs the ClientApp itself to answer")
+    if args.force:  # none of the old run's files may stay beside the new one's
+        from .runners.rundir import clear_run
+        clear_run(out)
     try:
         if args.simulation:
             from .flower.sim import run_simulation

@@ -13,13 +13,15 @@ run's identity (directory, configuration sha256, algorithm, seed, round) and, fo
 the base model's name and weight fingerprint; ``merged`` also puts them in ``config.json``
 (key ``hiso``), ``state-dict`` in the safetensors header. A run is exported only onto the base it
 started from. Everything is written to a temporary directory beside ``--out`` and renamed at the
-end, so a refused or failed export leaves nothing behind.
+end, so a refused or failed export leaves nothing behind. ``--force`` replaces an earlier export
+only (a directory of the files an export writes): a user's files at ``--out`` are refused, never deleted.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -27,10 +29,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .runfiles import saved_config
+from .runfiles import overwrites_run, saved_config
 from .runmodel import RunModel, load_run_model
 
 FORMATS = ("peft", "merged", "state-dict")
+
+# the names an export's files have (its own, transformers' and peft's save_pretrained, a tokenizer's):
+# --force replaces a directory of these only, never one that holds anything else
+EXPORT_FILES = re.compile(r"hiso\.json|README\.md|(generation_)?config\.json|adapter_config\.json"
+                          r"|(model|adapter_model)(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
+                          r"|tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)"
+                          r"|merges\.txt|(tokenizer|spiece|sentencepiece\.bpe)\.model|chat_template\.(jinja|json)")
 
 
 def default_format(info: dict) -> str:
@@ -163,6 +172,41 @@ def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict) -> None:
     (tmp / "README.md").write_text(model_card(meta, rm.info))
 
 
+def not_an_export(out: Path) -> str | None:
+    """Why ``out`` is not an earlier export that ``--force`` may replace (None: it is one): an
+    export is a directory of the files :data:`EXPORT_FILES` names, its ``hiso.json`` among them."""
+    if out.is_symlink() or not out.is_dir():
+        return "is a file"
+    names = sorted(p.name for p in out.iterdir())
+    other = [n for n in names if not (EXPORT_FILES.fullmatch(n) and (out / n).is_file() and not (out / n).is_symlink())]
+    if other:
+        return f"holds {other[0]!r}, which no export writes"
+    try:
+        meta = json.loads((out / "hiso.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
+        return "has no export's hiso.json"
+    return None
+
+
+def _taken(out: Path) -> bool:
+    """Whether ``out`` exists as anything but an empty directory (which the export simply takes)."""
+    return out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir())))
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """Refuse an ``--out`` the export may not take: anything but an absent or empty directory, or
+    (with ``force``) an earlier export; a user's files are never replaced."""
+    if not _taken(out):
+        return
+    why = not_an_export(out)
+    if why is not None:
+        raise ValueError(f"--out {out} {why}: export elsewhere (--force replaces only an earlier export)")
+    if not force:
+        raise ValueError(f"{out} exists (use --force to replace it)")
+
+
 def _usual_modes(root: Path) -> None:
     """Modes as if created plainly (mkdtemp makes 0700; some writers 0600): readable by whom the umask allows."""
     mask = os.umask(0)
@@ -183,10 +227,10 @@ def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: 
     cfg, info = saved_config(run_dir)
     fmt = fmt or default_format(info)
     check_format(fmt, cfg, info)
-    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out} exists (use --force to replace it)")
-    if out.resolve() == run_dir.resolve() or out.resolve() in run_dir.resolve().parents:
-        raise ValueError(f"--out {out} would replace the run directory {run_dir} itself: export elsewhere")
+    why = overwrites_run(out, run_dir)
+    if why is not None:
+        raise ValueError(f"--out {out} {why}: export elsewhere")
+    _check_out(out, force)
     rm = load_run_model(run_dir, round, device=device)
     meta = metadata(rm, fmt)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -194,8 +238,9 @@ def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: 
     try:
         _write(rm, fmt, tmp, meta)
         _usual_modes(tmp)
-        if out.exists():  # --force (checked above)
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        if _taken(out):  # --force over an earlier export: checked above, and again now it goes
+            _check_out(out, force)
+            shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,6 +5,11 @@ DIR/metrics.jsonl   one row per round (row 0: the initial evaluation), flushed a
 DIR/history.bin     the server's log (aggregated scalars, attempt and participants per round)
 DIR/summary.json    final and best metrics, communication per client, time and memory
 DIR/model.pt        the final server model (state dict) and, for HiSo, H
+DIR/rejections.log  every message a run with faults or attackers rejected, and why
+DIR/dp_secret.json  the DP noise key a run with --dp-clip drew (not in config.json: it undoes the noise)
+
+``hiso run --force`` over a run removes all of these (and ``hiso eval``'s and ``diagnose``'s output
+there) first: :func:`hiso.runners.runfiles.clear_run`; a user's other files in DIR stay.
 
 A run whose model (or H) turns non-finite, or whose mean training loss is non-finite or exceeds
 ``diverge_factor`` x round 1's, stops as diverged (``summary.json`` ``diverged``, exit 1 from
@@ -47,8 +52,8 @@ from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task, higher_is_better
 from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one import path for a run directory)
-from .runfiles import (checkpoint, cut_rejections, dp_secret, extend_refusal, read_run_history,  # noqa: F401
-                       made_before, resume_point, same_run, saved_config, write_atomic)
+from .runfiles import (checkpoint, clear_run, cut_rejections, dp_secret, extend_refusal, read_run_history,  # noqa: F401
+                       made_before, not_a_dir, overwrites_run, resume_point, same_run, saved_config, write_atomic)
 from .simulate import PrivacyBudgetSpent, Simulation
 
 

@@ -18,6 +18,44 @@ from ..config import RunConfig, load_config
 from ..core.history import parse_history
 
 
+# the files a run writes into its directory (see hiso.runners.rundir; flower*: a run over Flower)
+RUN_FILES = ("config.json", "metrics.jsonl", "history.bin", "summary.json", "model.pt", "rejections.log",
+             "dp_secret.json", "flower.json", "flower-lineage")
+# what other commands write into it by default (hiso eval, hiso diagnose): about that run too
+ABOUT_RUN_FILES = ("eval.json", "diagnose.json", "diagnose.txt", "diagnose.png")
+
+
+def clear_run(out: str | Path) -> None:
+    """Remove the files of the run in ``out`` before ``--force`` starts another there: what the run
+    wrote and what was written about it (:data:`RUN_FILES`, :data:`ABOUT_RUN_FILES`, and a rewrite's
+    leftover ``.tmp``), so none of another configuration's files outlives it. A user's files stay."""
+    for name in (*RUN_FILES, *ABOUT_RUN_FILES):
+        for path in (Path(out) / name, Path(out) / f"{name}.tmp"):
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+
+
+def overwrites_run(out: str | Path, run_dir: str | Path) -> str | None:
+    """Why writing ``out`` would destroy (part of) the run in ``run_dir`` (None: it would not):
+    ``out`` is the run directory, a directory holding it, or a file of it (one there, or one a run writes)."""
+    out_r, run = Path(out).resolve(), Path(run_dir).resolve()
+    if out_r == run or out_r in run.parents:
+        return f"would replace the run directory {run_dir} itself"
+    if out_r.parent == run and (out_r.exists() or out_r.name in RUN_FILES):
+        return f"would overwrite {out_r.name} of the run directory {run_dir}"
+    return None
+
+
+def not_a_dir(out: str | Path) -> str | None:
+    """Why ``out`` cannot become a run directory (None: it can): it, or a folder above it, is a file."""
+    out = Path(out)
+    for p in (out, *out.parents):
+        if p.exists():
+            return None if p.is_dir() else f"{out} is a file, not a directory" if p == out else \
+                f"{out}: {p} is a file, not a directory"
+    return None
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path`` by ``text`` whole (a crash leaves the old file or the new one)."""
     tmp = path.with_name(path.name + ".tmp")
