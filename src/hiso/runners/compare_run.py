@@ -212,11 +212,16 @@ def _summary_seconds(d: Path) -> float:
 
 
 def _stop_workers(pool) -> None:
-    """Stop a process pool's workers now (their runs are lost; finished runs are on disk)."""
+    """Stop a process pool's workers now (their runs are lost; finished runs are on disk).
+
+    The queued runs are cancelled by the pool's own manager thread (``shutdown(cancel_futures=
+    True)``), before the workers are stopped: that thread then finds the pool broken and fails
+    every future it still holds, and a future cancelled from here instead (``Future.cancel``)
+    made it raise ``InvalidStateError`` with a traceback on every Ctrl-C."""
     from ..procs import stop_processes
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    stop_processes([p.pid for p in procs if p.pid], grace=5.0)
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # (shutdown forgets them)
     pool.shutdown(wait=False, cancel_futures=True)
+    stop_processes([p.pid for p in procs if p.pid], grace=5.0)
 
 
 def _continuing(labels: set[str]) -> str:
@@ -278,8 +283,6 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
                 running = ", ".join(f"{lab}: {r}/{by_label[lab].cfg.rounds}" for lab, r in sorted(at.items()))
                 bar.set_postfix_str(f"runs {done + skipped}/{len(specs)}" + (f"; {running}" if running else ""))
         except BaseException:
-            for fut in pending:
-                fut.cancel()
             _stop_workers(pool)  # or leaving the with-block would wait for the running runs to finish
             bar.write(f"stopped: {done + skipped} of {len(specs)} runs are finished and kept "
                       "(rerun the same command to resume)")
