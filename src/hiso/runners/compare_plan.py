@@ -46,6 +46,8 @@ the file's values. Every run's configuration is validated before the first run s
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -213,13 +215,14 @@ def _check_keys(where: str, keys: dict[str, Any]) -> None:
             raise ConfigError(f"{where}: unknown option {k!r}")
 
 
-def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | None = None,
+def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: dict[str, Any] | None = None,
                compare_flags: dict[str, Any] | None = None) -> Plan:
-    """The validated plan from a TOML file, shared RunConfig flags and ``[compare]`` flags.
+    """The validated plan from a TOML file (or its values, e.g. :func:`recorded`), shared
+    RunConfig flags and ``[compare]`` flags.
 
     Raises :class:`ConfigError` (one line) for anything wrong, before anything runs.
     """
-    file_vals = read_toml(config)
+    file_vals = copy.deepcopy(config) if isinstance(config, dict) else read_toml(config)
     raw_cmp = file_vals.pop("compare", {})
     if not isinstance(raw_cmp, dict):
         raise ConfigError("compare: must be a table ([compare])")
@@ -311,6 +314,41 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
         for lr in arm.lrs:
             plan.config(arm, lr, spec.seeds[0])
     return plan
+
+
+def recorded(out: str | Path) -> dict[str, Any]:
+    """The plan last started in ``out`` (its ``compare.json``) as a config file's values: the
+    shared options at the top level and a ``[compare]`` table, every arm with its grid. It lets
+    ``--table-only`` tabulate ``out`` without the file and flags that made its runs (which may
+    since have changed, e.g. a compare extended with ``--rounds``)."""
+    path = Path(out) / "compare.json"
+    if not path.is_file():
+        raise ConfigError(f"{out} holds no compare (no {path.name}): nothing to tabulate "
+                          f"(hiso compare --out {out} without --table-only runs one)")
+    try:
+        rec = json.loads(path.read_text())
+        arms = [(a["name"], a["algorithm"], dict(a["overrides"]), list(a["lr_grid"])) for a in rec["arms"]]
+        table = {"algorithms": [a[0] for a in arms], "seeds": list(rec["seeds"]), "reference": rec["reference"],
+                 "metric": rec["metric"], "lr_grid": {name: lrs for name, _, _, lrs in arms},
+                 "variants": {name: {"algorithm": alg, **o} for name, alg, o, _ in arms if name != alg},
+                 "overrides": {alg: o for name, alg, o, _ in arms if name == alg and o}}
+        shared = dict(rec["shared"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a compare plan hiso can read ({type(e).__name__}: {e})") from None
+    if rec.get("select_on") and not rec.get("select_note"):  # (a note: the default, worked out again)
+        table["select_on"] = rec["select_on"]
+    return {**shared, "compare": table}
+
+
+def table_plan(out: str | Path, shared_flags: dict[str, Any] | None = None,
+               compare_flags: dict[str, Any] | None = None) -> Plan:
+    """The plan of ``--table-only``: the one recorded in ``out`` (:func:`recorded`) with the
+    flags given on top (fewer seeds, arms or lrs, another reference, metric or select_on)."""
+    values = recorded(out)
+    flags = compare_flags or {}
+    if "algorithms" in flags and "reference" not in flags and values["compare"]["reference"] not in flags["algorithms"]:
+        del values["compare"]["reference"]  # not among the arms asked for: the default reference
+    return build_plan(values, shared_flags, flags)
 
 
 def _select_on(asked: str | None, task: str, metric: str, val_fraction: float) -> tuple[str, str]:

@@ -60,12 +60,13 @@ def _finished(spec: RunSpec) -> bool:
     return _state(spec) == "finished"
 
 
-def _state(spec: RunSpec) -> str:
+def _state(spec: RunSpec, fix: str = "use --force to rerun, or another --out") -> str:
     """What to do with ``spec.dir``: ``"finished"`` (skip it), ``"continue"`` (a run of this
     configuration cut short, or a finished one asked to more rounds now: continued from its log,
     exactly as an uninterrupted run) or ``"start"`` (nothing there, a partial run that cannot be
     continued, or a partial run of another configuration). A finished run of another
-    configuration is an error (:class:`ConfigError`)."""
+    configuration is an error (:class:`ConfigError`) whose message ends with ``fix`` (``{option}``
+    in it: the option that differs)."""
     from .runfiles import ended_early, extend_refusal, resume_point
 
     try:
@@ -98,7 +99,7 @@ def _state(spec: RunSpec) -> str:
             why = (f": {refusal}" if longer else
                    " (a run can be continued to more rounds, not cut to fewer)" if k == "rounds" else "")
             raise ConfigError(f"{spec.dir} holds a finished run with {k} = {old.get(k)!r}, not {new.get(k)!r} "
-                              f"as asked now{why} (use --force to rerun, or another --out)")
+                              f"as asked now{why} ({fix.format(option='--' + k.replace('_', '-'))})")
         # (a summary without rounds_done, as older or hand-made ones, counts as the whole run)
         if ended or (not longer and summary.get("rounds_done", done_rounds) >= done_rounds):
             return "finished"  # (a diverged run stays the result at any horizon)
