@@ -251,11 +251,18 @@ h_max = 100.0
     # a variant without its own grid inherits its algorithm's
     with pytest.raises(cmp.ConfigError, match="reference: 'hiso' is not one of"):
         build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5"))
-    plan2 = build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5", lr_grid=["hiso=0.07"], reference="hiso-nu0.5"))
-    assert plan2.arms[0].lrs == (0.03,)
+    plan2 = build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5,hiso", lr_grid=["hiso=0.07"],
+                                           reference="hiso-nu0.5"))
+    assert plan2.arms[0].lrs == (0.03,) and plan2.arms[1].lrs == (0.07,)  # a variant's own grid wins
+    # a grid asked for that no compared arm uses is refused (the file's unused hiso grid is not)
+    with pytest.raises(cmp.ConfigError, match="--lr-grid hiso: no compared arm uses it"):
+        build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5", lr_grid=["hiso=0.07"], reference="hiso-nu0.5"))
+    assert build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5", reference="hiso-nu0.5")).arms[0].lrs == (0.03,)
     conf.write_text(conf.read_text().replace('"hiso-nu0.5" = [0.03]\n', ""))
     plan3 = build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5,hiso"))
     assert plan3.arms[0].lrs == (0.01, 0.05) and plan3.reference == "hiso"
+    plan4 = build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5", lr_grid=["hiso=0.07"], reference="hiso-nu0.5"))
+    assert plan4.arms[0].lrs == (0.07,)  # used: the variant inherits it
     cmp.compare(plan, tmp_path / "out", quiet=True, plots=False)
     saved = json.loads((tmp_path / "out/runs/hiso-nu0.5/lr0.03/seed0/config.json").read_text())
     assert saved["nu"] == 0.5 and saved["algorithm"] == "hiso"
@@ -271,6 +278,8 @@ h_max = 100.0
     (["--lr-grid", "hiso"], None, "NAME=LR"),
     (["--lr-grid", "hiso=0.1,-1"], None, "positive"),
     (["--lr-grid", "nope=0.1"], None, "neither an algorithm nor a variant"),
+    (["--lr-grid", "decomfl=0.1", "--algorithms", "hiso"], None, "--lr-grid decomfl: no compared arm uses it"),
+    (["--lr-grid", "fedavg=0.1"], None, "--lr-grid fedavg: no compared arm uses it"),
     (["--reference", "fedavg"], None, "not one of the compared"),
     (["--metric", "eval_acc"], None, "reports gap, eval_loss"),
     (["--algorithm", "hiso"], None, "unrecognized"),

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                      f"(algorithms: {', '.join(ALGORITHMS)}; default: hiso,decomfl)")
     cmp.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2")
     cmp.add_argument("--lr-grid", action="append", metavar="NAME=LR,LR,...",
-                     help="lrs to try for an algorithm or variant (repeatable)")
+                     help="lrs to try for an algorithm or variant among those compared (repeatable)")
     cmp.add_argument("--reference", help="the algorithm the others are measured against (default: decomfl)")
     cmp.add_argument("--metric", help="eval metric to select and compare on (default: eval_acc, or gap)")
     cmp.add_argument("--select-on", choices=("val", "test"), help=(

@@ -40,8 +40,10 @@ variant's own keys; then its lr and seed. Its lr grid is ``lr_grid[arm name]``, 
 ``lr_grid[its algorithm]`` (variants inherit their algorithm's grid), else the shared ``lr``.
 ``lr``, ``seed`` and ``task`` cannot be set per arm (use ``lr_grid``, ``seeds``, and one
 compare per task). Flags: ``--algorithms a,b``, ``--seeds 0,1,2``, ``--lr-grid NAME=LR,LR``
-(repeatable; replaces that name's grid), ``--reference``, ``--metric``, ``--select-on`` replace
-the file's values. Every run's configuration is validated before the first run starts.
+(repeatable; replaces that name's grid; one no compared arm uses is refused, while the file
+may keep grids for arms that ``--algorithms`` leaves out), ``--reference``, ``--metric``,
+``--select-on`` replace the file's values. Every run's configuration is validated before the
+first run starts.
 """
 
 from __future__ import annotations
@@ -230,6 +232,7 @@ def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: 
     for k, why in SHARED_FORBIDDEN.items():
         if k in shared:
             raise ConfigError(f"{k}: not a shared option in a comparison; {why}")
+    asked_grids = list((compare_flags or {}).get("lr_grid", {}))  # (the file's are merged in below)
     if "lr_grid" in raw_cmp and "lr_grid" in (compare_flags or {}):
         compare_flags = {**compare_flags, "lr_grid": {**raw_cmp["lr_grid"], **compare_flags["lr_grid"]}}
     try:
@@ -295,6 +298,14 @@ def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: 
             except ConfigError as e:
                 raise ConfigError(f"{name}: {e} (in a comparison: --lr-grid {name}=LR,...)") from None
         arms.append(Arm(name, alg, overrides, tuple(float(x) for x in lrs)))
+    # a grid asked for on the command line that no arm uses is a mistake (dropped silently, a
+    # reference among the arms left out changed the table); a file may keep grids for arms it
+    # does not run every time (--algorithms picks them)
+    used = {a.name if a.name in spec.lr_grid else a.algorithm for a in arms}
+    for name in asked_grids:
+        if name not in used:
+            raise ConfigError(f"--lr-grid {name}: no compared arm uses it (compared: {', '.join(spec.algorithms)}); "
+                              f"add {name} to --algorithms or drop its grid")
 
     reference = spec.reference
     if reference is None:
