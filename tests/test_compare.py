@@ -251,11 +251,18 @@ h_max = 100.0
     # a variant without its own grid inherits its algorithm's
     with pytest.raises(cmp.ConfigError, match="reference: 'hiso' is not one of"):
         build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5"))
-    plan2 = build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5", lr_grid=["hiso=0.07"], reference="hiso-nu0.5"))
-    assert plan2.arms[0].lrs == (0.03,)
+    plan2 = build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5,hiso", lr_grid=["hiso=0.07"],
+                                           reference="hiso-nu0.5"))
+    assert plan2.arms[0].lrs == (0.03,) and plan2.arms[1].lrs == (0.07,)  # a variant's own grid wins
+    # a grid asked for that no compared arm uses is refused (the file's unused hiso grid is not)
+    with pytest.raises(cmp.ConfigError, match="--lr-grid hiso: no compared arm uses it"):
+        build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5", lr_grid=["hiso=0.07"], reference="hiso-nu0.5"))
+    assert build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5", reference="hiso-nu0.5")).arms[0].lrs == (0.03,)
     conf.write_text(conf.read_text().replace('"hiso-nu0.5" = [0.03]\n', ""))
     plan3 = build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5,hiso"))
     assert plan3.arms[0].lrs == (0.01, 0.05) and plan3.reference == "hiso"
+    plan4 = build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5", lr_grid=["hiso=0.07"], reference="hiso-nu0.5"))
+    assert plan4.arms[0].lrs == (0.07,)  # used: the variant inherits it
     cmp.compare(plan, tmp_path / "out", quiet=True, plots=False)
     saved = json.loads((tmp_path / "out/runs/hiso-nu0.5/lr0.03/seed0/config.json").read_text())
     assert saved["nu"] == 0.5 and saved["algorithm"] == "hiso"
@@ -271,6 +278,8 @@ h_max = 100.0
     (["--lr-grid", "hiso"], None, "NAME=LR"),
     (["--lr-grid", "hiso=0.1,-1"], None, "positive"),
     (["--lr-grid", "nope=0.1"], None, "neither an algorithm nor a variant"),
+    (["--lr-grid", "decomfl=0.1", "--algorithms", "hiso"], None, "--lr-grid decomfl: no compared arm uses it"),
+    (["--lr-grid", "fedavg=0.1"], None, "--lr-grid fedavg: no compared arm uses it"),
     (["--reference", "fedavg"], None, "not one of the compared"),
     (["--metric", "eval_acc"], None, "reports gap, eval_loss"),
     (["--algorithm", "hiso"], None, "unrecognized"),
@@ -334,3 +343,49 @@ def test_table_only_reports_the_finished_runs_and_runs_nothing(tmp_path, capsys)
     assert code == 2 and "reference decomfl" in err and len(err.strip().splitlines()) == 1
     code, _, err = _main(flags + ["--table-only", "--force"], capsys)
     assert code == 2 and "choose one" in err
+
+
+def test_table_only_reads_the_plan_recorded_in_the_directory(tmp_path, capsys):
+    """--table-only tabulates DIR by its compare.json: no config or flags needed, a config whose
+    rounds the runs were since extended past still works, flags narrow it, and a directory
+    without a compare is one line."""
+    conf = tmp_path / "c.toml"
+    conf.write_text('task = "quadratic"\ndim = 20\nclients = 4\nsampled = 2\nrounds = 30\neval_every = 10\n'
+                    '[compare]\nseeds = [0, 1]\n[compare.lr_grid]\nhiso = [0.01, 0.05]\ndecomfl = [0.05]\n')
+    out = tmp_path / "cmp"
+    assert _main(["compare", "--config", str(conf), "--out", str(out), "--quiet"], capsys)[0] == 0
+    assert _main(["compare", "--config", str(conf), "--out", str(out), "--rounds", "40", "--quiet"], capsys)[0] == 0
+    ran = json.loads((out / "selection.json").read_text())
+    for args in (["--out", str(out)], ["--config", str(conf), "--out", str(out)]):  # the file says 30 rounds
+        (out / "selection.json").unlink()
+        code, stdout, err = _main(["compare", *args, "--table-only", "--quiet"], capsys)
+        assert code == 0, err
+        assert json.loads((out / "selection.json").read_text()) == ran and "HiSo" in stdout
+    # flags narrow it: the recorded reference (decomfl) left out, hiso is the reference
+    code, _, err = _main(["compare", "--out", str(out), "--table-only", "--algorithms", "hiso", "--seeds", "1",
+                          "--lr-grid", "hiso=0.05", "--quiet"], capsys)
+    assert code == 0, err
+    sel = json.loads((out / "selection.json").read_text())
+    assert (sel["reference"], list(sel["arms"]), sel["seeds"]) == ("hiso", ["hiso"], [1])
+    assert [e["lr"] for e in sel["arms"]["hiso"]["grid"]] == [0.05]
+    # an option the runs were not made with: one line naming it; no compare there: one line
+    for args, needle in ((["--out", str(out), "--rounds", "30"], "drop --rounds"),
+                         (["--out", str(tmp_path / "none")], "holds no compare (no compare.json)")):
+        code, _, err = _main(["compare", *args, "--table-only", "--quiet"], capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("hiso: error:") and needle in lines[0], err
+    assert not (tmp_path / "none").exists()
+
+
+def test_the_recorded_plan_rebuilds_the_same_plan(tmp_path):
+    """compare.json holds all --table-only needs: every example config's plan (variants,
+    per-algorithm overrides, grids, select_on) comes back the same from it."""
+    from pathlib import Path
+
+    from hiso.runners.compare_plan import table_plan
+    for conf in sorted((Path(__file__).parent.parent / "configs").glob("*.toml")):
+        plan = build_plan(conf)
+        (tmp_path / "compare.json").write_text(json.dumps(plan.to_json()))
+        again = table_plan(tmp_path)
+        assert again.to_json() == plan.to_json(), conf.name
+        assert again.runs(tmp_path) == plan.runs(tmp_path), conf.name

@@ -230,6 +230,32 @@ def test_killing_compare_does_not_leave_its_workers_running(tmp_path):
     assert not alive, "workers outlived their compare"
 
 
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="stop signals and /proc")
+@pytest.mark.parametrize("sig, code", [("SIGINT", 2), ("SIGTERM", 143)])
+def test_stopping_a_parallel_compare_prints_no_traceback(tmp_path, spawned, sig, code):
+    """Ctrl-C (or SIGTERM) of `hiso compare --jobs 2` with runs still queued: the tidy lines
+    only. The pool's manager thread used to fail the queued runs' futures after compare had
+    cancelled them, printing an InvalidStateError traceback."""
+    import signal
+
+    from conftest import rows_logged, wait_progress
+
+    out = tmp_path / "c"
+    # 8 runs, 2 at a time: some are still queued (not yet handed to a worker) when the signal comes
+    proc = spawned.hiso("compare", "--out", str(out), "--jobs", "2", "--task", "quadratic", "--dim", "20000",
+                        "--clients", "4", "--sampled", "2", "--rounds", "100000", "--eval-every", "1000",
+                        "--algorithms", "hiso,decomfl", "--seeds", "0,1,2,3", "--threads", "1")
+    wait_progress(lambda: sum(rows_logged(d) > 0 for d in out.glob("runs/*/*/seed0")), 2,
+                  "both workers running", proc)
+    proc.send_signal(getattr(signal, sig))
+    assert proc.wait(timeout=120) == code
+    log = proc.log.read_text(errors="replace")
+    assert "Traceback" not in log and "InvalidStateError" not in log, log[-3000:]
+    assert "stopped: 0 of 8 runs are finished and kept" in log
+    assert "hiso: stopped by SIGTERM" in log if sig == "SIGTERM" else "hiso: error: interrupted;" in log
+
 def test_warns_when_an_arm_ends_below_what_it_reports():
     # gains from 0.5: held 0.40 of 0.40 / ended 0.55 of 0.30 gained (17 % kept) / lost a quarter exactly
     holds = _arm("hiso", [[0.5, 0.9, 0.88, 0.9], [0.5, 0.8, 0.9, 0.9]])

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                      f"(algorithms: {', '.join(ALGORITHMS)}; default: hiso,decomfl)")
     cmp.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the config's [compare] seeds, else 0)")
     cmp.add_argument("--lr-grid", action="append", metavar="NAME=LR,LR,...",
-                     help="lrs to try for an algorithm or variant (repeatable)")
+                     help="lrs to try for an algorithm or variant among those compared (repeatable)")
     cmp.add_argument("--reference", help="the algorithm the others are measured against (default: decomfl)")
     cmp.add_argument("--metric", help="eval metric to select and compare on (default: eval_acc, or gap)")
     cmp.add_argument("--select-on", choices=("val", "test"), help=(
@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--force", action="store_true", help="rerun finished runs too")
     cmp.add_argument("--table-only", action="store_true", help=(
         "run nothing: the table and plots of the runs finished so far (each arm at the lrs finished for every "
-        "seed; what is left out is listed), e.g. beside a compare still running in --out"))
+        "seed; what is left out is listed), e.g. beside a compare still running in --out. The plan is the one "
+        "recorded in --out (compare.json: what was last started there; --config is not read); options given "
+        "override it, e.g. --seeds 0 or --lr-grid to tabulate part of it"))
     cmp.add_argument("--jobs", type=int, default=1,
                      help="runs at a time, each in its own worker process (default 1). A worker starts Python "
                      "and torch and builds its own task (a few seconds), so for runs of a few seconds each, "
@@ -309,15 +311,17 @@ def _ending_note(cfg: RunConfig, out: Path) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .runners.compare import build_plan, compare, parse_cli
+    from .runners.compare import build_plan, compare, parse_cli, table_plan
 
-    shared = {k: getattr(args, k) for k in RunConfig.model_fields if hasattr(args, k)}
-    flags = parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric, args.select_on)
-    plan = build_plan(args.config, shared, flags)
-    if args.jobs < 1:
-        return _fail(f"--jobs must be >= 1, got {args.jobs}")
     if args.table_only and args.force:
         return _fail("--table-only runs nothing and --force reruns everything: choose one")
+    shared = {k: getattr(args, k) for k in RunConfig.model_fields if hasattr(args, k)}
+    flags = parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric, args.select_on)
+    # --table-only: the runs in --out are what the plan recorded there made, not what the
+    # command line (or a config file edited since) would make now
+    plan = table_plan(args.out, shared, flags) if args.table_only else build_plan(args.config, shared, flags)
+    if args.jobs < 1:
+        return _fail(f"--jobs must be >= 1, got {args.jobs}")
     try:
         text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs,
                        tracking=None if args.table_only else _tracking(args, "compare"), run=not args.table_only)

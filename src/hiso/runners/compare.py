@@ -36,7 +36,8 @@ Selection and outputs
   and ``select_metric``; ``selection.json`` records them too, and, selecting on validation,
   each lr's per-seed test metric at the selected round). Written
   only once the plan is known to fit the runs already in ``DIR`` (a refused compare leaves it as
-  it was).
+  it was). ``--table-only`` tabulates ``DIR`` by this plan (:func:`~hiso.runners.compare_plan.table_plan`),
+  not by the config file, which may have changed since; flags given override it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from ..report.table import ArmResult, RunResult, best_of, load_run_result, selec
 
 # names callers import from here (hiso.cli, tests, bench)
 from .compare_plan import Arm, CompareSpec, Plan, RunSpec, build_plan, lr_dirname, parse_cli, run_dir  # noqa: F401
+from .compare_plan import table_plan  # noqa: F401
 from .compare_run import _finished, _reset_peak_rss, _vm_hwm_mb, execute  # noqa: F401
 
 
@@ -134,12 +136,13 @@ def finished_part(plan: Plan, out: str | Path) -> tuple[Plan, list[str]]:
     from .compare_run import _state
 
     out = Path(out)
+    fix = f"{out}/compare.json records how its runs were made: drop {{option}}"
     arms, left = [], []
     for arm in plan.arms:
         done, missing = [], []
         for lr in arm.lrs:
-            todo = [s for s in plan.seeds
-                    if _state(RunSpec(arm, lr, s, plan.config(arm, lr, s), run_dir(out, arm.name, lr, s))) != "finished"]
+            todo = [s for s in plan.seeds if _state(RunSpec(arm, lr, s, plan.config(arm, lr, s),
+                                                           run_dir(out, arm.name, lr, s)), fix) != "finished"]
             if todo:
                 missing.append(f"lr={lr:g} (seed{'s' if len(todo) > 1 else ''} {','.join(map(str, todo))})")
             else:

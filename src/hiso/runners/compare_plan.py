@@ -40,12 +40,16 @@ variant's own keys; then its lr and seed. Its lr grid is ``lr_grid[arm name]``, 
 ``lr_grid[its algorithm]`` (variants inherit their algorithm's grid), else the shared ``lr``.
 ``lr``, ``seed`` and ``task`` cannot be set per arm (use ``lr_grid``, ``seeds``, and one
 compare per task). Flags: ``--algorithms a,b``, ``--seeds 0,1,2``, ``--lr-grid NAME=LR,LR``
-(repeatable; replaces that name's grid), ``--reference``, ``--metric``, ``--select-on`` replace
-the file's values. Every run's configuration is validated before the first run starts.
+(repeatable; replaces that name's grid; one no compared arm uses is refused, while the file
+may keep grids for arms that ``--algorithms`` leaves out), ``--reference``, ``--metric``,
+``--select-on`` replace the file's values. Every run's configuration is validated before the
+first run starts.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -213,13 +217,14 @@ def _check_keys(where: str, keys: dict[str, Any]) -> None:
             raise ConfigError(f"{where}: unknown option {k!r}")
 
 
-def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | None = None,
+def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: dict[str, Any] | None = None,
                compare_flags: dict[str, Any] | None = None) -> Plan:
-    """The validated plan from a TOML file, shared RunConfig flags and ``[compare]`` flags.
+    """The validated plan from a TOML file (or its values, e.g. :func:`recorded`), shared
+    RunConfig flags and ``[compare]`` flags.
 
     Raises :class:`ConfigError` (one line) for anything wrong, before anything runs.
     """
-    file_vals = read_toml(config)
+    file_vals = copy.deepcopy(config) if isinstance(config, dict) else read_toml(config)
     raw_cmp = file_vals.pop("compare", {})
     if not isinstance(raw_cmp, dict):
         raise ConfigError("compare: must be a table ([compare])")
@@ -227,6 +232,7 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
     for k, why in SHARED_FORBIDDEN.items():
         if k in shared:
             raise ConfigError(f"{k}: not a shared option in a comparison; {why}")
+    asked_grids = list((compare_flags or {}).get("lr_grid", {}))  # (the file's are merged in below)
     if "lr_grid" in raw_cmp and "lr_grid" in (compare_flags or {}):
         compare_flags = {**compare_flags, "lr_grid": {**raw_cmp["lr_grid"], **compare_flags["lr_grid"]}}
     try:
@@ -292,6 +298,14 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
             except ConfigError as e:
                 raise ConfigError(f"{name}: {e} (in a comparison: --lr-grid {name}=LR,...)") from None
         arms.append(Arm(name, alg, overrides, tuple(float(x) for x in lrs)))
+    # a grid asked for on the command line that no arm uses is a mistake (dropped silently, a
+    # reference among the arms left out changed the table); a file may keep grids for arms it
+    # does not run every time (--algorithms picks them)
+    used = {a.name if a.name in spec.lr_grid else a.algorithm for a in arms}
+    for name in asked_grids:
+        if name not in used:
+            raise ConfigError(f"--lr-grid {name}: no compared arm uses it (compared: {', '.join(spec.algorithms)}); "
+                              f"add {name} to --algorithms or drop its grid")
 
     reference = spec.reference
     if reference is None:
@@ -311,6 +325,41 @@ def build_plan(config: str | Path | None = None, shared_flags: dict[str, Any] | 
         for lr in arm.lrs:
             plan.config(arm, lr, spec.seeds[0])
     return plan
+
+
+def recorded(out: str | Path) -> dict[str, Any]:
+    """The plan last started in ``out`` (its ``compare.json``) as a config file's values: the
+    shared options at the top level and a ``[compare]`` table, every arm with its grid. It lets
+    ``--table-only`` tabulate ``out`` without the file and flags that made its runs (which may
+    since have changed, e.g. a compare extended with ``--rounds``)."""
+    path = Path(out) / "compare.json"
+    if not path.is_file():
+        raise ConfigError(f"{out} holds no compare (no {path.name}): nothing to tabulate "
+                          f"(hiso compare --out {out} without --table-only runs one)")
+    try:
+        rec = json.loads(path.read_text())
+        arms = [(a["name"], a["algorithm"], dict(a["overrides"]), list(a["lr_grid"])) for a in rec["arms"]]
+        table = {"algorithms": [a[0] for a in arms], "seeds": list(rec["seeds"]), "reference": rec["reference"],
+                 "metric": rec["metric"], "lr_grid": {name: lrs for name, _, _, lrs in arms},
+                 "variants": {name: {"algorithm": alg, **o} for name, alg, o, _ in arms if name != alg},
+                 "overrides": {alg: o for name, alg, o, _ in arms if name == alg and o}}
+        shared = dict(rec["shared"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: not a compare plan hiso can read ({type(e).__name__}: {e})") from None
+    if rec.get("select_on") and not rec.get("select_note"):  # (a note: the default, worked out again)
+        table["select_on"] = rec["select_on"]
+    return {**shared, "compare": table}
+
+
+def table_plan(out: str | Path, shared_flags: dict[str, Any] | None = None,
+               compare_flags: dict[str, Any] | None = None) -> Plan:
+    """The plan of ``--table-only``: the one recorded in ``out`` (:func:`recorded`) with the
+    flags given on top (fewer seeds, arms or lrs, another reference, metric or select_on)."""
+    values = recorded(out)
+    flags = compare_flags or {}
+    if "algorithms" in flags and "reference" not in flags and values["compare"]["reference"] not in flags["algorithms"]:
+        del values["compare"]["reference"]  # not among the arms asked for: the default reference
+    return build_plan(values, shared_flags, flags)
 
 
 def _select_on(asked: str | None, task: str, metric: str, val_fraction: float) -> tuple[str, str]:

@@ -60,12 +60,13 @@ def _finished(spec: RunSpec) -> bool:
     return _state(spec) == "finished"
 
 
-def _state(spec: RunSpec) -> str:
+def _state(spec: RunSpec, fix: str = "use --force to rerun, or another --out") -> str:
     """What to do with ``spec.dir``: ``"finished"`` (skip it), ``"continue"`` (a run of this
     configuration cut short, or a finished one asked to more rounds now: continued from its log,
     exactly as an uninterrupted run) or ``"start"`` (nothing there, a partial run that cannot be
     continued, or a partial run of another configuration). A finished run of another
-    configuration is an error (:class:`ConfigError`)."""
+    configuration is an error (:class:`ConfigError`) whose message ends with ``fix`` (``{option}``
+    in it: the option that differs)."""
     from .runfiles import ended_early, extend_refusal, resume_point
 
     try:
@@ -98,7 +99,7 @@ def _state(spec: RunSpec) -> str:
             why = (f": {refusal}" if longer else
                    " (a run can be continued to more rounds, not cut to fewer)" if k == "rounds" else "")
             raise ConfigError(f"{spec.dir} holds a finished run with {k} = {old.get(k)!r}, not {new.get(k)!r} "
-                              f"as asked now{why} (use --force to rerun, or another --out)")
+                              f"as asked now{why} ({fix.format(option='--' + k.replace('_', '-'))})")
         # (a summary without rounds_done, as older or hand-made ones, counts as the whole run)
         if ended or (not longer and summary.get("rounds_done", done_rounds) >= done_rounds):
             return "finished"  # (a diverged run stays the result at any horizon)
@@ -212,11 +213,16 @@ def _summary_seconds(d: Path) -> float:
 
 
 def _stop_workers(pool) -> None:
-    """Stop a process pool's workers now (their runs are lost; finished runs are on disk)."""
+    """Stop a process pool's workers now (their runs are lost; finished runs are on disk).
+
+    The queued runs are cancelled by the pool's own manager thread (``shutdown(cancel_futures=
+    True)``), before the workers are stopped: that thread then finds the pool broken and fails
+    every future it still holds, and a future cancelled from here instead (``Future.cancel``)
+    made it raise ``InvalidStateError`` with a traceback on every Ctrl-C."""
     from ..procs import stop_processes
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    stop_processes([p.pid for p in procs if p.pid], grace=5.0)
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # (shutdown forgets them)
     pool.shutdown(wait=False, cancel_futures=True)
+    stop_processes([p.pid for p in procs if p.pid], grace=5.0)
 
 
 def _continuing(labels: set[str]) -> str:
@@ -278,8 +284,6 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
                 running = ", ".join(f"{lab}: {r}/{by_label[lab].cfg.rounds}" for lab, r in sorted(at.items()))
                 bar.set_postfix_str(f"runs {done + skipped}/{len(specs)}" + (f"; {running}" if running else ""))
         except BaseException:
-            for fut in pending:
-                fut.cancel()
             _stop_workers(pool)  # or leaving the with-block would wait for the running runs to finish
             bar.write(f"stopped: {done + skipped} of {len(specs)} runs are finished and kept "
                       "(rerun the same command to resume)")
