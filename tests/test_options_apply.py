@@ -96,7 +96,7 @@ def test_options_the_algorithm_never_reads_are_named(tmp_path, capsys):
     code, _, err = run_cli(["run", "--out", str(tmp_path / "b"), "--algorithm", "hiso", "--nu", "0.5", *TINY], capsys)
     assert code == 0 and "does not use" not in err
     cfg = load_config(algorithm="fedadam", server_lr=0.1, beta1=0.5, seed_pool=64)
-    assert cfg.unused_options() == ["seed_pool (fedkseed's)"]
+    assert cfg.unused_options() == {"seed_pool": "fedkseed's"}
 
 
 def test_out_and_resume_together_name_both(tmp_path, capsys):
@@ -114,3 +114,55 @@ def test_ctrl_c_exits_130_and_says_where_the_rounds_are(tmp_path, capsys, monkey
     out = tmp_path / "run"
     code, _, err = run_cli(["run", "--out", str(out), *TINY], capsys)
     assert code == 130 and f"{out} holds every round logged so far" in err and "Traceback" not in err
+
+
+def test_a_comparison_arm_with_an_option_its_algorithm_ignores_is_refused(tmp_path, capsys):
+    conf = tmp_path / "c.toml"
+    conf.write_text('task = "quadratic"\ndim = 20\nclients = 4\nsampled = 2\nrounds = 2\nnu = 0.1\n\n'
+                    '[compare]\nalgorithms = ["hiso", "dc"]\n[compare.variants]\n'
+                    'dc = { algorithm = "decomfl", nu = 0.2 }\n')
+    out = tmp_path / "cmp"
+    code, _, err = run_cli(["compare", "--config", str(conf), "--out", str(out), "--quiet"], capsys)
+    assert code == 2 and "dc: decomfl does not use nu (HiSo's preconditioner)" in err, err
+    assert not out.exists()
+    # a shared option one arm reads and the other ignores is fine (nu = 0.1 above, for hiso)
+    conf.write_text(conf.read_text().replace(", nu = 0.2", ""))
+    code, _, err = run_cli(["compare", "--config", str(conf), "--out", str(out), "--quiet"], capsys)
+    assert code == 0, err
+
+
+def test_compare_force_leaves_no_file_of_the_old_run(tmp_path, capsys):
+    args = ["compare", "--out", str(tmp_path / "cmp"), "--algorithms", "hiso", "--lr-grid", "hiso=0.05", *TINY]
+    assert run_cli(args, capsys)[0] == 0
+    run = next((tmp_path / "cmp" / "runs").glob("hiso/*/seed0"))
+    (run / "rejections.log").write_text("from another configuration\n")
+    (run / "eval.json").write_text("{}")
+    (run / "notes.txt").write_text("mine")
+    assert run_cli([*args, "--force"], capsys)[0] == 0
+    assert not (run / "rejections.log").exists() and not (run / "eval.json").exists()
+    assert (run / "notes.txt").read_text() == "mine" and (run / "summary.json").is_file()
+
+
+def test_table_only_says_it_does_not_read_the_config(tmp_path, capsys):
+    conf = tmp_path / "c.toml"
+    conf.write_text('task = "quadratic"\ndim = 20\nclients = 4\nsampled = 2\nrounds = 2\n'
+                    '[compare]\nalgorithms = ["hiso"]\n[compare.lr_grid]\nhiso = [0.05]\n')
+    out = tmp_path / "cmp"
+    assert run_cli(["compare", "--config", str(conf), "--out", str(out), "--quiet"], capsys)[0] == 0
+    code, text, err = run_cli(["compare", "--config", str(conf), "--out", str(out), "--table-only"], capsys)
+    assert code == 0 and f"{conf} is not read" in err and "hiso" in text
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path, capsys):
+    """`hiso compare ... | head`: the reader is gone before hiso prints its table; no traceback,
+    exit 141 (SIGPIPE's)."""
+    import subprocess
+    import sys
+    out = tmp_path / "cmp"
+    assert run_cli(["compare", "--out", str(out), "--algorithms", "hiso", "--lr-grid", "hiso=0.05", *TINY],
+                   capsys)[0] == 0
+    p = subprocess.Popen([sys.executable, "-m", "hiso", "compare", "--out", str(out), "--table-only", "--quiet"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # the reader leaves at once
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -81,7 +81,7 @@ def test_hiso_flower_stopped_mid_run_leaves_no_process(spawned, tmp_path, sig, w
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,code", [("SIGTERM", 128 + signal.SIGTERM), ("SIGINT", 2)])
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 128 + signal.SIGTERM), ("SIGINT", 128 + signal.SIGINT)])
 def test_hiso_compare_jobs_stopped_leaves_no_worker(spawned, tmp_path, sig, code):
     out = tmp_path / "cmp"
     p = spawned.hiso("compare", "--task", "quadratic", "--dim", "2000", "--clients", "4", "--sampled", "2",

@@ -292,7 +292,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _warn_unused(cfg: RunConfig) -> None:
     """Name the options a new run was given that its algorithm never reads (recorded, no effect)."""
-    unused = cfg.unused_options()
+    unused = [f"{name} ({whose})" for name, whose in cfg.unused_options().items()]
     if unused:
         print(f"hiso: note: {cfg.algorithm} does not use {'; '.join(unused)}: config.json records "
               f"{'it' if len(unused) == 1 else 'them'} as given, with no effect on the run", file=sys.stderr)
@@ -320,6 +320,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # --table-only: the runs in --out are what the plan recorded there made, not what the
     # command line (or a config file edited since) would make now
     plan = table_plan(args.out, shared, flags) if args.table_only else build_plan(args.config, shared, flags)
+    if args.table_only and args.config and not args.quiet:
+        print(f"hiso: note: --table-only tabulates the plan recorded in {args.out}/compare.json; "
+              f"{args.config} is not read", file=sys.stderr)
     if args.jobs < 1:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")
     try:
@@ -328,7 +331,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as e:
         if _stopped_by(e):
             raise
-        return _fail(f"interrupted; finished runs are kept in {args.out}/runs (rerun the same command to resume)")
+        print(f"hiso: interrupted; finished runs are kept in {args.out}/runs (rerun the same command to resume)",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
     print(text, end="")
     if not args.quiet:
         print(f"results in {args.out}/ (table.md, table.csv, selection.json, *.png)")
@@ -471,8 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         return _main(argv)
     from .procs import own_processes
-    with own_processes():
-        return _main(argv)
+    try:
+        with own_processes():
+            return _main(argv)
+    except BrokenPipeError:  # the reader went away (`hiso compare ... | head`): end quietly, as a shell tool
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 128 + signal.SIGPIPE
 
 
 def _main(argv: list[str] | None) -> int:

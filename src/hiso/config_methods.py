@@ -78,20 +78,20 @@ class MethodRules:
         if self.momentum is not None:
             raise ValueError(f"momentum is for hiso and decomfl, not {self.algorithm}")
 
-    def unused_options(self) -> list[str]:
+    def unused_options(self) -> dict[str, str]:
         """The options set to a value other than their default that this run's algorithm never
-        reads (``nu`` on decomfl, ``server_lr`` on hiso), each with whose they are: a run warns of
+        reads (``nu`` on decomfl, ``server_lr`` on hiso), each with whose they are: a run names
         them, a comparison's variant refuses them."""
         fields = type(self).model_fields
-        out = []
+        out = {}
         for names, users, whose in _ALGORITHM_OPTIONS:
             if self.algorithm in users:
                 continue
             for name in names:
                 if getattr(self, name) != fields[name].default:
-                    out.append(f"{name} ({whose})")
+                    out[name] = whose
         if self.step_norm is None and self.step_norm_beta != fields["step_norm_beta"].default:
-            out.append("step_norm_beta (with step_norm only)")
+            out["step_norm_beta"] = "with step_norm only"
         return out
 
     @property

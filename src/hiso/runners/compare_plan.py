@@ -217,6 +217,17 @@ def _check_keys(where: str, keys: dict[str, Any]) -> None:
             raise ConfigError(f"{where}: unknown option {k!r}")
 
 
+def _check_used(name: str, alg: str, overrides: dict[str, Any], shared: dict[str, Any], lr: float) -> None:
+    """An arm's own option its algorithm never reads ({algorithm = "decomfl", nu = 0.2}) is a
+    mistake in the plan, refused; a shared one may be meant for the other arms."""
+    if not overrides:
+        return
+    unused = load_config(None, **{**shared, **overrides, "algorithm": alg, "lr": lr}).unused_options()
+    for key in overrides:
+        if key in unused:
+            raise ConfigError(f"{name}: {alg} does not use {key} ({unused[key]}); drop it from the arm")
+
+
 def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: dict[str, Any] | None = None,
                compare_flags: dict[str, Any] | None = None) -> Plan:
     """The validated plan from a TOML file (or its values, e.g. :func:`recorded`), shared
@@ -298,6 +309,7 @@ def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: 
             except ConfigError as e:
                 raise ConfigError(f"{name}: {e} (in a comparison: --lr-grid {name}=LR,...)") from None
         arms.append(Arm(name, alg, overrides, tuple(float(x) for x in lrs)))
+        _check_used(name, alg, overrides, shared, lrs[0])
     # a grid asked for on the command line that no arm uses is a mistake (dropped silently, a
     # reference among the arms left out changed the table); a file may keep grids for arms it
     # does not run every time (--algorithms picks them)

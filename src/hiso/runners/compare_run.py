@@ -300,7 +300,7 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     from tqdm import tqdm
 
     from ..tasks.registry import build_task
-    from .rundir import run_to_dir
+    from .rundir import clear_run, run_to_dir
 
     out = Path(out)
     specs = plan.runs(out)
@@ -309,6 +309,9 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     resume = {s.label for s in todo if states[s.label] == "continue"}
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare writes nothing
     (out / "compare.json").write_text(json.dumps(plan.to_json(), indent=2))
+    for s in todo:  # a run started afresh (--force, or a partial one that cannot continue) keeps no old file
+        if states[s.label] == "start" and s.dir.is_dir():
+            clear_run(s.dir)
     skipped = len(specs) - len(todo)
     if jobs > 1 and len(todo) > 1:  # a bar of rounds, moved by the workers' reports
         bar = tqdm(total=sum(s.cfg.rounds for s in todo), desc="compare", unit="round", disable=quiet,
