@@ -166,3 +166,12 @@ def test_a_closed_pipe_ends_quietly(tmp_path, capsys):
     p.stdout.close()  # the reader leaves at once
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_compare_progress_goes_to_stderr_and_the_table_to_stdout(tmp_path, capsys):
+    args = ["compare", "--out", str(tmp_path / "cmp"), "--algorithms", "hiso", "--lr-grid", "hiso=0.05",
+            *[a for a in TINY if a != "--quiet"]]
+    assert run_cli(args, capsys)[0] == 0
+    code, text, err = run_cli(args, capsys)  # again: every run is skipped, and says so
+    assert code == 0 and "already finished" in err and "already finished" not in text
+    assert text.lstrip().startswith("#") or text.lstrip().startswith("|"), text[:200]

@@ -280,13 +280,13 @@ def _execute_parallel(plan: Plan, specs: list[RunSpec], todo: list[RunSpec], job
                     advance(spec.label, spec.cfg.rounds)  # a diverged run's rounds left count as done
                     best = summary.get("best", {}).get(plan.select_metric, float("nan"))
                     bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.select_metric} {best:.4g}, "
-                              f"{_run_seconds(summary)}")
+                              f"{_run_seconds(summary)}", file=sys.stderr)
                 running = ", ".join(f"{lab}: {r}/{by_label[lab].cfg.rounds}" for lab, r in sorted(at.items()))
                 bar.set_postfix_str(f"runs {done + skipped}/{len(specs)}" + (f"; {running}" if running else ""))
         except BaseException:
             _stop_workers(pool)  # or leaving the with-block would wait for the running runs to finish
             bar.write(f"stopped: {done + skipped} of {len(specs)} runs are finished and kept "
-                      "(rerun the same command to resume)")
+                      "(rerun the same command to resume)", file=sys.stderr)
             raise
     return done
 
@@ -318,12 +318,12 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
                    dynamic_ncols=True, file=sys.stderr)
         if not quiet:
             if skipped:
-                bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
+                bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped", file=sys.stderr)
             if resume:
-                bar.write(_continuing(resume))
+                bar.write(_continuing(resume), file=sys.stderr)
             bar.write(f"--jobs {jobs}: {len(todo)} runs, {min(jobs, len(todo))} at a time, each in a worker "
                       "process that starts Python and torch and builds its own task (seconds): for runs of a "
-                      "few seconds --jobs 1 is faster")
+                      "few seconds --jobs 1 is faster", file=sys.stderr)
         t_start = time.perf_counter()
         try:
             done = _execute_parallel(plan, specs, todo, jobs, bar, tracking, resume)
@@ -337,9 +337,9 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     bar = tqdm(total=len(specs), initial=skipped, desc="compare", unit="run", disable=quiet,
                dynamic_ncols=True, file=sys.stderr)
     if skipped and not quiet:
-        bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped")
+        bar.write(f"{skipped} of {len(specs)} runs already finished in {out}/runs: skipped", file=sys.stderr)
     if resume and not quiet:
-        bar.write(_continuing(resume))
+        bar.write(_continuing(resume), file=sys.stderr)
     tasks: dict[str, Any] = {}
     done = 0
     try:
@@ -364,7 +364,7 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
                                      resume=spec.label in resume)
             except BaseException:
                 bar.write(f"{spec.label}: failed after {time.perf_counter() - t0:.0f} s; {done + skipped} "
-                          f"of {len(specs)} runs are finished and kept (rerun the same command to resume)")
+                          f"of {len(specs)} runs are finished and kept (rerun the same command to resume)", file=sys.stderr)
                 raise
             hwm = _vm_hwm_mb() if reset else None
             if hwm is not None:
@@ -375,7 +375,7 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
             if not quiet:
                 best = summary.get("best", {}).get(plan.select_metric, float("nan"))
                 bar.write(f"[{done + skipped}/{len(specs)}] {spec.label}: best {plan.select_metric} {best:.4g}, "
-                          f"{_run_seconds(summary)}")
+                          f"{_run_seconds(summary)}", file=sys.stderr)
     finally:
         bar.close()
     return {"run": done, "skipped": skipped, "total": len(specs)}
