@@ -175,3 +175,25 @@ def test_compare_progress_goes_to_stderr_and_the_table_to_stdout(tmp_path, capsy
     code, text, err = run_cli(args, capsys)  # again: every run is skipped, and says so
     assert code == 0 and "already finished" in err and "already finished" not in text
     assert text.lstrip().startswith("#") or text.lstrip().startswith("|"), text[:200]
+
+
+def test_a_run_recorded_with_options_that_did_nothing_still_loads_as_it_ran(tmp_path, capsys):
+    """Runs made before the refusal (--lora-r on MNIST, a --train-max MNIST ignored) rebuild and
+    evaluate as they ran: those options are read back at their defaults."""
+    from hiso.runners.rundir import saved_config
+    out = tmp_path / "run"
+    code, _, err = run_cli(["run", "--out", str(out), "--task", "mnist", "--clients", "4", "--sampled", "2",
+                            "--rounds", "2", "--eval-every", "2", "--eval-max", "50", "--quiet"], capsys)
+    assert code == 0, err
+    path = out / "config.json"
+    raw = json.loads(path.read_text())
+    n_train = raw["task_info"]["n_train"]
+    raw.update(lora_r=8, train_max=n_train - 1)  # as an older hiso recorded them, to no effect
+    path.write_text(json.dumps(raw))
+    cfg, _ = saved_config(out)
+    assert cfg.lora_r is None and cfg.train_max is None
+    code, _, err = run_cli(["rebuild", str(out), "--out", str(tmp_path / "m.pt")], capsys)
+    assert code == 0, err
+    raw.update(lora_r=None, train_max=n_train)  # a train_max the run did not cut by is kept
+    path.write_text(json.dumps(raw))
+    assert saved_config(out)[0].train_max == n_train

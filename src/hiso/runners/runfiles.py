@@ -81,7 +81,24 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is damaged ({e})") from None
     info = raw.pop("task_info", None) or {}
-    return RunConfig(**{**raw, **_made_before(raw)}), info
+    return RunConfig(**{**raw, **_made_before(raw), **_as_it_ran(raw, info)}), info
+
+
+def _as_it_ran(raw: dict, info: dict) -> dict:
+    """Options a run recorded that did nothing when it ran, at their defaults: task options its
+    task does not read (accepted before such options were refused) and a ``train_max`` that
+    vision tasks ignored before they honoured it (its ``n_train`` says so), so the run still
+    loads and rebuilds as it ran."""
+    from ..tasks.registry import TASK_OPTIONS, task_info
+    try:
+        read = task_info(raw.get("task", "quadratic")).options
+    except (ValueError, ImportError):
+        return {}
+    fields = RunConfig.model_fields
+    out = {} if read is None else {k: fields[k].default for k in TASK_OPTIONS - read if k in raw}
+    if raw.get("train_max") is not None and info.get("n_train", 0) > raw["train_max"]:
+        out["train_max"] = None
+    return out
 
 
 def _made_before(raw: dict) -> dict:
