@@ -302,3 +302,18 @@ def test_a_single_run_that_ends_below_its_best_says_which_round_to_export(tmp_pa
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows([20.0, 2.0, 2.5], metric="gap")))
     _ending_note(RunConfig(task="quadratic", algorithm="hiso"), tmp_path)
     assert capsys.readouterr().out == ""
+
+
+def test_a_run_says_so_while_its_held_out_loss_climbs_past_round_0s(tmp_path, capsys):
+    from hiso.report.table import RISE_WARN, loss_rise_note
+    assert loss_rise_note(1.0, {"round": 10, "eval_loss": RISE_WARN * 0.99}, 1e-2) is None
+    note = loss_rise_note(1.0, {"round": 10, "eval_loss": RISE_WARN}, 1e-2)
+    assert note and "round 10" in note and "1.5x round 0's" in note and "the lr (0.01)" in note
+    assert loss_rise_note(None, {"round": 10, "eval_loss": 9.0}, 1e-2) is None  # no round-0 evaluation
+    assert loss_rise_note(1.0, {"round": 10}, 1e-2) is None  # not an evaluated round
+    quad = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2", "--rounds", "6",
+            "--eval-every", "2", "--quiet"]
+    code, _, err = run_cli(["run", "--out", str(tmp_path / "a"), *quad, "--lr", "1.0"], capsys)  # too large
+    assert code == 0 and err.count("is likely too large") == 1, err  # said once
+    code, _, err = run_cli(["run", "--out", str(tmp_path / "b"), *quad, "--lr", "0.05"], capsys)
+    assert code == 0 and "too large" not in err

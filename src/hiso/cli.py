@@ -204,6 +204,7 @@ def _fail(msg: str) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from .report.table import loss_rise_note
     from .runners.rundir import clear_run, not_a_dir, run_to_dir
     from .tasks.registry import build_task
 
@@ -259,9 +260,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     bar = tqdm(total=cfg.rounds, desc=f"{cfg.algorithm} on {cfg.task}", unit="round",
                disable=args.quiet, dynamic_ncols=True)
 
+    rise = {"first": None, "said": False}
+
     def progress(row: dict) -> None:
         if row["round"] == 0:
+            rise["first"] = row.get("eval_loss")
             return
+        if not rise["said"] and (note := loss_rise_note(rise["first"], row, cfg.lr)):
+            rise["said"] = True
+            bar.write(f"hiso: {note}", file=sys.stderr)
         if bar.n == 0 and row["round"] > 1:  # a resumed run
             bar.update(row["round"] - 1)
         post = {"loss": f"{row['train_loss']:.4g}"}
