@@ -118,6 +118,72 @@ def test_a_task_class_declares_its_default_lr_and_metric_direction(tmp_path, use
     assert run.summary["best"]["eval_loss"] == min(r["eval_loss"] for r in run.metrics if "eval_loss" in r)
 
 
+def test_resume_from_python_continues_only_the_same_run(tmp_path):
+    task = TinyTask(num_clients=5, seed=1)
+    kw = dict(algorithm="hiso", sampled=2, lr=0.05, eval_every=2)
+    full = hiso.run(task, tmp_path / "full", rounds=8, **kw)
+    cut = hiso.run(task, tmp_path / "cut", rounds=4, **kw)
+    with pytest.raises(ValueError, match="holds another run"):  # another lr or algorithm: refused
+        hiso.run(task, cut.dir, rounds=8, resume=True, **{**kw, "lr": 0.5})
+    with pytest.raises(ValueError, match="algorithm"):
+        hiso.run(task, cut.dir, rounds=8, resume=True, **{**kw, "algorithm": "decomfl"})
+    again = hiso.run(task, cut.dir, rounds=8, resume=True, **kw)  # the same run to more rounds
+    assert _model_equal(again.checkpoint()["model"], full.checkpoint()["model"])
+    assert _model_equal(hiso.rebuild(cut.dir, task).model.state_dict(), full.checkpoint()["model"])
+    fresh = hiso.run(task, tmp_path / "new", rounds=2, resume=True, **kw)  # nothing there: it starts
+    assert fresh.summary["rounds_done"] == 2
+
+
+def test_run_from_python_refuses_a_directory_holding_a_run_unless_forced(tmp_path):
+    task = TinyTask(num_clients=5, seed=1)
+    first = hiso.run(task, tmp_path / "r", rounds=2, sampled=2, lr=0.05)
+    (first.dir / "eval.json").write_text("{}")
+    (first.dir / "mine.txt").write_text("kept")
+    with pytest.raises(FileExistsError, match="force=True replaces it"):
+        hiso.run(task, first.dir, rounds=3, sampled=2, lr=0.05)
+    assert first.summary["rounds_done"] == 2
+    second = hiso.run(task, first.dir, rounds=3, sampled=2, lr=0.05, force=True)
+    assert second.summary["rounds_done"] == 3 and not (first.dir / "eval.json").exists()
+    assert (first.dir / "mine.txt").read_text() == "kept"
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"seed": 5}, "seed=5: the task object was built with seed 1"),
+    ({"clients": 16}, "clients=16: the task object was built with clients 5"),
+    ({"lora_r": 8}, "lora_r=8: a task object is built already"),
+    ({"data_dir": "/data"}, "data_dir='/data'"),
+])
+def test_options_that_would_contradict_a_task_object_are_refused(tmp_path, options, needle):
+    task = TinyTask(num_clients=5, seed=1)
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        hiso.run(task, tmp_path / "r", rounds=2, sampled=2, **options)
+    assert not (tmp_path / "r").exists()
+    # the task's own values, given again, are fine
+    assert hiso.run_config(task, seed=1, clients=5, lr=0.05).seed == 1
+
+
+def test_a_runconfig_without_an_lr_takes_the_tasks_default(user_module):
+    import usertask
+    task = usertask.Ridge(4, seed=0)
+    assert hiso.run_config(task, hiso.RunConfig(rounds=2, sampled=2)).lr == 0.02  # Ridge's, not the quadratic's
+    assert hiso.run_config(task, hiso.RunConfig(rounds=2, sampled=2, lr=0.3)).lr == 0.3
+
+
+def test_run_takes_a_built_in_tasks_name_and_rejects_a_class(tmp_path):
+    run = hiso.run("quadratic", tmp_path / "q", rounds=3, dim=10, clients=4, sampled=2, eval_every=3)
+    assert run.config["task"] == "quadratic" and run.config["dim"] == 10 and run.summary["rounds_done"] == 3
+    with pytest.raises(TypeError, match=r"TinyTask\(num_clients=8, seed=0\)"):
+        hiso.run(TinyTask, tmp_path / "c", rounds=2)
+    with pytest.raises(TypeError, match="not int"):
+        hiso.run(3, tmp_path / "c", rounds=2)
+
+
+def test_a_relative_task_file_is_recorded_by_its_absolute_path(tmp_path, monkeypatch, user_module):
+    monkeypatch.chdir(Path(user_module).parent)
+    cfg = hiso.RunConfig(task="usertask.py:Ridge", clients=4, sampled=2)
+    assert cfg.task == f"{Path(user_module).resolve()}:Ridge"
+
+
 # ------------------------------------------------------------------ a user's task on the command line
 
 @pytest.mark.parametrize("form", ["module", "path"])
@@ -173,3 +239,15 @@ def test_the_example_runs_and_rebuilds_exactly(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "bit-identical to the server's model and H" in proc.stdout
     assert json.loads((tmp_path / "ex" / "summary.json").read_text())["rounds_done"] == 20
+
+
+def test_a_task_object_the_command_line_cannot_rebuild_is_one_line(tmp_path, capsys):
+    from hiso.tasks.vision import VisionTask
+    task = VisionTask("mnist", 4, seed=0, eval_max=50)
+    run = hiso.run(task, tmp_path / "v", rounds=1, sampled=2, eval_every=1)
+    assert run.config["task"] == "hiso.tasks.vision:VisionTask" and run.config["lr"] == 2e-3  # mnist's default
+    from hiso.tasks import registry
+    registry._SPEC_CACHE.pop(run.config["task"])  # as in another process: the name is all there is
+    code, _, err = run_cli(["eval", str(run.dir)], capsys)
+    assert code == 2 and "cannot be built from a run configuration" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1

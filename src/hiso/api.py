@@ -12,10 +12,17 @@ the loss and the evaluation) plus a :class:`~hiso.config.RunConfig` (algorithm, 
         def loss(self, model, batch): ...
         def evaluate(self, model): ...
 
-    run = hiso.run(MyTask(num_clients=8, seed=0), "runs/mine", algorithm="hiso", rounds=50, lr=1e-3)
+    task = MyTask(num_clients=8, seed=0)
+    run = hiso.run(task, "runs/mine", algorithm="hiso", rounds=50, lr=1e-3)
     run.metrics[-1], run.summary["best"]       # the rows of metrics.jsonl, summary.json
-    model = run.model()                         # the final server model (model.pt)
+    model = run.model(task)                     # the final server model (model.pt)
     again = hiso.rebuild("runs/mine", task)     # x_0 + the (seed, scalar) log: bit for bit the same
+    hiso.run("mnist", "runs/m1", rounds=20)     # a built-in task by name, built from the options
+
+A task object is built already: its clients, seed and data are its own, so options that would
+change them (``seed=``, ``clients=``, ``data_dir=``, ``lora_r=``, ...) are refused rather than
+recorded in ``config.json`` without effect. As with ``hiso run``, a directory that holds a run is
+refused unless ``resume=True`` (continue it, with the options it was made with) or ``force=True``.
 
 :func:`run` writes the same run directory as ``hiso run`` (:func:`hiso.runners.rundir.run_to_dir`).
 :func:`federation` gives the in-process runner itself, to step round by round without files.
@@ -34,17 +41,42 @@ from .config import RunConfig, load_config
 from .tasks.base import Task
 
 
-def _config(task: Task, config: RunConfig | str | Path | None, options: dict[str, Any]) -> RunConfig:
-    """The run's configuration for ``task`` (an instance): its clients, its seed, its class's
-    metrics and default lr; ``config`` (a RunConfig or a TOML file) < ``options``."""
-    from .tasks.registry import use_instance
+def _config(task: Task | str, config: RunConfig | str | Path | None, options: dict[str, Any]) -> RunConfig:
+    """The run's configuration for ``task``: a task object (its clients, its seed, its class's
+    metrics and default lr) or a task's name (built from the configuration); ``config`` (a
+    RunConfig or a TOML file) < ``options``."""
+    from .config import read_toml
+    from .tasks.registry import TASK_OPTIONS, use_instance
 
     base: dict[str, Any] = {}
     if isinstance(config, RunConfig):
-        base = config.model_dump(exclude={"lr"} if config.lr is None else set())
+        given = {k: getattr(config, k) for k in config.model_fields_set}
+        base = config.model_dump(exclude={"lr"} if config._lr_defaulted else set())
         config = None
+    elif config is not None:
+        given = {k: v for k, v in read_toml(config).items() if k != "compare"}
+    else:
+        given = {}
+    given.update(options)
+    if isinstance(task, str):
+        return load_config(config, **{**base, **options, "task": task})
+    if isinstance(task, type):
+        raise TypeError(f"task: give an instance of {task.__name__}, e.g. {task.__name__}(num_clients=8, seed=0), "
+                        "or a built-in task's name")
+    if not isinstance(task, Task):
+        raise TypeError(f"task: a hiso.Task instance or a task's name, not {type(task).__name__}")
+    for name, own in (("seed", task.seed), ("clients", task.num_clients)):
+        if name in given and given[name] != own:
+            raise ValueError(f"{name}={given[name]!r}: the task object was built with {name} {own} (its data and "
+                             f"x_0 come from it): build it with that {name} instead")
+    fields = RunConfig.model_fields
+    built = sorted(k for k in TASK_OPTIONS & given.keys() if given[k] != fields[k].default)
+    if built:
+        raise ValueError(f"{built[0]}={given[built[0]]!r}: a task object is built already and does not read "
+                         "task options; give it to the task's constructor")
     base.update({"task": use_instance(task), "clients": task.num_clients, "seed": task.seed})
-    return load_config(config, **{**base, **options})
+    return load_config(config, **{**base, **{k: v for k, v in options.items() if k not in TASK_OPTIONS},
+                                  "task": base["task"]})
 
 
 def run_config(task: Task, config: RunConfig | str | Path | None = None, **options: Any) -> RunConfig:
@@ -68,6 +100,9 @@ class Run:
     """A run directory (``hiso run`` / :func:`run`): its configuration, metrics and model."""
 
     dir: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "dir", Path(self.dir))  # Run("runs/x") as well as Run(Path(...))
 
     @property
     def config(self) -> dict:
@@ -97,19 +132,38 @@ class Run:
         return model
 
 
-def run(task: Task, out: str | Path, config: RunConfig | str | Path | None = None,
-        progress: Callable[[dict], None] | None = None, resume: bool = False, **options: Any) -> Run:
+def run(task: Task | str, out: str | Path, config: RunConfig | str | Path | None = None,
+        progress: Callable[[dict], None] | None = None, resume: bool = False, force: bool = False,
+        **options: Any) -> Run:
     """Run ``task`` federated into directory ``out`` (the files of ``hiso run``); returns the :class:`Run`.
 
+    ``task``: a task object, or a built-in task's name (``"mnist"``, with its options here).
     ``options`` are :class:`RunConfig` fields (``algorithm``, ``rounds``, ``sampled``, ``lr``, ...);
-    the number of clients and the seed are the task's. ``progress(row)`` is called after every
-    round. ``resume=True`` continues an interrupted run in ``out`` (hiso, decomfl).
+    a task object's clients and seed are its own. ``progress(row)`` is called after every
+    round. A directory holding a run is refused, unless ``resume=True`` (continue that run,
+    with the same options or more rounds; an empty directory starts; hiso, decomfl and the
+    other seed-based methods) or ``force=True`` (replace it; a user's other files stay).
     """
-    from .runners.rundir import run_to_dir
+    from .runners.rundir import clear_run, not_a_dir, run_to_dir, same_run
 
     cfg = _config(task, config, options)
-    run_to_dir(cfg, out, progress, task=task, resume=resume)
-    return Run(Path(out))
+    out = Path(out)
+    if why := not_a_dir(out):
+        raise ValueError(why)
+    if resume and force:
+        raise ValueError("resume continues a run and force replaces it: choose one")
+    if resume:
+        verdict, why = same_run(cfg, out)
+        if verdict == "other":
+            raise ValueError(f"{out} holds another run ({why}): resume=True continues a run with the options it "
+                             "was made with (more rounds allowed)")
+        resume = verdict == "same"
+    elif (out / "config.json").exists():
+        if not force:
+            raise FileExistsError(f"{out} already holds a run: resume=True continues it, force=True replaces it")
+        clear_run(out)
+    run_to_dir(cfg, out, progress, task=None if isinstance(task, str) else task, resume=resume)
+    return Run(out)
 
 
 def rebuild(out: str | Path, task: Task | None = None):

@@ -10,7 +10,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from .config_methods import MethodRules
 from .core.config import ZOConfig
@@ -50,6 +50,7 @@ class ConfigError(ValueError):
 
 class RunConfig(BaseModel, MethodRules):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or nan in any number: refused
+    _lr_defaulted: bool = PrivateAttr(False)  # lr is the task's default, not given
 
     task: str = Field("quadratic", description=(
         "the problem: model, data and metric; a built-in name, or your own Task subclass as module:Class or "
@@ -269,7 +270,9 @@ class RunConfig(BaseModel, MethodRules):
     def _check(self) -> "RunConfig":
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r} (choose from {', '.join(ALGORITHMS)})")
-        from .tasks.registry import task_info
+        from .tasks.registry import absolute_task_name, task_info
+        if (name := absolute_task_name(self.task)) != self.task:  # path/to/file.py:Class, read from anywhere later
+            self.task = name
         info = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
         self._task_option_checks(info)
         if self.val_fraction > 0 and not info.validation:
@@ -345,6 +348,7 @@ class RunConfig(BaseModel, MethodRules):
                 raise ValueError(f"fedkseed draws its pool's directions from a dense family, not {self.directions}")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
+            self._lr_defaulted = True  # (a RunConfig reused for another task takes that task's default)
         return self
 
     def _task_option_checks(self, info) -> None:

@@ -128,6 +128,15 @@ def is_user_task(name: str) -> bool:
     return ":" in name
 
 
+def absolute_task_name(name: str) -> str:
+    """``path/to/file.py:Class`` with the file's absolute path (other names as they are): what a
+    run records, so its directory is read the same from anywhere (``hiso rebuild``, Flower's apps)."""
+    where, sep, attr = name.rpartition(":")
+    if not sep or not where.endswith(".py") or Path(where).is_absolute():
+        return name
+    return f"{Path(where).expanduser().resolve()}:{attr}"
+
+
 def _import_user_object(spec: str) -> Any:
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
@@ -209,6 +218,10 @@ def use_instance(task: "Task", name: str | None = None) -> str:
             where = str(Path(main.__file__).resolve())
         name = f"{where}:{cls.__qualname__}"
     lr = dict(getattr(task, "default_lr", None) or {})
+    _load_builtins()
+    builtin = _REGISTRY.get(getattr(task, "name", None))  # a built-in task's object: its registered defaults
+    if builtin is not None and cls.__module__.startswith(__package__):
+        lr = lr or builtin.default_lr
     _SPEC_CACHE[name] = TaskInfo(name, lambda cfg: task, _check_metrics(f"task {name}", task.metrics), lr,
                                  getattr(task, "default_partition", None), (cls.__doc__ or "").strip().split("\n")[0],
                                  bool(getattr(task, "validation", False)))
@@ -216,9 +229,19 @@ def use_instance(task: "Task", name: str | None = None) -> str:
 
 
 def build_task(cfg: "RunConfig") -> "Task":
-    """The task ``cfg.task`` built from the run's configuration, its models on ``cfg.device``."""
+    """The task ``cfg.task`` built from the run's configuration, its models on ``cfg.device``.
+    A user's class that cannot be built from a configuration (its constructor wants more than
+    ``from_config`` gives, e.g. a built-in task class used from Python) is one ValueError."""
     from .device import on_device
-    return on_device(task_info(cfg.task).build(cfg), cfg.device)
+    try:
+        task = task_info(cfg.task).build(cfg)
+    except TypeError as e:
+        if not is_user_task(cfg.task):
+            raise
+        raise ValueError(f"task {cfg.task} cannot be built from a run configuration ({e}): give the class a "
+                         "from_config(cfg), or work with its object from Python (hiso.rebuild(DIR, task), "
+                         "hiso.Run(DIR).model(task))") from None
+    return on_device(task, cfg.device)
 
 
 def algorithm_family(algorithm: str) -> str:
