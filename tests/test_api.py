@@ -251,3 +251,18 @@ def test_a_task_object_the_command_line_cannot_rebuild_is_one_line(tmp_path, cap
     code, _, err = run_cli(["eval", str(run.dir)], capsys)
     assert code == 2 and "cannot be built from a run configuration" in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("algorithm", ["hiso", "fedavg", "fedkseed"])
+def test_a_federation_run_twice_continues_where_it_stands(algorithm):
+    task = TinyTask(num_clients=5, seed=1)
+    kw = dict(algorithm=algorithm, rounds=5, sampled=2, lr=0.05, eval_every=1,
+              **({"perturbations": 1} if algorithm == "fedkseed" else {}))
+    whole = [{k: v for k, v in r.items() if k not in ("wall_s", "client_s")} for r in hiso.federation(task, **kw).run(5)]
+    runner = hiso.federation(task, **kw)
+    first, second = list(runner.run(3)), list(runner.run(5))
+    assert [r["round"] for r in first] == [0, 1, 2, 3] and [r["round"] for r in second] == [4, 5]
+    got = [{k: v for k, v in r.items() if k not in ("wall_s", "client_s")} for r in first + second]
+    assert [r["eval_loss"] for r in got] == [r["eval_loss"] for r in whole]  # the 5-round run's rows
+    with pytest.raises(ValueError, match="at round 5"):
+        runner.run(2)

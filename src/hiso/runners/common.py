@@ -35,6 +35,17 @@ class Comm:
                 "bytes_total_mean": float(tot.mean()), "bytes_total_max": int(tot.max())}
 
 
+def start_round(at: int, rounds: int, start: int | None = None) -> int:
+    """Where a runner's ``run(rounds)`` starts: the round it stands at (``at``) unless ``start`` is
+    given. ``rounds`` is the horizon, not a count, so a second ``run(8)`` after ``run(5)`` takes
+    rounds 6..8 and numbers them so; a horizon behind the runner is refused."""
+    start = at if start is None else start
+    if rounds < start:
+        raise ValueError(f"the federation is at round {start}: run(rounds) runs up to round `rounds` "
+                         f"(a horizon, not a count), so give rounds >= {start}")
+    return start
+
+
 def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds: int,
                 eval_every: int, start: int = 0, wall: float = 0.0,
                 extra: Callable[[], dict] | None = None, cost=None) -> Iterator[dict]:

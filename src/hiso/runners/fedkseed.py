@@ -23,7 +23,7 @@ from ..methods.fedkseed import (PoolRecord, PoolReplica, decode_pool_downlink, d
                                 encode_pool_downlink, encode_pool_uplink, read_pool_log)
 from ..tasks.base import Task
 from .client_cost import ClientCost, Timer, model_bytes
-from .common import Comm, metric_rows
+from .common import Comm, metric_rows, start_round
 
 
 def pool_config(cfg: RunConfig) -> ZOConfig:
@@ -111,9 +111,10 @@ class FedKSeedSimulation:
             self.on_record(rec)
         return float(np.mean([u[4] for u in ups]))
 
-    def run(self, rounds: int, start: int = 0, wall: float = 0.0) -> Iterator[dict]:
+    def run(self, rounds: int, start: int | None = None, wall: float = 0.0) -> Iterator[dict]:
+        """As :meth:`hiso.runners.simulate.Simulation.run`: up to round ``rounds``, from where it is."""
         return metric_rows(self.task, self.model, self.comm, self.step, rounds, self.cfg.eval_every,
-                           start=start, wall=wall, cost=self.cost)
+                           start=start_round(len(self.records), rounds, start), wall=wall, cost=self.cost)
 
     def resume(self, records: list[PoolRecord]) -> None:
         """Bring a new simulation to the end of an interrupted run's log as if it had run it: the

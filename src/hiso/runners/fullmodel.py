@@ -35,7 +35,7 @@ from ..core.server import client_sampler, sample_clients
 from ..core.state import ModelState, trainable_params
 from ..tasks.base import Task
 from .client_cost import ClientCost, Timer, model_bytes
-from .common import Comm, metric_rows
+from .common import Comm, metric_rows, start_round
 
 
 def fedzo_config(cfg: RunConfig) -> ZOConfig:
@@ -150,8 +150,10 @@ class FullModelSimulation:
         self.round += 1
 
     def run(self, rounds: int) -> Iterator[dict]:
-        """Yield one metrics row per round (plus row 0: the initial evaluation), as Simulation does."""
-        return metric_rows(self.task, self.model, self.comm, self.step, rounds, self.cfg.eval_every, cost=self.cost)
+        """Yield one metrics row per round up to round ``rounds`` (plus row 0: the initial
+        evaluation), continuing from the round it is at, as Simulation does."""
+        return metric_rows(self.task, self.model, self.comm, self.step, rounds, self.cfg.eval_every,
+                           start=start_round(self.round, rounds), cost=self.cost)
 
     def state_dict(self) -> dict:
         """The server's final model and round, as saved in ``model.pt``."""

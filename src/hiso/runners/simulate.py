@@ -43,7 +43,7 @@ from ..core.state import ModelState
 from ..methods.privacy import noise_key
 from ..tasks.base import Task
 from .client_cost import ClientCost, Timer, replica_bytes
-from .common import Comm, metric_rows
+from .common import Comm, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
 
 
@@ -330,9 +330,11 @@ class Simulation:
             out["replicas_out_of_sync"] = self.out_of_sync + end
         return out
 
-    def run(self, rounds: int, start: int = 0, wall: float = 0.0) -> Iterator[dict]:
-        """Yield one metrics row per round (plus row 0: the initial evaluation). ``start`` > 0
-        continues after round ``start`` (see :meth:`resume`), ``wall`` its rows' ``wall_s``."""
+    def run(self, rounds: int, start: int | None = None, wall: float = 0.0) -> Iterator[dict]:
+        """Yield one metrics row per round up to round ``rounds`` (plus row 0, the initial
+        evaluation, from round 0). It continues from the round the server is at (after
+        :meth:`resume`, or an earlier ``run``); ``wall`` is added to its rows' ``wall_s``."""
+        start = start_round(self.server.round, rounds, start)
         def extra() -> dict:
             r = self.server.round
             row = dict(self.round_stats) if self.unreliable else {}
