@@ -266,3 +266,10 @@ def test_a_federation_run_twice_continues_where_it_stands(algorithm):
     assert [r["eval_loss"] for r in got] == [r["eval_loss"] for r in whole]  # the 5-round run's rows
     with pytest.raises(ValueError, match="at round 5"):
         runner.run(2)
+
+
+def test_a_declared_metric_that_evaluate_does_not_return_is_refused(tmp_path):
+    class Misnamed(TinyTask):
+        metrics = {"accuracy": "max"}  # evaluate() returns eval_loss
+    with pytest.raises(ValueError, match="declares the metric 'accuracy' but its evaluate\\(\\) returned eval_loss"):
+        hiso.run(Misnamed(num_clients=4, seed=0), tmp_path / "r", rounds=2, sampled=2, lr=0.05)

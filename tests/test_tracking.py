@@ -103,3 +103,22 @@ def test_a_missing_tracker_package_is_refused_before_the_run(tmp_path, capsys, m
     code, _, err = run_cli(["run", "--out", str(tmp_path / "r"), "--mlflow", str(tmp_path / "m"), *RUN], capsys)
     assert code == 2 and "pip install 'hiso[track]'" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists() and not (tmp_path / "m").exists()
+
+
+def test_the_python_api_tracks_a_run_as_the_command_line_does(tmp_path):
+    pytest.importorskip("tensorboard")
+    import hiso
+    run = hiso.run("quadratic", tmp_path / "apirun", tensorboard=tmp_path / "tb", dim=20, clients=4, sampled=2,
+                   rounds=4, eval_every=2)
+    _, got = _scalars(tmp_path / "tb" / "apirun")
+    assert {r["round"]: r["train_loss"] for r in run.metrics[1:]} == pytest.approx(got["train_loss"])
+
+
+def test_the_python_api_says_when_a_tracker_is_not_installed(tmp_path, monkeypatch):
+    import sys
+
+    import hiso
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed
+    with pytest.raises(Exception, match="mlflow"):
+        hiso.run("quadratic", tmp_path / "r", mlflow=str(tmp_path / "ml"), dim=20, clients=4, sampled=2, rounds=2)
+    assert not (tmp_path / "r").exists()

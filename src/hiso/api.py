@@ -134,7 +134,7 @@ class Run:
 
 def run(task: Task | str, out: str | Path, config: RunConfig | str | Path | None = None,
         progress: Callable[[dict], None] | None = None, resume: bool = False, force: bool = False,
-        **options: Any) -> Run:
+        tensorboard: str | Path | None = None, mlflow: str | None = None, **options: Any) -> Run:
     """Run ``task`` federated into directory ``out`` (the files of ``hiso run``); returns the :class:`Run`.
 
     ``task``: a task object, or a built-in task's name (``"mnist"``, with its options here).
@@ -143,6 +143,8 @@ def run(task: Task | str, out: str | Path, config: RunConfig | str | Path | None
     round. A directory holding a run is refused, unless ``resume=True`` (continue that run,
     with the same options or more rounds; an empty directory starts; hiso, decomfl and the
     other seed-based methods) or ``force=True`` (replace it; a user's other files stay).
+    ``tensorboard`` (a log directory) and ``mlflow`` (a tracking URI or directory) also log each
+    round there, as ``hiso run --tensorboard/--mlflow`` (``pip install 'hiso[track]'``).
     """
     from .runners.rundir import clear_run, not_a_dir, run_to_dir, same_run
 
@@ -162,7 +164,12 @@ def run(task: Task | str, out: str | Path, config: RunConfig | str | Path | None
         if not force:
             raise FileExistsError(f"{out} already holds a run: resume=True continues it, force=True replaces it")
         clear_run(out)
-    run_to_dir(cfg, out, progress, task=None if isinstance(task, str) else task, resume=resume)
+    tracking = None
+    if tensorboard is not None or mlflow is not None:
+        from .report.tracking import Tracking
+        tracking = Tracking(None if tensorboard is None else str(tensorboard), mlflow, name=out.resolve().name)
+        tracking.check()  # a tracker that is not installed: one clear error before the run starts
+    run_to_dir(cfg, out, progress, task=None if isinstance(task, str) else task, resume=resume, tracking=tracking)
     return Run(out)
 
 

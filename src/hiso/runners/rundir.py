@@ -149,6 +149,17 @@ def _extend(out: Path, done: int, cfg: RunConfig, info: dict) -> None:
     (out / "summary.json").unlink(missing_ok=True)
 
 
+def _check_declared_metrics(task: str, row: dict) -> None:
+    """The metrics a task declares (what compare selects and best-of reads) must be what its
+    evaluate() returns: a misnamed one would be silently absent from every table."""
+    from ..tasks.registry import task_info
+    missing = [m for m in task_info(task).metrics if m not in row]
+    if missing:
+        got = ", ".join(k for k in row if k not in ("round", "train_loss", "bytes_up", "bytes_down", "wall_s"))
+        raise ValueError(f"task {task} declares the metric {missing[0]!r} but its evaluate() returned "
+                         f"{got or 'nothing'}: make its metrics name what evaluate() returns")
+
+
 def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None,
                task: Task | None = None, resume: bool = False, runner: Callable | None = None,
                tracking=None) -> dict:
@@ -259,6 +270,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             cost.resume_from(row)
         try:
             for row in rows:  # (a runner with a ClientCost puts its totals in each row)
+                if row["round"] == 0:
+                    _check_declared_metrics(cfg.task, row)
                 mf.write(json.dumps(row) + "\n")
                 mf.flush()
                 if tracker is not None:
