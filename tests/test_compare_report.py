@@ -110,11 +110,11 @@ def _rows(values, every=10, s_per_round=0.1, metric="eval_acc"):
     return rows
 
 
-def _arm(name, per_seed_values, s_per_round=0.1, lr=1e-3, grid=None, seeds=None):
+def _arm(name, per_seed_values, s_per_round=0.1, lr=1e-3, grid=None, seeds=None, metric="eval_acc"):
     from pathlib import Path
     seeds = seeds if seeds is not None else list(range(len(per_seed_values)))
     runs = [RunResult(Path("."), s, {"clients": 4, "rounds": 30, "eval_every": 10, "task": "mnist", "sampled": 2},
-                      _rows(v, s_per_round=s_per_round * (1 + s)),
+                      _rows(v, s_per_round=s_per_round * (1 + s), metric=metric),
                       {"communication_per_client": {"bytes_up_mean": 10.0, "bytes_down_mean": 20.0},
                        "s_per_round": s_per_round, "peak_rss_mb": 100.0})
             for s, v in zip(seeds, per_seed_values)]
@@ -317,3 +317,19 @@ def test_a_run_says_so_while_its_held_out_loss_climbs_past_round_0s(tmp_path, ca
     assert code == 0 and err.count("is likely too large") == 1, err  # said once
     code, _, err = run_cli(["run", "--out", str(tmp_path / "b"), *quad, "--lr", "0.05"], capsys)
     assert code == 0 and "too large" not in err
+
+
+def test_the_ending_warning_counts_every_seed_and_prints_consistent_numbers():
+    # gap (lower is better). Seed 0 improves and keeps most of it; seed 1 never improves and ends worse:
+    # from the means (start 27.5, reported 25.75, last 30.5) the arm lost all it gained, and says so
+    arm = _arm("hiso", [[20.0, 16.5, 17.0], [35.0, 36.0, 44.0]], metric="gap")
+    t = build_table([arm], "hiso", "gap")
+    row = t.rows[0]
+    assert row.first_mean == pytest.approx(27.5) and row.last_mean == pytest.approx(30.5)
+    assert row.kept == pytest.approx((27.5 - 30.5) / (27.5 - row.best_mean))
+    warned = [line for line in footer(t).splitlines() if "ended below what it reports" in line]
+    assert len(warned) == 1 and f"{1 - row.kept:.0%} of its gain" in warned[0], footer(t)
+    # an arm whose reported value is its round 0 (no gain at all) and that ends worse: its own warning
+    flat = _arm("hiso", [[20.0, 25.0, 29.0], [35.0, 36.0, 44.0]], metric="gap")
+    text = footer(build_table([flat], "hiso", "gap"))
+    assert "ended worse than it started" in text and "at round 0 (means over seeds)" in text, text

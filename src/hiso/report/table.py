@@ -144,7 +144,10 @@ class TableRow:
     client_s: float | None = None  # a client's compute seconds per round it is sampled in
     client_peak_bytes: float | None = None  # resident + transient peak of one answer (max over seeds)
     last_mean: float | None = None  # metric at each run's last evaluation, mean over seeds
-    kept: float | None = None  # share of the gain (round 0 -> reported) still held at the end, mean over seeds
+    # share of the gain from round 0 to the reported value still held at the end, of the means over
+    # seeds (the numbers the warning prints; a seed that never gained counts too)
+    kept: float | None = None
+    first_mean: float | None = None  # metric at round 0, mean over seeds
 
     @property
     def bytes_total(self) -> float:
@@ -209,7 +212,9 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
         reported = [selected_value(r.rows, metric, select, higher) for r in arm.runs]
         m, s = mean_std(reported)
         ends = [first_and_last(r.rows, metric) for r in arm.runs]
-        kept = [kept_share(first, rep, last, higher) for (first, last), rep in zip(ends, reported)]
+        first_mean = _mean_of([first for first, _ in ends if math.isfinite(first)])
+        last_mean = _mean_of([last for _, last in ends if math.isfinite(last)])
+        kept = None if first_mean is None or last_mean is None else kept_share(first_mean, m, last_mean, higher)
         if arm.name == reference:
             reach, rounds = ref_own, ref_own.mean
         else:
@@ -235,7 +240,7 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
             client_backwards=_mean_of([c.get("backwards_per_round") for c in client]),
             client_s=_mean_of([c.get("s_per_round") for c in client]),
             client_peak_bytes=max(cpeaks) if cpeaks else None,
-            last_mean=_mean_of([last for _, last in ends if math.isfinite(last)]), kept=_mean_of(kept)))
+            last_mean=last_mean, kept=kept, first_mean=first_mean))
     cfg0 = ref.runs[0].config
     info = cfg0.get("task_info", {}) or {}
     context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "eval_every": cfg0.get("eval_every"),
@@ -381,7 +386,15 @@ KEPT_WARN = 0.75  # warn when the runs end holding less than this share of their
 def ending_warnings(table: Table) -> list[str]:
     """Footer lines for arms whose runs ended well below what the table reports for them."""
     lines = []
+    higher = table.higher
     for r in table.rows:
+        if r.kept is None and r.first_mean is not None and r.last_mean is not None and \
+                (r.last_mean < r.first_mean if higher else r.last_mean > r.first_mean):
+            lines.append(f"- warning: {display_name(r.name)} ended worse than it started: {metric_label(table.metric)} "
+                         f"{_fmt_threshold(r.last_mean, table.metric)} at the last evaluation against "
+                         f"{_fmt_threshold(r.first_mean, table.metric)} at round 0 (means over seeds), with "
+                         f"{_fmt_threshold(r.best_mean, table.metric)} reported: the lr is too large for it.")
+            continue
         if r.kept is None or r.kept >= KEPT_WARN or r.last_mean is None:
             continue
         lines.append(f"- warning: {display_name(r.name)} ended below what it reports: {metric_label(table.metric)} "
