@@ -197,3 +197,12 @@ def test_a_run_recorded_with_options_that_did_nothing_still_loads_as_it_ran(tmp_
     raw.update(lora_r=None, train_max=n_train)  # a train_max the run did not cut by is kept
     path.write_text(json.dumps(raw))
     assert saved_config(out)[0].train_max == n_train
+
+
+def test_a_models_own_default_lr_comes_before_the_tasks():
+    lm = dict(task="sst2", data_dir="/d", lora_r=8)
+    assert load_config(**lm).lr == 1e-2  # SmolLM2 (the default model): the task's LoRA lr
+    assert load_config(**lm, model="gemma3-270m").lr == 1e-3  # Gemma-3's, measured apart
+    assert load_config(**lm, model="gemma3-270m", algorithm="decomfl").lr == 1e-3
+    assert load_config(task="sst2", data_dir="/d", model="gemma3-270m").lr == 5e-6  # full parameters: the task's
+    assert load_config(**lm, model="gemma3-270m", lr=0.02).lr == 0.02

@@ -31,11 +31,11 @@ def algorithm_family(algorithm: str) -> str:
     return family(algorithm)
 
 
-def default_lr(task: str, algorithm: str, lora: bool = False) -> float:
-    """The lr a run of ``algorithm`` on ``task`` gets when none is given: the task's own
-    ``default_lr`` table, registered with the task (:mod:`hiso.tasks.registry`)."""
+def default_lr(task: str, algorithm: str, lora: bool = False, model: str | None = None) -> float:
+    """The lr a run of ``algorithm`` on ``task`` (with ``model``) gets when none is given: the
+    task's own ``default_lr`` table, registered with the task (:mod:`hiso.tasks.registry`)."""
     from .tasks.registry import default_lr as lookup
-    return lookup(task, algorithm, lora)
+    return lookup(task, algorithm, lora, model)
 
 
 def task_names() -> tuple[str, ...]:
@@ -347,7 +347,8 @@ class RunConfig(BaseModel, MethodRules):
             if self.directions in ("sparse", "lowrank"):  # its pool log records a dense family only
                 raise ValueError(f"fedkseed draws its pool's directions from a dense family, not {self.directions}")
         if self.lr is None:
-            self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None)
+            self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None,
+                                 model=self.model if info.options is None or "model" in info.options else None)
             self._lr_defaulted = True  # (a RunConfig reused for another task takes that task's default)
         return self
 

@@ -466,8 +466,10 @@ def _builder(name: str):
 
 
 # ZO lrs: full parameters at the authors' OPT-125M DeComFL value; LoRA at the best of the SST-2
-# LoRA grid measured with SmolLM2-135M (docs/results.md). No first-order default.
-_LM_LR = {"zo": 5e-6, "zo+lora": 1e-2}
+# LoRA grid measured with SmolLM2-135M (docs/results.md). Gemma-3-270M's LoRA diverges at that
+# 1e-2 within 10 rounds and DeComFL's collapses after ~40 at 3e-3; 1e-3 held for 80 rounds
+# (docs/results.md, "Gemma-3-270M"). No first-order default.
+_LM_LR = {"zo": 5e-6, "zo+lora": 1e-2, "zo+lora@gemma3-270m": 1e-3}
 _LM_OPTIONS = {"data_dir", "partition", "alpha", "min_size", "eval_max", "val_fraction", "train_max", "model",
                "max_length", "template", "lora_r", "lora_alpha", "lora_targets", "autocast", "eval_batch_size",
                "pack_sequences"}

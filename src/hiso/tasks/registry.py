@@ -249,12 +249,14 @@ def algorithm_family(algorithm: str) -> str:
     return "zo" if algorithm in ("hiso", "decomfl", "fedzo", "feedsign", "fedkseed") else "first-order"
 
 
-def default_lr(task: str, algorithm: str, lora: bool = False) -> float:
+def default_lr(task: str, algorithm: str, lora: bool = False, model: str | None = None) -> float:
     """The lr a run of ``algorithm`` on ``task`` gets when none is given: the task's
-    ``default_lr`` for the algorithm, else for its family (with ``+lora`` for LoRA runs)."""
+    ``default_lr`` for the algorithm, else for its family (with ``+lora`` for LoRA runs); a key
+    ending ``@model`` (``"zo+lora@gemma3-270m"``) is that model's and comes first."""
     table = task_info(task).default_lr
     suffix = "+lora" if lora else ""
-    for key in (algorithm + suffix, algorithm_family(algorithm) + suffix):
+    keys = (algorithm + suffix, algorithm_family(algorithm) + suffix)
+    for key in (*(f"{k}@{model}" for k in keys if model), *keys):
         if key in table:
             return table[key]
     what = f"{task} with LoRA" if lora else task
