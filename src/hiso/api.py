@@ -48,18 +48,17 @@ def _config(task: Task | str, config: RunConfig | str | Path | None, options: di
     from .config import read_toml
     from .tasks.registry import TASK_OPTIONS, use_instance
 
-    base: dict[str, Any] = {}
     if isinstance(config, RunConfig):
         given = {k: getattr(config, k) for k in config.model_fields_set}
         base = config.model_dump(exclude={"lr"} if config._lr_defaulted else set())
-        config = None
-    elif config is not None:
-        given = {k: v for k, v in read_toml(config).items() if k != "compare"}
-    else:
-        given = {}
+    else:  # a TOML file, read once: its values are what load_config would read from it
+        base = read_toml(config)
+        if isinstance(base.get("compare"), dict):  # hiso compare's table, as load_config leaves it
+            base.pop("compare")
+        given = dict(base)
     given.update(options)
     if isinstance(task, str):
-        return load_config(config, **{**base, **options, "task": task})
+        return load_config(None, **{**base, **options, "task": task})
     if isinstance(task, type):
         raise TypeError(f"task: give an instance of {task.__name__}, e.g. {task.__name__}(num_clients=8, seed=0), "
                         "or a built-in task's name")
@@ -74,9 +73,8 @@ def _config(task: Task | str, config: RunConfig | str | Path | None, options: di
     if built:
         raise ValueError(f"{built[0]}={given[built[0]]!r}: a task object is built already and does not read "
                          "task options; give it to the task's constructor")
-    base.update({"task": use_instance(task), "clients": task.num_clients, "seed": task.seed})
-    return load_config(config, **{**base, **{k: v for k, v in options.items() if k not in TASK_OPTIONS},
-                                  "task": base["task"]})
+    own = {"task": use_instance(task), "clients": task.num_clients, "seed": task.seed}
+    return load_config(None, **{**base, **options, **own})
 
 
 def run_config(task: Task, config: RunConfig | str | Path | None = None, **options: Any) -> RunConfig:

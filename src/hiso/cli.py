@@ -205,7 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .report.table import loss_rise_note
-    from .runners.rundir import clear_run, not_a_dir, run_to_dir
+    from .runners.rundir import clear_run, run_to_dir
     from .tasks.registry import build_task
 
     overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
@@ -244,11 +244,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, **overrides)
         out = Path(args.out)
-        if why := not_a_dir(out):
+        if why := _new_run_refusal(cfg, out, args.force):
             return _fail(why)
-        if (out / "config.json").exists() and not args.force:
-            return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
-        _warn_unused(cfg)
     tracking = _tracking(args, out.resolve().name)
     task = build_task(cfg)
     if args.show_partition:
@@ -295,6 +292,18 @@ def cmd_run(args: argparse.Namespace) -> int:
           f"{summary['s_per_round'] * 1e3:.1f} ms/round; results in {out}/")
     _ending_note(cfg, out)
     return 0
+
+
+def _new_run_refusal(cfg: RunConfig, out: Path, force: bool) -> str | None:
+    """Why a new run (hiso run, hiso flower) cannot start in ``out`` (None: it can, and the options
+    its algorithm never reads have been named)."""
+    from .runners.rundir import not_a_dir
+    if why := not_a_dir(out):
+        return why
+    if (out / "config.json").exists() and not force:
+        return f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)"
+    _warn_unused(cfg)
+    return None
 
 
 def _warn_unused(cfg: RunConfig) -> None:
@@ -435,12 +444,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
         out = Path(args.out)
-        from .runners.rundir import not_a_dir
-        if why := not_a_dir(out):
+        if why := _new_run_refusal(cfg, out, args.force):
             return _fail(why)
-        if (out / "config.json").exists() and not args.force:
-            return _fail(f"{out} already holds a run (use --force to overwrite, or --resume {out} to continue it)")
-        _warn_unused(cfg)
     if args.resume is not None and args.simulation:
         return _fail("--resume continues a deployment (SuperLink and SuperNodes); not with --simulation")
     if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate:

@@ -352,19 +352,22 @@ class RunConfig(BaseModel, MethodRules):
             self._lr_defaulted = True  # (a RunConfig reused for another task takes that task's default)
         return self
 
+    def changed(self, names) -> list[str]:
+        """Those of ``names`` whose value is not the field's default (what was set, in effect)."""
+        fields = type(self).model_fields
+        return [n for n in names if getattr(self, n) != fields[n].default]
+
     def _task_option_checks(self, info) -> None:
         """Refuse a task option the task does not read (--lora-r on MNIST, --data-dir on the
         quadratic): such a run would train as if it were unset while config.json said otherwise."""
         if info.options is None:
             return
         from .tasks.registry import TASK_OPTIONS, tasks_reading
-        for name in sorted(TASK_OPTIONS - info.options):
-            value = getattr(self, name)
-            if value != type(self).model_fields[name].default:
-                where = tasks_reading(name)
-                hint = " (did you mean to give --task?)" if name == "data_dir" and "task" not in self.model_fields_set else ""
-                raise ValueError(f"{name} = {value!r}: task {self.task} does not use it"
-                                 f"{' (it is for ' + ', '.join(where) + ')' if where else ''}{hint}")
+        for name in self.changed(sorted(TASK_OPTIONS - info.options)):
+            where = tasks_reading(name)
+            hint = " (did you mean to give --task?)" if name == "data_dir" and "task" not in self.model_fields_set else ""
+            raise ValueError(f"{name} = {getattr(self, name)!r}: task {self.task} does not use it"
+                             f"{' (it is for ' + ', '.join(where) + ')' if where else ''}{hint}")
 
     @model_validator(mode="before")
     @classmethod

@@ -82,15 +82,9 @@ class MethodRules:
         """The options set to a value other than their default that this run's algorithm never
         reads (``nu`` on decomfl, ``server_lr`` on hiso), each with whose they are: a run names
         them, a comparison's variant refuses them."""
-        fields = type(self).model_fields
-        out = {}
-        for names, users, whose in _ALGORITHM_OPTIONS:
-            if self.algorithm in users:
-                continue
-            for name in names:
-                if getattr(self, name) != fields[name].default:
-                    out[name] = whose
-        if self.step_norm is None and self.step_norm_beta != fields["step_norm_beta"].default:
+        out = {name: whose for names, users, whose in _ALGORITHM_OPTIONS if self.algorithm not in users
+               for name in self.changed(names)}
+        if self.step_norm is None and self.changed(["step_norm_beta"]):
             out["step_norm_beta"] = "with step_norm only"
         return out
 
