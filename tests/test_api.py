@@ -273,3 +273,74 @@ def test_a_declared_metric_that_evaluate_does_not_return_is_refused(tmp_path):
         metrics = {"accuracy": "max"}  # evaluate() returns eval_loss
     with pytest.raises(ValueError, match="declares the metric 'accuracy' but its evaluate\\(\\) returned eval_loss"):
         hiso.run(Misnamed(num_clients=4, seed=0), tmp_path / "r", rounds=2, sampled=2, lr=0.05)
+
+
+SIZED_TASK = USER_TASK.replace("def __init__(self, num_clients, seed=0):", "def __init__(self, num_clients, seed=0, rows=24):") \
+    .replace("self.X = torch.randn(num_clients, 24, 5, generator=g)",
+             "self.rows = rows\n        self.X = torch.randn(num_clients, rows, 5, generator=g)") \
+    .replace("idx = torch.as_tensor(rng.choice(24, size=min(batch_size, 24), replace=False))",
+             "idx = torch.as_tensor(rng.choice(self.rows, size=min(batch_size, self.rows), replace=False))") \
+    + "\n\ndef _describe(self):\n    return {'rows': self.rows}\n\n\nRidge.describe = _describe\n"
+
+
+def test_a_task_rebuilt_otherwise_than_the_run_is_named_not_silently_evaluated(tmp_path, capsys, monkeypatch):
+    # A task whose constructor takes more than (num_clients, seed) and gives no from_config is
+    # rebuilt by eval/rebuild with its defaults: its metrics would silently not be the run's.
+    d = tmp_path / "mod"
+    d.mkdir()
+    (d / "sizedtask.py").write_text(SIZED_TASK)
+    monkeypatch.syspath_prepend(str(d))
+    try:
+        import sizedtask
+        out = tmp_path / "run"
+        hiso.run(sizedtask.Ridge(4, seed=0, rows=12), out, rounds=2, eval_every=1)
+        from hiso.tasks.registry import _SPEC_CACHE
+        _SPEC_CACHE.pop("sizedtask:Ridge")  # as a new process (hiso eval) knows it: by import, from_config
+        code, _, err = run_cli(["eval", str(out)], capsys)
+        assert code == 0, err
+        assert "hiso: warning:" in err and "rows 24 here, 12 in the run" in err and "from_config" in err
+        with pytest.warns(hiso.TaskMismatchWarning, match="the task object given"):  # from Python as well
+            hiso.rebuild(out, sizedtask.Ridge(4, seed=0, rows=20))
+        with pytest.raises(ValueError, match="rows 20 here, 12 in the run; continuing the run on it would mix"):
+            hiso.run(sizedtask.Ridge(4, seed=0, rows=20), out, rounds=3, eval_every=1, resume=True)
+        assert json.loads((out / "config.json").read_text())["task_info"] == {"rows": 12}  # the run is as it was
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", hiso.TaskMismatchWarning)
+            hiso.rebuild(out, sizedtask.Ridge(4, seed=0, rows=12))  # the run's own task: no warning
+    finally:
+        sys.modules.pop("sizedtask", None)
+
+
+def test_evaluate_and_export_from_python_give_the_runs_model_and_metrics(tmp_path):
+    task = TinyTask(num_clients=4, seed=1)
+    run = hiso.run(task, tmp_path / "r", algorithm="decomfl", rounds=6, sampled=2, lr=0.05, eval_every=3)
+    last = hiso.evaluate(run.dir, task)
+    assert last["round"] == 6 and last["metrics"]["eval_loss"] == run.metrics[-1]["eval_loss"]  # the run's own
+    mid = hiso.evaluate(run.dir, task, round=3)  # x_3 replayed from the log
+    assert mid["round"] == 3 and mid["metrics"]["eval_loss"] == run.metrics[3]["eval_loss"]
+    with pytest.raises(ValueError, match="holds its own data"):
+        hiso.evaluate(run.dir, task, eval_max=5)
+    done = hiso.export(run.dir, tmp_path / "exp", task=task)
+    assert done["format"] == "state-dict" and done["round"] == 6
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "exp" / next(f for f in done["files"] if f.endswith(".safetensors")))
+    assert _model_equal(saved, run.checkpoint()["model"])
+    with pytest.raises(ValueError, match="merged"):
+        hiso.export(run.dir, tmp_path / "exp2", format="merged", task=task)
+
+
+def test_compare_from_python_writes_the_table_and_resumes(tmp_path):
+    out = tmp_path / "cmp"
+    grid = {"hiso": [0.02, 0.05], "decomfl": [0.05]}
+    first = hiso.compare("quadratic", out, lr_grid=grid, seeds=[0], rounds=4, dim=20, eval_every=2, plots=False)
+    assert {r["algorithm"] for r in first.rows} >= {"hiso", "decomfl"} and "hiso" in first.table
+    chosen = first.selection["arms"]["hiso"]["chosen_lr"]
+    assert chosen in grid["hiso"]
+    assert first.run("hiso", chosen, 0).summary["rounds_done"] == 4
+    log = first.run("decomfl", 0.05, 0).dir / "metrics.jsonl"
+    before = log.stat().st_mtime_ns
+    again = hiso.compare("quadratic", out, lr_grid=grid, seeds=[0], rounds=4, dim=20, eval_every=2, plots=False)
+    assert again.table == first.table and log.stat().st_mtime_ns == before  # finished runs reused, not rerun
+    with pytest.raises(TypeError, match="each seed of a comparison builds its own task"):
+        hiso.compare(TinyTask(2, 0), out)

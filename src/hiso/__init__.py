@@ -13,6 +13,8 @@ _EXPORTS = {
     "Task": "hiso.tasks.base", "RunConfig": "hiso.config", "ConfigError": "hiso.config",
     "load_config": "hiso.config", "register_task": "hiso.tasks.registry",
     "run": "hiso.api", "rebuild": "hiso.api", "federation": "hiso.api", "run_config": "hiso.api", "Run": "hiso.api",
+    "evaluate": "hiso.api", "export": "hiso.api", "compare": "hiso.api", "Comparison": "hiso.api",
+    "TaskMismatchWarning": "hiso.runners.runfiles",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

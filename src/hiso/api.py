@@ -26,6 +26,8 @@ refused unless ``resume=True`` (continue it, with the options it was made with) 
 
 :func:`run` writes the same run directory as ``hiso run`` (:func:`hiso.runners.rundir.run_to_dir`).
 :func:`federation` gives the in-process runner itself, to step round by round without files.
+:func:`evaluate`, :func:`export` and :func:`compare` are ``hiso eval``, ``hiso export`` and
+``hiso compare`` (a comparison takes a task's name: each seed builds its own task).
 The same task class works on the command line: ``hiso run --task mymodule:MyTask`` (or
 ``--task path/to/file.py:MyTask``) and ``hiso compare``, building it with ``MyTask.from_config``.
 """
@@ -182,3 +184,90 @@ def rebuild(out: str | Path, task: Task | None = None):
     if task is not None:  # the task the run names is this object, wherever the run was made
         use_instance(task, json.loads((Path(out) / "config.json").read_text())["task"])
     return rebuild_dir(out, task=task)[0]
+
+
+def _known_task(out: str | Path, task: Task | None) -> None:
+    """The task a run names is this object (wherever the run was made), for what reads the run."""
+    from .tasks.registry import use_instance
+    if task is not None:
+        use_instance(task, json.loads((Path(out) / "config.json").read_text())["task"])
+
+
+def evaluate(out: str | Path, task: Task | None = None, round: int | None = None, split: str | None = None,
+             data_dir: str | None = None, eval_max: int | None = None, device: str = "cpu") -> dict[str, Any]:
+    """``hiso eval``: round ``round`` (None: the last) of the run in ``out`` evaluated on its task.
+    With neither ``data_dir`` nor ``eval_max`` it scores the examples the run scored and gives
+    the run's own metrics at that round. ``split``: ``"test"`` (``eval_*``), ``"dev"``
+    (``val_*``) or None (both). ``task``: the run's task object (default: built from the run's
+    ``config.json``). Returns ``{"metrics": {...}, "round": R, ...}`` (what ``eval.json`` holds);
+    nothing is written."""
+    from .runners.evaluate import evaluate_run
+    from .runners.runfiles import saved_config
+
+    saved_config(out)  # a run directory, before anything else is said about it
+    _known_task(out, task)
+    return evaluate_run(out, round, data_dir, eval_max, split, device, task=task)
+
+
+def export(out: str | Path, to: str | Path, format: str | None = None, round: int | None = None,
+           task: Task | None = None, force: bool = False) -> dict[str, Any]:
+    """``hiso export``: round ``round`` (None: the last) of the run in ``out`` written into the
+    directory ``to`` (``format``: ``merged``, a Hugging Face model directory, the default for
+    language runs; ``peft``, the LoRA adapter; ``state-dict``, safetensors, the default otherwise). ``force`` replaces an earlier export there, nothing else. Returns the
+    format, round, files, bytes and seconds."""
+    from .runners.export import export as export_run
+    from .runners.runfiles import saved_config
+
+    saved_config(out)
+    _known_task(out, task)
+    return export_run(out, to, format, round=round, force=force, task=task)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A comparison's directory (``hiso compare`` / :func:`compare`): its table and selection."""
+
+    dir: Path
+    table: str  # the markdown table printed by hiso compare (also table.md)
+
+    @property
+    def selection(self) -> dict:
+        """``selection.json``: per arm the lr grid, each seed's best, the chosen lr."""
+        return json.loads((Path(self.dir) / "selection.json").read_text())
+
+    @property
+    def rows(self) -> list[dict]:
+        """The rows of ``table.csv``: per arm, mean and spread of the reported metric, rounds and bytes."""
+        import csv
+        with open(Path(self.dir) / "table.csv", newline="") as f:
+            return list(csv.DictReader(f))
+
+    def run(self, arm: str, lr: float, seed: int) -> Run:
+        """One run of the comparison."""
+        from .runners.compare_plan import run_dir
+        return Run(run_dir(self.dir, arm, lr, seed))
+
+
+def compare(task: str, out: str | Path, config: str | Path | None = None, algorithms: list[str] | None = None,
+            seeds: list[int] | None = None, lr_grid: dict[str, list[float]] | None = None,
+            reference: str | None = None, metric: str | None = None, select_on: str | None = None,
+            jobs: int = 1, force: bool = False, quiet: bool = True, plots: bool = True,
+            **options: Any) -> Comparison:
+    """``hiso compare``: each algorithm (or variant) over its lr grid and the seeds, the lr chosen
+    per arm on validation (or the reported examples), the table, plots and ``selection.json``
+    in ``out``. Finished runs there are kept and reused (run it again to resume), unless
+    ``force``. ``task``: a built-in task's name or ``module:Class`` / ``path/file.py:Class``
+    (each seed builds its own task, so not an object); ``config``: a TOML file with a
+    ``[compare]`` table; ``options``: shared :class:`RunConfig` fields (``rounds=40``, ...)."""
+    from .runners.compare import build_plan, compare as compare_runs
+
+    if not isinstance(task, str):
+        raise TypeError("task: a task's name (a built-in one, or module:Class / path/file.py:Class): each "
+                        "seed of a comparison builds its own task")
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    flags = {k: v for k, v in dict(algorithms=algorithms, seeds=seeds, lr_grid=lr_grid, reference=reference,
+                                    metric=metric, select_on=select_on).items() if v is not None}
+    plan = build_plan(config, {**options, "task": task}, flags)
+    table = compare_runs(plan, out, force=force, quiet=quiet, plots=plots, jobs=jobs)
+    return Comparison(Path(out), table)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from .config import ALGORITHMS, ConfigError, RunConfig, load_config, read_toml, task_names
@@ -497,8 +498,22 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):
+    """hiso's own warnings as one line on stderr, like its errors; others as Python shows them."""
+    if category.__module__.startswith("hiso."):
+        print(f"hiso: warning: {message}", file=sys.stderr)
+    else:
+        _default(message, category, filename, lineno, file, line)
+
+
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _command(args)
+
+
+def _command(args: argparse.Namespace) -> int:
     try:
         if args.command == "run":
             return cmd_run(args)

@@ -22,11 +22,14 @@ _PREFIX = {"dev": "val_", "test": ("eval_", "gap")}
 
 
 def evaluate_run(run_dir: str | Path, round: int | None = None, data_dir: str | None = None,
-                 eval_max: int | None = None, split: str | None = None, device: str = "cpu") -> dict[str, Any]:
+                 eval_max: int | None = None, split: str | None = None, device: str = "cpu",
+                 task=None) -> dict[str, Any]:
     """Evaluate round ``round`` (None: the last) of the run in ``run_dir``.
 
     ``split``: ``test`` keeps the metrics of the held-out examples a run reports (``eval_*``),
     ``dev`` those of its validation share (``val_*``, runs with ``val_fraction`` > 0); None both.
+    ``task``: the run's task object (default: built from ``config.json``); it holds its own data,
+    so it takes no ``data_dir`` or ``eval_max``.
     """
     run_dir = Path(run_dir)
     cfg, _ = saved_config(run_dir)
@@ -35,8 +38,13 @@ def evaluate_run(run_dir: str | Path, round: int | None = None, data_dir: str | 
     if split == "dev" and cfg.val_fraction == 0:
         raise ValueError(f"{run_dir} has no validation split (val_fraction 0): its held-out examples are "
                          f"reported as eval_* (--split test)")
-    task, cfg, info = run_task(run_dir, device, data_dir=data_dir, eval_max=eval_max)
+    if task is None:
+        task, cfg, info = run_task(run_dir, device, data_dir=data_dir, eval_max=eval_max)
+    elif data_dir is not None or eval_max is not None:
+        raise ValueError("a task object holds its own data: build it with the other data instead of giving "
+                         "data_dir or eval_max")
     rm = load_run_model(run_dir, round, task=task, device=device)
+    task = rm.task
     t0 = time.perf_counter()
     metrics = task.evaluate(rm.model)
     seconds = time.perf_counter() - t0

@@ -216,8 +216,9 @@ def _usual_modes(root: Path) -> None:
 
 
 def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: int | None = None,
-           force: bool = False, device: str = "cpu") -> dict[str, Any]:
-    """Export round ``round`` (None: the last) of the run in ``run_dir`` into the directory ``out``.
+           force: bool = False, device: str = "cpu", task=None) -> dict[str, Any]:
+    """Export round ``round`` (None: the last) of the run in ``run_dir`` into the directory ``out``
+    (``task``: the run's task object; default: built from ``config.json``).
 
     Returns what was written: format, round, files, bytes and seconds. Bad input raises
     ValueError / FileNotFoundError before anything is written.
@@ -231,7 +232,7 @@ def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: 
     if why is not None:
         raise ValueError(f"--out {out} {why}: export elsewhere")
     _check_out(out, force)
-    rm = load_run_model(run_dir, round, device=device)
+    rm = load_run_model(run_dir, round, task=task, device=device)
     meta = metadata(rm, fmt)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))

@@ -10,14 +10,15 @@ from ..core.state import ModelState
 from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task
-from .runfiles import checkpoint, read_run_history, saved_config
+from .runfiles import check_run_task, checkpoint, read_run_history, saved_config
 
 
-def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "cpu"):
+def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "cpu", checked: bool = False):
     """A replica of the run in ``run_dir`` at x_0 on ``device``, and what replaying it needs:
     ``(state, task, cfg, info, records)``. x_0 comes from the run's configuration (or from
     ``task``, the run's task object); a history that is not the run's, or a base model whose
-    weights differ from the run's (fingerprint in ``config.json``), is refused here."""
+    weights differ from the run's (fingerprint in ``config.json``), is refused here, and a task that
+    describes itself otherwise than the run's is warned of (``checked``: the caller did both)."""
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
     if cfg.algorithm == "fedkseed":
@@ -26,12 +27,10 @@ def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
     records = read_run_history(run_dir, cfg).records
-    task = on_device(task, device) if task is not None else build_task(cfg.model_copy(update={"device": device}))
-    if "base_fingerprint" in info:
-        found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
-        if found != info["base_fingerprint"]:
-            raise ValueError(f"base model {info.get('model')!r} here has weights {str(found)[:12]}..., the run "
-                             f"started from {info['base_fingerprint'][:12]}...: cannot rebuild on another base")
+    given = task is not None
+    task = on_device(task, device) if given else build_task(cfg.model_copy(update={"device": device}))
+    if not checked:
+        check_run_task(task, info, run_dir, given)
     return ModelState(task.build_model(), cfg.zo(), run_seed=cfg.seed), task, cfg, info, records
 
 
@@ -53,8 +52,10 @@ def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu",
     cfg, info = saved_config(run_dir)
     if cfg.algorithm == "fedkseed":  # fold the log, then one materialisation (at most K draws)
         from .fedkseed import rebuild_pool
-        rep = rebuild_pool(run_dir, cfg, on_device(task, device) if task is not None else
-                           build_task(cfg.model_copy(update={"device": device})), round)
+        given = task is not None
+        task = on_device(task, device) if given else build_task(cfg.model_copy(update={"device": device}))
+        check_run_task(task, info, run_dir, given)
+        rep = rebuild_pool(run_dir, cfg, task, round)
         return rep.state, checkpoint(rep.state.state_dict(), info)
     state, _, _, info, records = start_replica(run_dir, task, device)
     state.replay(logged_rounds(records, round, run_dir))

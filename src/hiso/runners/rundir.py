@@ -52,8 +52,9 @@ from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task, higher_is_better
 from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one import path for a run directory)
-from .runfiles import (checkpoint, clear_run, cut_rejections, dp_secret, extend_refusal, read_run_history,  # noqa: F401
-                       made_before, not_a_dir, overwrites_run, resume_point, same_run, saved_config, write_atomic)
+from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp_secret,  # noqa: F401
+                       extend_refusal, made_before, not_a_dir, overwrites_run, read_run_history, resume_point,
+                       same_run, saved_config, write_atomic)
 from .simulate import PrivacyBudgetSpent, Simulation
 
 
@@ -183,7 +184,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                          f"their state from (start again with --force)")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    task = on_device(task, cfg.device) if task is not None else build_task(cfg)
+    given = task is not None
+    task = on_device(task, cfg.device) if given else build_task(cfg)
     if cfg.algorithm == "ferret" and not getattr(task, "differentiable", True):
         raise ValueError(f"ferret takes first-order local steps: task {cfg.task} has no gradients (a black box): "
                          f"use a zeroth-order algorithm (hiso, decomfl, feedsign, fedkseed)")
@@ -194,6 +196,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         kept, records = pool_resume_point(out, cfg, resume_point(out, None)[0])
     else:
         kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
+    if resume and (out / "config.json").exists():  # continuing it on another task would mix two runs
+        check_run_task(task, saved_config(out)[1], out, given=given, resume=True)
     saved_rounds = saved_config(out)[0].rounds if resume and (out / "config.json").exists() else None
     if saved_rounds is not None and saved_rounds != cfg.rounds:
         _extend(out, saved_rounds, cfg, info)

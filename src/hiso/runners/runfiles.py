@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,42 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
         raise ValueError(f"{path} is damaged ({e})") from None
     info = raw.pop("task_info", None) or {}
     return RunConfig(**{**raw, **_made_before(raw), **_as_it_ran(raw, info)}), info
+
+
+class TaskMismatchWarning(UserWarning):
+    """The task rebuilt for a run describes itself otherwise than the run's did (config.json)."""
+
+
+# task_info keys that name where a task's files are or how it computes on this machine, not
+# which task it is: a run moved to another machine or device may differ in them
+_WHERE_KEYS = frozenset({"source", "model_source", "data_dir", "autocast", "autocast_why", "packed_forwards",
+                         "device"})
+
+
+def check_run_task(task, info: dict, run_dir: str | Path, given: bool = False, resume: bool = False) -> None:
+    """``task``, built for the run in ``run_dir`` (from its config.json, or the object ``given``),
+    must be the run's. A base model with other weights than the run's (``base_fingerprint``) is
+    refused (ValueError). A task that describes itself otherwise (say its ``n_eval``: a
+    constructor argument ``from_config`` does not pass, or other data files) is a
+    :class:`TaskMismatchWarning` naming the difference, as its metrics and x_0 may not be the run's;
+    ``resume``: refused instead, as continuing the run on it would mix two tasks in one run."""
+    if "base_fingerprint" in info:
+        found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
+        if found != info["base_fingerprint"]:
+            raise ValueError(f"base model {info.get('model')!r} here has weights {str(found)[:12]}..., the run "
+                             f"{run_dir} started from {info['base_fingerprint'][:12]}...: not the run's base model")
+    now = json.loads(json.dumps(task.describe(), default=str))  # as config.json would record it
+    differ = [k for k in info if k in now and k not in _WHERE_KEYS and now[k] != info[k]]
+    if differ:
+        shown = "; ".join(f"{k} {now[k]!r} here, {info[k]!r} in the run" for k in differ[:3])
+        more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+        how = ("the task object given" if given else
+               "the task rebuilt from its config.json (a constructor argument its from_config does not pass?)")
+        if resume:
+            raise ValueError(f"{run_dir}: {how} is not the run's: {shown}{more}; continuing the run on it would "
+                             "mix two tasks in one run")
+        warnings.warn(f"{run_dir}: {how} is not the run's: {shown}{more}; its x_0 and metrics may differ "
+                      "from the run's", TaskMismatchWarning, stacklevel=3)
 
 
 def _as_it_ran(raw: dict, info: dict) -> dict:

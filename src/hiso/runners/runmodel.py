@@ -24,7 +24,7 @@ from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task
 from .rebuild import logged_rounds, start_replica
-from .runfiles import saved_config
+from .runfiles import check_run_task, saved_config
 
 
 @dataclass
@@ -54,15 +54,6 @@ def config_sha256(cfg: RunConfig) -> str:
     return hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()
 
 
-def _check_base(task: Task, info: dict, run_dir: Path) -> None:
-    if "base_fingerprint" not in info:
-        return
-    found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
-    if found != info["base_fingerprint"]:
-        raise ValueError(f"base model {info.get('model')!r} here has weights {str(found)[:12]}..., the run "
-                         f"{run_dir} started from {info['base_fingerprint'][:12]}...: not the run's base model")
-
-
 def run_task(run_dir: str | Path, device: str = "cpu", **overrides: Any) -> tuple[Task, RunConfig, dict]:
     """The run's task (optionally with RunConfig ``overrides``, e.g. another ``data_dir``), its
     configuration and task_info; refused if the base model here is not the run's."""
@@ -70,7 +61,10 @@ def run_task(run_dir: str | Path, device: str = "cpu", **overrides: Any) -> tupl
     cfg, info = saved_config(run_dir)
     given = {k: v for k, v in overrides.items() if v is not None}
     task = build_task(RunConfig(**{**cfg.model_dump(), **given, "device": device}))
-    _check_base(task, info, run_dir)
+    if given:  # another split or size asks for another description: only the base model must be the run's
+        check_run_task(task, {k: v for k, v in info.items() if k in ("model", "base_fingerprint")}, run_dir)
+    else:
+        check_run_task(task, info, run_dir)
     return task, cfg, info
 
 
@@ -88,7 +82,7 @@ def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | N
         task, _, _ = run_task(run_dir, device)
     else:
         task = on_device(task, device)
-        _check_base(task, info, run_dir)
+        check_run_task(task, info, run_dir, given=True)
     ckpt_path = run_dir / "model.pt"
     if cfg.algorithm == "fedkseed":  # its log folded, then x_round materialised (at most K draws)
         from .fedkseed import rebuild_pool
@@ -105,7 +99,7 @@ def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | N
         model = task.build_model()
         model.load_state_dict(ckpt["model"])
         return RunModel(model, task, cfg, info, int(ckpt["round"]), run_dir)
-    state, task, cfg, info, records = start_replica(run_dir, task, device)
+    state, task, cfg, info, records = start_replica(run_dir, task, device, checked=True)
     upto = logged_rounds(records, round, run_dir)
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True) if ckpt_path.is_file() else None
     if ckpt is not None and ckpt["round"] == len(upto):
