@@ -65,7 +65,8 @@ def test_merged_export_loaded_by_transformers_gives_hisos_logits(runs, tmp_path,
     assert meta["base_fingerprint"] == info["base_fingerprint"] and meta["round"] == (rnd or 4)
     assert meta["algorithm"] == "hiso" and len(meta["config_sha256"]) == 64
     assert info["base_fingerprint"] in (out / "README.md").read_text()
-    assert json.loads((out / "hiso.json").read_text()) == meta
+    written = json.loads((out / "hiso.json").read_text())
+    assert written.pop("files") == sorted(p.name for p in out.iterdir()) and written == meta
     assert not any(p.name.startswith(".merged") for p in tmp_path.iterdir())  # no temp dir left
 
 
@@ -159,6 +160,17 @@ def test_force_replaces_an_earlier_export_and_nothing_else(runs, tmp_path, capsy
     _refused(["export", str(runs["lora"]), "--out", str(out), "--force"], capsys, tmp_path, "notes.txt")
     assert [(p / n).read_text() for p, n in ((mine, "thesis.tex"), (tmp_path, "afile"), (out, "notes.txt"))] == ["keep"] * 3
     assert (out / "hiso.json").is_file()
+    # an export's hiso.json lists what it wrote: a file of any name it lists is its own to replace
+    (out / "notes.txt").unlink()
+    meta = json.loads((out / "hiso.json").read_text())
+    assert sorted(meta["files"]) == ["README.md", "hiso.json", "model.safetensors"]
+    (out / "tokenizer.special.bin").write_text("a tokenizer file no name pattern knows")
+    (out / "hiso.json").write_text(json.dumps({**meta, "files": [*meta["files"], "tokenizer.special.bin"]}))
+    code, _, err = run_cli(["export", str(runs["lora"]), "--out", str(out), "--format", "state-dict", "--force"], capsys)
+    assert code == 0, err
+    assert not (out / "tokenizer.special.bin").exists()
+    (out / "model.safetensors.bak").write_text("keep")  # not listed: the user's, though export-like
+    _refused(["export", str(runs["lora"]), "--out", str(out), "--force"], capsys, tmp_path, "model.safetensors.bak")
 
 
 def test_export_onto_another_base_is_refused(runs, tmp_path, capsys):

@@ -14,7 +14,7 @@ the base model's name and weight fingerprint; ``merged`` also puts them in ``con
 (key ``hiso``), ``state-dict`` in the safetensors header. A run is exported only onto the base it
 started from. Everything is written to a temporary directory beside ``--out`` and renamed at the
 end, so a refused or failed export leaves nothing behind. ``--force`` replaces an earlier export
-only (a directory of the files an export writes): a user's files at ``--out`` are refused, never deleted.
+only (a directory of the files its ``hiso.json`` lists): a user's files at ``--out`` are refused, never deleted.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from .runmodel import RunModel, load_run_model
 
 FORMATS = ("peft", "merged", "state-dict")
 
-# the names an export's files have (its own, transformers' and peft's save_pretrained, a tokenizer's):
-# --force replaces a directory of these only, never one that holds anything else
+# the names an export's files had before hiso.json listed them (its own, transformers' and peft's
+# save_pretrained, a tokenizer's): --force replaces such an export only if it holds nothing else
 EXPORT_FILES = re.compile(r"hiso\.json|README\.md|(generation_)?config\.json|adapter_config\.json"
                           r"|(model|adapter_model)(-\d+-of-\d+)?\.safetensors(\.index\.json)?"
                           r"|tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)"
@@ -168,26 +168,30 @@ def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict) -> None:
         save_file(tensors, tmp / "model.safetensors", metadata={"hiso": json.dumps(meta)})
     if tok is not None and fmt != "state-dict":
         tok.save_pretrained(tmp)
-    (tmp / "hiso.json").write_text(json.dumps(meta, indent=2))
     (tmp / "README.md").write_text(model_card(meta, rm.info))
+    written = sorted(p.name for p in tmp.iterdir())  # what --force may replace later: these names only
+    (tmp / "hiso.json").write_text(json.dumps({**meta, "files": sorted([*written, "hiso.json"])}, indent=2))
 
 
 def not_an_export(out: Path) -> str | None:
     """Why ``out`` is not an earlier export that ``--force`` may replace (None: it is one): an
-    export is a directory of the files :data:`EXPORT_FILES` names, its ``hiso.json`` among them."""
+    export is a directory holding its ``hiso.json`` and only the files that export wrote (the
+    names its ``hiso.json`` lists; exports made before it listed them: :data:`EXPORT_FILES`)."""
     if out.is_symlink() or not out.is_dir():
         return "is a file"
-    names = sorted(p.name for p in out.iterdir())
-    other = [n for n in names if not (EXPORT_FILES.fullmatch(n) and (out / n).is_file() and not (out / n).is_symlink())]
-    if other:
-        return f"holds {other[0]!r}, which no export writes"
     try:
         meta = json.loads((out / "hiso.json").read_text())
     except (OSError, ValueError):
         meta = None
-    if not isinstance(meta, dict) or meta.get("format") not in FORMATS:
-        return "has no export's hiso.json"
-    return None
+    export = isinstance(meta, dict) and meta.get("format") in FORMATS
+    listed = meta.get("files") if export else None
+    wrote = set(listed) if isinstance(listed, list) else None
+    names = sorted(p.name for p in out.iterdir())
+    other = [n for n in names if not ((EXPORT_FILES.fullmatch(n) if wrote is None else n in wrote)
+                                      and (out / n).is_file() and not (out / n).is_symlink())]
+    if other:
+        return f"holds {other[0]!r}, which {'the export there did' if export else 'no export does'} not write"
+    return None if export else "has no export's hiso.json"
 
 
 def _taken(out: Path) -> bool:
