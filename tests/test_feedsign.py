@@ -66,6 +66,18 @@ def test_server_logs_the_majority_vote_and_a_tie_is_no_step():
     assert tie.scalars.tolist() == [[0.0]]  # one for, one against: no step
 
 
+@pytest.mark.parametrize("n, signs", [(6, [1, 1, 1, -1, -1, -1]), (6, [-1, -1, -1, 1, 1, 1]),
+                                      (10, [1] * 5 + [-1] * 5), (12, [-1] * 6 + [1] * 6)])
+def test_a_tie_is_no_step_whatever_the_number_of_clients(n, signs):
+    # the mean of +-1 over 6, 10 or 12 clients sums six 1/6 in float64 and is not exactly 0:
+    # the vote must come from the sum of the signs, which is
+    srv = Server(n, n, 1, 1, seed=0, signs=True)
+    plan = srv.plan()
+    rec = srv.aggregate([Uplink(c, plan.round, np.array([[signs[i]]], np.float32), 0.0)
+                         for i, c in enumerate(plan.participants)])
+    assert rec.scalars.tolist() == [[0.0]]
+
+
 # ---------------------------------------------------------------- known answer: two rounds by hand
 
 _C = [(1.0, 0.0), (0.0, 1.0), (-1.0, -2.0)]  # f_i(w) = c_i . w: the derivative along z is c_i . z exactly
