@@ -6,10 +6,11 @@ Round r, client i, from x_r:
 1. ``steps`` SGD steps with backpropagation on its minibatches (client lr eta):
    Delta_i = x_r - x_{r,steps} (float32 tensors; x_r is restored exactly afterwards).
 2. The trainable tensors (protocol order) form B contiguous blocks of about equal size
-   (:func:`blocks_of`; some may be empty, see Blocks below). Block b gets K directions v_{b,k} (k < K): tensor t of block b takes
-   ``DirectionGenerator.fill(s_{r,b,k}, t)``, the direction kernels every algorithm uses, with
-   the seeds s_{r,b,k} derived from the run seed like every round's seeds (the record's (tau, P)
-   shape is (B, K)). The client uploads s_{i,b,k} = <Delta_i restricted to b, v_{b,k}>.
+   (:func:`blocks_of`; some may be empty, see Blocks below). Block b gets K directions v_{b,k}
+   (k < K): tensor t of block b takes ``DirectionGenerator.fill(s_{r,b,k}, t)``, the direction
+   kernels every algorithm uses, with the seeds s_{r,b,k} derived from the run seed like every
+   round's seeds (the record's (tau, P) shape is (B, K)). The client uploads
+   s_{i,b,k} = <Delta_i restricted to b, v_{b,k}>.
 3. The server averages the (B, K) numbers over its clients (any rule of
    :mod:`hiso.core.aggregate`) and logs them; every replica applies, tensor by tensor,
    x <- x - server_lr * (1/K) sum_k sbar_{b,k} v_{b,k} (one ``combine`` per tensor).
