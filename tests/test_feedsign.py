@@ -66,6 +66,18 @@ def test_server_logs_the_majority_vote_and_a_tie_is_no_step():
     assert tie.scalars.tolist() == [[0.0]]  # one for, one against: no step
 
 
+@pytest.mark.parametrize("n, signs", [(6, [1, 1, 1, -1, -1, -1]), (6, [-1, -1, -1, 1, 1, 1]),
+                                      (10, [1] * 5 + [-1] * 5), (12, [-1] * 6 + [1] * 6)])
+def test_a_tie_is_no_step_whatever_the_number_of_clients(n, signs):
+    # the mean of +-1 over 6, 10 or 12 clients sums six 1/6 in float64 and is not exactly 0:
+    # the vote must come from the sum of the signs, which is
+    srv = Server(n, n, 1, 1, seed=0, signs=True)
+    plan = srv.plan()
+    rec = srv.aggregate([Uplink(c, plan.round, np.array([[signs[i]]], np.float32), 0.0)
+                         for i, c in enumerate(plan.participants)])
+    assert rec.scalars.tolist() == [[0.0]]
+
+
 # ---------------------------------------------------------------- known answer: two rounds by hand
 
 _C = [(1.0, 0.0), (0.0, 1.0), (-1.0, -2.0)]  # f_i(w) = c_i . w: the derivative along z is c_i . z exactly
@@ -128,3 +140,41 @@ def test_cli_run_records_the_defaults_and_rebuild_is_bit_identical(tmp_path, cap
 ])
 def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):
     assert_run_refused(tmp_path, capsys, ["--algorithm", "feedsign", *TINY, *flags], msg)
+
+
+# ---------------------------------------------------------------- resume and faults: a vote is not a sign
+
+def test_a_run_whose_log_holds_a_tie_resumes_to_the_uninterrupted_run(tmp_path):
+    """Resuming counts each logged round's uplink bytes from the logged record, whose vote may be 0
+    (a tie), which no client sends: the count must not refuse it."""
+    import shutil
+
+    from hiso.runners.rundir import run_to_dir
+    cfg = load_config(None, algorithm="feedsign", task="quadratic", dim=30, clients=4, sampled=2, rounds=8,
+                      eval_every=2, seed=4)
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run_to_dir(cfg, full)
+    shutil.copytree(full, cut)
+    lines = (cut / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (cut / "metrics.jsonl").write_text("".join(lines[:7]))  # rounds 0..6: records 0..5 are replayed
+    _, _, records = read_history(full / "history.bin")
+    assert 0.0 in [float(r.scalars[0, 0]) for r in records[:6]]
+    for f in ("summary.json", "model.pt"):
+        (cut / f).unlink()
+    run_to_dir(cfg, cut, resume=True)
+    a, b = torch.load(full / "model.pt"), torch.load(cut / "model.pt")
+    assert a["round"] == b["round"] == 8 and torch.equal(a["model"]["x"], b["model"]["x"])
+    sa, sb = (json.loads((d / "summary.json").read_text())["communication_per_client"] for d in (full, cut))
+    assert sa == sb
+
+
+def test_dropped_answers_in_fast_mode_count_the_bytes_faithful_mode_counts(tmp_path):
+    from hiso.runners.rundir import run_to_dir
+    kw = dict(algorithm="feedsign", task="quadratic", dim=30, clients=6, sampled=3, rounds=10, eval_every=5, seed=1,
+              drop_rate=0.3)
+    for mode in ("fast", "faithful"):
+        run_to_dir(load_config(None, mode=mode, **kw), tmp_path / mode)
+    assert (tmp_path / "fast" / "history.bin").read_bytes() == (tmp_path / "faithful" / "history.bin").read_bytes()
+    sa, sb = (json.loads((tmp_path / m / "summary.json").read_text())["communication_per_client"]
+              for m in ("fast", "faithful"))
+    assert sa == sb and sa["bytes_up_mean"] > 0

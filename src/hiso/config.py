@@ -181,7 +181,8 @@ class RunConfig(BaseModel, MethodRules):
         "ferret: K, the random directions per parameter block the local update is projected on (default: 200, the "
         "authors' script; ferret_k x ferret_blocks <= 65536)"))
     ferret_blocks: int = Field(8, description=(
-        "ferret: B, contiguous blocks of trainable tensors of about equal size, each with its own K directions"))
+        "ferret: B, contiguous blocks of trainable tensors of about equal size, each with its own K directions (a "
+        "tensor is never split: with fewer or very unequal tensors some blocks stay empty and send K zeros)"))
     step_norm: Literal["std"] | None = Field(None, description=(
         "std: divide the global step by a moving RMS of the round's aggregated scalars, from the log alone "
         "(hiso.methods.stepnorm; hiso, decomfl, local_steps 1; default: none)"))

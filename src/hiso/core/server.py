@@ -244,7 +244,9 @@ class Server:
         else:
             agg = combine(g, w, self.rule, self.trim).astype(np.float32)
         if self.wire.signs:  # FeedSign: the sign of the combined signs, the (weighted) majority vote
-            agg = feedsign.vote(agg)
+            # under the mean, the sign of the weighted *sum*: exact for equal (or integer) weights, so
+            # a tie is 0, where the mean's w / w.sum() (1/6, 1/10, ...) can leave +-5e-17 and a step
+            agg = feedsign.vote(np.tensordot(w, g, axes=1) if self.rule == "mean" else agg)
         return self._close(plan, answered, agg)
 
     def close_secure(self, answered, total) -> RoundRecord:

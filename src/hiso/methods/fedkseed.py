@@ -21,7 +21,10 @@ here); zo_eps 5e-4 (our ``mu`` defaults to 1e-3: pass ``--mu 5e-4``); 200 local 
 size 1 on their LLM runs (``--local-steps``); clients weighted by data size unless
 ``--equal_weight`` (here the plain mean: ``--weighted`` is refused for fedkseed); each client's
 local steps start from the global model of the round (as here), and their server rebuilds x_r
-from x_0 over every seed with a nonzero accumulated scalar (as here).
+from x_0 over every seed with a nonzero accumulated scalar (as here). Downlink: the paper's client
+pulls the K accumulated scalars (4K bytes, the 16 KB of its "under 18 KB"); ours sends the rounds
+the client missed, every participant's tau (index, scalar) pairs (exact, and smaller while a client
+missed fewer than about 4K / (n (6 tau + 1)) rounds of n clients; beyond, it grows with them).
 
 Exactness with K regenerations at most: a replica does not step round by round. It folds
 records into C_j = sum_r eta_r a_{r,j} (float64, in log order: cheap, no direction is drawn)

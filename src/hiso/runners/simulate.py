@@ -239,7 +239,8 @@ class Simulation:
                 self.totals[fate] += 1
             if fate == "drop" and self.mode == "fast":  # lost anyway; a faithful client computes it
                 lost = Uplink(cid, plan.round, np.zeros(wire.shape, np.float32), 0.0, plan.attempt)
-                self.comm.up[cid] += len(encode_uplink(lost, wire)) + (4 if self.sealed else 0)
+                # its size only (FeedSign's wire refuses zeros as signs when checked)
+                self.comm.up[cid] += len(encode_uplink(lost, wire, check=False)) + (4 if self.sealed else 0)
                 continue
             if cid in liars:
                 self.totals["attacked"] += 1
@@ -388,9 +389,9 @@ class Simulation:
                 plan = self.server.plan_logged(rec)
                 for cid in plan.participants:
                     self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
-                    if cid in rec.participants:
+                    if cid in rec.participants:  # its size only (FeedSign: the logged vote may be 0, no sign)
                         self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt),
-                                                               wire))
+                                                               wire, check=False))
             if self.mode == "faithful":
                 for cid in plan.participants:
                     if last.get(cid) == rec.round:  # the replica at rec.round
