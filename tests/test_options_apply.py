@@ -97,6 +97,12 @@ def test_options_the_algorithm_never_reads_are_named(tmp_path, capsys):
     assert code == 0 and "does not use" not in err
     cfg = load_config(algorithm="fedadam", server_lr=0.1, beta1=0.5, seed_pool=64)
     assert cfg.unused_options() == {"seed_pool": "fedkseed's"}
+    # ferret and the first-order baselines take no zeroth-order estimate: P, mu, the difference
+    cfg = load_config(algorithm="ferret", perturbations=8, mu=1e-2, difference="central")
+    assert cfg.unused_options() == dict.fromkeys(["perturbations", "mu", "difference"], "the zeroth-order estimate's")
+    assert load_config(algorithm="fedavg", mu=1e-2).unused_options() == {"mu": "the zeroth-order estimate's"}
+    assert load_config(algorithm="fedzo", perturbations=8, mu=1e-2).unused_options() == {}
+    assert load_config(algorithm="feedsign", mu=1e-2).unused_options() == {}
 
 
 def test_out_and_resume_together_name_both(tmp_path, capsys):

@@ -117,6 +117,8 @@ _ALGORITHM_OPTIONS = (
     (("wire_dtype",), ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad"), "the full-model baselines' messages"),
     (("seed_pool", "seed_sampling"), ("fedkseed",), "fedkseed's"),
     (("ferret_k", "ferret_blocks"), ("ferret",), "ferret's"),
+    (("perturbations", "mu", "difference"), ("hiso", "decomfl", "feedsign", "fedkseed", "fedzo"),
+     "the zeroth-order estimate's"),
 )
 
 
