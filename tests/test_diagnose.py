@@ -151,3 +151,11 @@ def test_noise_floor_level_differs_from_a_per_coordinate_h_with_signal(run):
     d = diagnose(run, points=3, curvature="no", progress=False)
     last = d["over_rounds"][-1]
     assert last["floor_level"] > 0 and abs(last["floor_level"] / last["h"]["median"] - 1) > 1e-3
+
+
+def test_an_out_that_is_a_file_is_refused_in_one_line_before_the_work(run, tmp_path, capsys):
+    (tmp_path / "f").write_text("mine")
+    for out in (tmp_path / "f", tmp_path / "f" / "sub"):
+        code, _, err = run_cli(["diagnose", str(run), "--out", str(out), "--curvature", "no"], capsys)
+        assert code == 2 and "is a file" in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "f").read_text() == "mine"

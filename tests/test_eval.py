@@ -97,3 +97,27 @@ def test_split_dev_is_the_validation_share_and_test_the_reported_examples(tmp_pa
         got = json.loads((run / "eval.json").read_text())
         assert got["split"] == split and got["metrics"] == {k: v for k, v in row.items() if k.startswith(prefix)}
         assert got["metrics"]
+
+
+def test_eval_refuses_a_task_option_the_run_does_not_read_in_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert run_cli(["run", "--out", str(run), "--dim", "10", "--rounds", "2", "--quiet"], capsys)[0] == 0
+    for args in (["--data-dir", str(tmp_path)], ["--eval-max", "5"]):
+        code, _, err = run_cli(["eval", str(run), *args], capsys)
+        assert code == 2 and "does not use it" in err and len(err.strip().splitlines()) == 1, err
+    assert not (run / "eval.json").exists()
+
+
+def test_eval_never_writes_over_the_runs_own_files_or_a_directory(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert run_cli(["run", "--out", str(run), "--dim", "10", "--rounds", "2", "--quiet"], capsys)[0] == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    for out, words in ((run / "history.bin", "would overwrite history.bin"), (run / "model.pt", "would overwrite"),
+                       (tmp_path, "is a directory")):
+        code, _, err = run_cli(["eval", str(run), "--out", str(out)], capsys)
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert not list(tmp_path.glob("*.tmp"))
+    for _ in range(2):  # its own eval.json, again and again
+        assert run_cli(["eval", str(run)], capsys)[0] == 0
+    assert run_cli(["eval", str(run), "--out", str(run / "eval.json")], capsys)[0] == 0

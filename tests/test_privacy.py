@@ -158,6 +158,7 @@ def test_a_budget_stops_the_run_with_its_state_saved(tmp_path, capsys):
     (["--dp-noise-multiplier", "1"], "dp_clip"),
     (["--dp-clip", "1", "--dp-noise-multiplier", "1", "--aggregate", "median"], "mean"),
     (["--dp-clip", "1", "--dp-noise-multiplier", "1", "--algorithm", "fedavg"], "hiso and decomfl"),
+    (["--dp-clip", "1", "--dp-noise-multiplier", "0", "--dp-delta", "1e-5"], "no finite epsilon"),
 ])
 def test_bad_dp_settings_are_one_line_exit_2(tmp_path, capsys, args, msg):
     code, _, err = run_cli(_quad(tmp_path, "bad", *args), capsys)

@@ -450,3 +450,23 @@ def test_a_run_logged_before_protocol_v2_still_rebuilds_but_is_not_resumed(tmp_p
     code, _, err = _cli(["run", "--resume", str(d), "--quiet"], capsys)
     assert code == 2 and "before protocol v2" in err and len(err.strip().splitlines()) == 1
     assert (d / "history.bin").read_bytes() == before
+
+
+def test_a_run_made_before_the_directions_option_rebuilds_with_torch_normal(tmp_path, capsys):
+    """A config.json without `directions` was written when torch-normal was the only family (its
+    history.bin of version 1 or 2 does not name a family): rebuild and eval replay it with that
+    family, not today's default, and get the run's model."""
+    d = tmp_path / "run"
+    run_to_dir(_cfg([*QUAD, "--rounds", "6", "--directions", "torch-normal"]), d)
+    log = parse_history(d / "history.bin")
+    (d / "history.bin").write_bytes(_old_log(log.records, log.tau, log.P, 2))
+    raw = json.loads((d / "config.json").read_text())
+    del raw["directions"]
+    (d / "config.json").write_text(json.dumps(raw))
+    code, _, err = _cli(["rebuild", str(d), "--out", str(tmp_path / "rb.pt")], capsys)
+    assert code == 0, err
+    a, b = torch.load(tmp_path / "rb.pt"), torch.load(d / "model.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+    code, _, err = _cli(["eval", str(d), "--round", "4"], capsys)
+    row4 = json.loads((d / "metrics.jsonl").read_text().splitlines()[4])
+    assert code == 0 and json.loads((d / "eval.json").read_text())["metrics"]["gap"] == row4["gap"], err

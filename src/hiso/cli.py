@@ -390,12 +390,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from .runners.evaluate import evaluate_run, write_eval
-    from .runners.rundir import saved_config
+    from .runners.rundir import overwrites_run, saved_config
 
     saved_config(args.run_dir)  # a run directory, before anything else is said about it
     out = Path(args.out) if args.out else Path(args.run_dir) / "eval.json"
     if not out.parent.is_dir():
         return _fail(f"--out {out}: directory {out.parent} does not exist")
+    if out.is_dir():
+        return _fail(f"--out {out} is a directory: give a file name")
+    if out.name != "eval.json" and (why := overwrites_run(out, args.run_dir)) is not None:  # eval.json: its own
+        return _fail(f"--out {out} {why}: write the metrics elsewhere")
     if args.eval_max is not None and args.eval_max < 1:
         return _fail(f"--eval-max must be >= 1, got {args.eval_max}")
     result = evaluate_run(args.run_dir, args.round, args.data_dir, args.eval_max, args.split, args.device)
@@ -408,9 +412,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from .report.diagnose import diagnose, summary_text, write
+    from .runners.runfiles import not_a_dir
 
     if args.batches < 1 or args.probes < 1:
         raise ValueError("--batches and --probes must be >= 1")
+    if args.out is not None and (why := not_a_dir(args.out)) is not None:  # before the work, not after it
+        return _fail(f"--out {why}")
     d = diagnose(args.run_dir, points=args.points, curvature=args.curvature, max_params=args.max_params,
                  batches=args.batches, probes=args.probes)
     paths = write(d, args.out or args.run_dir)

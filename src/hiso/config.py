@@ -311,6 +311,9 @@ class RunConfig(BaseModel, MethodRules):
                 raise ValueError("DP needs exactly one of dp_noise_multiplier and dp_epsilon")
             if self.dp_epsilon is not None and self.dp_delta is None:
                 raise ValueError("dp_epsilon needs dp_delta (e.g. 1e-5, below 1 / clients)")
+            if self.dp_noise_multiplier == 0 and self.dp_delta is not None:  # its epsilon: inf, not JSON
+                raise ValueError("dp_noise_multiplier 0 adds no noise, so no finite epsilon is spent: drop dp_delta "
+                                 "(clipping only) or give a noise multiplier > 0")
             if self.aggregate != "mean" or self.weighted:
                 raise ValueError("DP is accounted for the plain mean: use aggregate mean without weighted")
         self._secagg_checks()

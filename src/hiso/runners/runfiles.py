@@ -68,8 +68,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 # options added later with a default that computes differently: what a run of those tasks made
-# before them did, so that `hiso run --resume DIR` continues such a run as it began
-_MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False)}
+# before them did, so that `hiso run --resume DIR` continues such a run as it began (tasks None:
+# every task; a config.json without `directions` predates the option, when torch-normal was the
+# only family, so its run is rebuilt with that family, not today's default)
+_MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False), "directions": (None, "torch-normal")}
 
 
 def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
@@ -140,7 +142,8 @@ def _as_it_ran(raw: dict, info: dict) -> dict:
 
 def _made_before(raw: dict) -> dict:
     """The options a saved configuration predates, at the values its run was made with."""
-    return {k: v for k, (tasks, v) in _MADE_BEFORE.items() if k not in raw and raw.get("task") in tasks}
+    return {k: v for k, (tasks, v) in _MADE_BEFORE.items()
+            if k not in raw and (tasks is None or raw.get("task", "quadratic") in tasks)}
 
 
 def made_before(run_dir: str | Path) -> dict:

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import RunConfig
+from pydantic import ValidationError
+
+from ..config import ConfigError, RunConfig, one_line
 from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task
@@ -60,7 +62,11 @@ def run_task(run_dir: str | Path, device: str = "cpu", **overrides: Any) -> tupl
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
     given = {k: v for k, v in overrides.items() if v is not None}
-    task = build_task(RunConfig(**{**cfg.model_dump(), **given, "device": device}))
+    try:  # an option the run's task does not read (--data-dir on the quadratic): one line
+        run_cfg = RunConfig(**{**cfg.model_dump(), **given, "device": device})
+    except ValidationError as e:
+        raise ConfigError(one_line(e)) from None
+    task = build_task(run_cfg)
     if given:  # another split or size asks for another description: only the base model must be the run's
         check_run_task(task, {k: v for k, v in info.items() if k in ("model", "base_fingerprint")}, run_dir)
     else:
