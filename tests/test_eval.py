@@ -97,6 +97,7 @@ def test_split_dev_is_the_validation_share_and_test_the_reported_examples(tmp_pa
         got = json.loads((run / "eval.json").read_text())
         assert got["split"] == split and got["metrics"] == {k: v for k, v in row.items() if k.startswith(prefix)}
         assert got["metrics"]
+        assert (got["n_eval"], got["n_val"]) == (100, 100)  # eval_max 200, half of it the validation share
 
 
 def test_eval_refuses_a_task_option_the_run_does_not_read_in_one_line(tmp_path, capsys):

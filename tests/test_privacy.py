@@ -127,6 +127,13 @@ def test_dp_run_reports_epsilon_keeps_its_secret_and_rebuilds(tmp_path, capsys):
     assert code == 0, err
     a, b = torch.load(out / "model.pt"), torch.load(tmp_path / "rb.pt")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    # a released model says what privacy it was trained under, at the round exported
+    code, _, err = run_cli(["export", str(out), "--out", str(tmp_path / "exp"), "--round", "3"], capsys)
+    assert code == 0, err
+    meta = json.loads((tmp_path / "exp" / "hiso.json").read_text())
+    assert meta["privacy"] == {"mode": "central", "clip": 10.0, "noise_multiplier": 1.0, "delta": 1e-5,
+                               "epsilon": eps[0]}
+    assert f"({eps[0]:.3g}, 1e-05)-DP at round 3" in (tmp_path / "exp" / "README.md").read_text()
 
 
 def test_a_budget_stops_the_run_with_its_state_saved(tmp_path, capsys):

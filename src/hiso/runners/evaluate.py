@@ -50,7 +50,9 @@ def evaluate_run(run_dir: str | Path, round: int | None = None, data_dir: str | 
     seconds = time.perf_counter() - t0
     if split is not None:
         metrics = {k: v for k, v in metrics.items() if k.startswith(_PREFIX[split])}
-    return {"metrics": metrics, "round": rm.round, "split": split or "all",
+    described = task.describe()  # how many examples were scored: n_eval (eval_*) and n_val (val_*)
+    scored = {k: described[k] for k in ("n_eval", "n_val") if k in described}
+    return {"metrics": metrics, "round": rm.round, "split": split or "all", **scored,
             "data_dir": data_dir or cfg.data_dir, "eval_max": eval_max or cfg.eval_max,
             "seconds": seconds, **{k: v for k, v in rm.identity().items() if k != "round"}}
 

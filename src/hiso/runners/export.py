@@ -101,6 +101,10 @@ def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
     logged = _metrics_at(rm.run_dir, rm.round)
     if logged:
         meta["metrics_logged_at_round"] = logged
+    cfg = rm.cfg
+    if cfg.dp_clip is not None:  # a released model says what privacy it was trained under, at its round
+        meta["privacy"] = {"mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise,
+                           "delta": cfg.dp_delta, "epsilon": cfg.dp_spent(rm.round)}
     return meta
 
 
@@ -127,6 +131,11 @@ def model_card(meta: dict, info: dict) -> str:
     if meta.get("lora"):
         lo = meta["lora"]
         lines.append(f"- LoRA r = {lo['r']}, alpha = {lo['alpha']:g}, targets {', '.join(lo['targets'])}")
+    if dp := meta.get("privacy"):
+        spent = (f"({dp['epsilon']:.3g}, {dp['delta']:g})-DP at round {meta['round']}" if dp["epsilon"] is not None
+                 else "no epsilon reported (no delta given)")
+        lines.append(f"- differential privacy ({dp['mode']}): scalars clipped at {dp['clip']:g}, noise multiplier "
+                     f"{dp['noise_multiplier']:.4g}; {spent}")
     for k, v in meta.get("metrics_logged_at_round", {}).items():
         lines.append(f"- {k} logged by the run at this round: {v:.6g}")
     lines += ["", "## Load", "", "```python"]
