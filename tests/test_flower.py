@@ -557,6 +557,44 @@ def test_flower_cli_refuses_what_nodes_cannot_simulate(tmp_path, capsys, args, n
     assert not (tmp_path / "r").exists()
 
 
+@needs_flwr
+@pytest.mark.parametrize("args,needle", [(["--nodes", "0"], "--nodes must be 1 to --clients (2)"),
+                                         (["--nodes", "3"], "--nodes must be 1 to --clients (2)"),
+                                         (["--round-timeout", "0"], "--round-timeout must be a positive"),
+                                         (["--round-timeout", "-5"], "--round-timeout must be a positive")])
+def test_flower_cli_refuses_bad_federation_options_before_starting_anything(tmp_path, capsys, monkeypatch,
+                                                                            args, needle):
+    """One line and exit 2, before any Flower process starts (they used to start: --nodes 0
+    ran --clients nodes, --nodes 3 waited a minute for a node that has no partition, a
+    non-positive round timeout failed every round)."""
+    from cli_helpers import run_cli
+    import hiso.flower.launch as launch
+
+    def started(*a, **kw):
+        raise AssertionError("a federation was started")
+    monkeypatch.setattr(launch, "run_local", started)
+    code, _, err = run_cli(["flower", "--task", "quadratic", "--clients", "2", "--sampled", "2",
+                            "--out", str(tmp_path / "r"), *args], capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@needs_flwr
+def test_flower_cli_refuses_a_run_directory_it_cannot_write(tmp_path, capsys, monkeypatch):
+    """The ServerApp writes --out: a directory that cannot be made is refused in one line before
+    the federation starts (it used to fail half a minute later with the ServerApp's traceback)."""
+    from cli_helpers import run_cli
+    import hiso.flower.launch as launch
+
+    def started(*a, **kw):
+        raise AssertionError("a federation was started")
+    monkeypatch.setattr(launch, "run_local", started)
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs /proc (a directory nobody, root included, can make folders in)")
+    code, _, err = run_cli(["flower", "--task", "quadratic", "--clients", "2", "--sampled", "2",
+                            "--out", "/proc/hiso-no-such-dir/r"], capsys)
+    assert code == 2 and "cannot write the run directory" in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.slow
 @needs_flwr
 def test_flower_deployment_with_an_attacking_node_and_median_matches_the_simulator(federation, tmp_path):

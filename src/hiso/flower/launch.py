@@ -407,8 +407,8 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
     into ``out`` (``resume``: continue the interrupted run there), stop every process; returns
     the run's final status (raises unless completed, or after ``timeout`` seconds without a
     round logged)."""
-    if nodes < 1:
-        raise ValueError(f"need at least one node, got {nodes}")
+    if not 1 <= nodes <= cfg.clients:
+        raise ValueError(f"need 1 to {cfg.clients} nodes (node i serves partition i), got {nodes}")
     if worker and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm}: per-node workers serve the scalar-only algorithms (hiso, decomfl)")
     if cfg.clients != nodes:
