@@ -415,6 +415,18 @@ def _wait_rows(path: Path, n: int, timeout: float) -> None:
     wait_progress(lambda: rows_logged(path.parent), n, f"round {n} in {path}", stall_s=timeout)
 
 
+@needs_flwr
+def test_flower_federation_refuses_a_port_in_use(federation):
+    """A SuperLink port someone else listens on fails at once, in one line, with nothing started
+    (the launcher used to take the other listener for the SuperLink, start the nodes, and fail
+    half a minute later with "Connection to the SuperLink is unavailable")."""
+    import socket
+    from hiso.flower.launch import FlowerRunError
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        with pytest.raises(FlowerRunError, match="already in use"):
+            federation(nodes=1, port=busy.getsockname()[1])
+
+
 @pytest.mark.slow
 @needs_flwr
 def test_flower_run_finishes_with_the_survivor_when_a_node_dies(federation, tmp_path):

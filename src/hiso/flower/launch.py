@@ -51,6 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _refuse_busy(port: int, what: str) -> None:
+    """Fail at once if something already listens on ``port``: the process about to start there
+    could not bind it, and waiting for the port would find the other listener instead."""
+    with socket.socket() as s:
+        if s.connect_ex((HOST, port)) == 0:
+            raise FlowerRunError(f"{HOST}:{port} is already in use: cannot start {what} there")
+
+
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str) -> None:
     """Wait for ``proc`` to listen on ``port``. ``timeout`` bounds the time the process spends
     without using CPU (stuck), not its start: on a busy machine a start takes longer."""
@@ -188,6 +196,7 @@ class LocalFederation:
         if self.tls or self.auth:
             self.certs = make_tls(self.workdir / "certs") if self.tls else {}
         self.port = self.port or free_port()
+        _refuse_busy(self.port, "flower-superlink")
         conn = {"address": f"{HOST}:{self.port}"}
         if self.tls:
             conn["root-certificates"] = str(self.certs["ca"].resolve())
@@ -218,6 +227,7 @@ class LocalFederation:
                 if not res.get("success", False):
                     raise FlowerRunError(f"could not register node {i}: {res}")
         port = self.node_ports.setdefault(i, free_port())
+        _refuse_busy(port, f"flower-supernode {i}")
         part = self.partitions[i] if i < len(self.partitions) else i
         nc = f"partition-id={part} state-dir='{self.state_dir}'"
         if self.worker:  # the node's worker, (re)started with it
