@@ -416,6 +416,29 @@ def _wait_rows(path: Path, n: int, timeout: float) -> None:
 
 
 @needs_flwr
+def test_flower_failed_run_says_where_its_logs_and_replicas_are(tmp_path, monkeypatch, capsys):
+    """A run that fails (or is stopped) keeps its temporary work directory (Flower's logs, the
+    nodes' replicas): it names it, and how to resume from those replicas instead of x_0."""
+    from hiso.flower.launch import FlowerRunError, run_local
+    cfg = RunConfig(**CFG, rounds=3)
+    out = tmp_path / "run"
+    run_to_dir(RunConfig(**CFG, rounds=1), out)  # a run directory with rounds logged ...
+    (out / "summary.json").unlink()  # ... whose ServerApp died
+    monkeypatch.setattr(LocalFederation, "start", lambda self: self)
+
+    def dies(self, *a, **kw):
+        raise FlowerRunError("run 1 finished:failed: No heartbeat received from the task")
+    monkeypatch.setattr(LocalFederation, "submit", dies)
+    with pytest.raises(FlowerRunError):
+        run_local(cfg, out, 1, resume=True)
+    err = capsys.readouterr().err
+    work = err.split("kept in ")[1].split(";")[0]
+    assert Path(work).is_dir() and f"hiso flower --resume {out} --nodes 1 --workdir {work}" in err
+    import shutil
+    shutil.rmtree(work)
+
+
+@needs_flwr
 def test_flower_federation_refuses_a_port_in_use(federation):
     """A SuperLink port someone else listens on fails at once, in one line, with nothing started
     (the launcher used to take the other listener for the SuperLink, start the nodes, and fail

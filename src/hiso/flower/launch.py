@@ -426,7 +426,16 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
               file=sys.stderr)
     with LocalFederation(nodes=nodes, workdir=Path(workdir) if workdir else None, tls=tls, auth=auth,
                          verbose=verbose, worker=worker) as fed:
-        run_id = fed.submit(cfg, out, round_timeout=round_timeout, resume=resume)
-        if verbose:
-            print(f"run {run_id}; logs in {fed.logs}", file=sys.stderr)
-        return fed.wait(run_id, timeout, on_poll=progress)
+        try:
+            run_id = fed.submit(cfg, out, round_timeout=round_timeout, resume=resume)
+            if verbose:
+                print(f"run {run_id}; logs in {fed.logs}", file=sys.stderr)
+            return fed.wait(run_id, timeout, on_poll=progress)
+        except BaseException:  # the work directory stays (logs, replicas): say where, and how to go on
+            resumable = cfg.scalar_only and (Path(out) / "config.json").exists() \
+                and not (Path(out) / "summary.json").exists()
+            print(f"hiso flower: Flower's logs and the nodes' replicas are kept in {fed.workdir}"
+                  + (f"; to continue: hiso flower --resume {out}"
+                     f"{f' --nodes {nodes}' if nodes != cfg.clients else ''} --workdir {fed.workdir}" if resumable else ""),
+                  file=sys.stderr)
+            raise
