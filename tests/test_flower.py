@@ -593,6 +593,22 @@ def test_flower_cli_refuses_what_nodes_cannot_simulate(tmp_path, capsys, args, n
 
 
 @needs_flwr
+def test_flower_cli_refuses_to_resume_a_full_model_run(tmp_path, capsys, monkeypatch):
+    """One line, before any Flower process starts (the ServerApp used to start and fail)."""
+    from cli_helpers import run_cli
+    import hiso.flower.launch as launch
+
+    def started(*a, **kw):
+        raise AssertionError("a federation was started")
+    monkeypatch.setattr(launch, "run_local", started)
+    run = tmp_path / "r"
+    run_to_dir(RunConfig(**{**CFG, "algorithm": "fedadam"}, rounds=1), run)
+    (run / "summary.json").unlink()  # as if its ServerApp had died
+    code, _, err = run_cli(["flower", "--resume", str(run)], capsys)
+    assert code == 2 and "fedadam runs cannot be resumed" in err and len(err.strip().splitlines()) == 1, err
+
+
+@needs_flwr
 @pytest.mark.parametrize("args,needle", [(["--nodes", "0"], "--nodes must be 1 to --clients (2)"),
                                          (["--nodes", "3"], "--nodes must be 1 to --clients (2)"),
                                          (["--round-timeout", "0"], "--round-timeout must be a positive"),

@@ -442,6 +442,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
         if (out / "summary.json").exists():
             print(f"{out} is a finished run: nothing to resume")
             return 0
+        if not cfg.scalar_only:
+            return _fail(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
+                         "their state from (start again with --out DIR --force)")
     else:
         cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
         out = Path(args.out)
