@@ -415,6 +415,41 @@ def _wait_rows(path: Path, n: int, timeout: float) -> None:
     wait_progress(lambda: rows_logged(path.parent), n, f"round {n} in {path}", stall_s=timeout)
 
 
+@needs_flwr
+def test_flower_failed_run_says_where_its_logs_and_replicas_are(tmp_path, monkeypatch, capsys):
+    """A run that fails (or is stopped) keeps its temporary work directory (Flower's logs, the
+    nodes' replicas): it names it, and how to resume from those replicas instead of x_0."""
+    from hiso.flower.launch import FlowerRunError, run_local
+    cfg = RunConfig(**CFG, rounds=3)
+    out = tmp_path / "run"
+    run_to_dir(RunConfig(**CFG, rounds=1), out)  # a run directory with rounds logged ...
+    (out / "summary.json").unlink()  # ... whose ServerApp died
+    monkeypatch.setattr(LocalFederation, "start", lambda self: self)
+
+    def dies(self, *a, **kw):
+        raise FlowerRunError("run 1 finished:failed: No heartbeat received from the task")
+    monkeypatch.setattr(LocalFederation, "submit", dies)
+    with pytest.raises(FlowerRunError):
+        run_local(cfg, out, 1, resume=True)
+    err = capsys.readouterr().err
+    work = err.split("kept in ")[1].split(";")[0]
+    assert Path(work).is_dir() and f"hiso flower --resume {out} --nodes 1 --workdir {work}" in err
+    import shutil
+    shutil.rmtree(work)
+
+
+@needs_flwr
+def test_flower_federation_refuses_a_port_in_use(federation):
+    """A SuperLink port someone else listens on fails at once, in one line, with nothing started
+    (the launcher used to take the other listener for the SuperLink, start the nodes, and fail
+    half a minute later with "Connection to the SuperLink is unavailable")."""
+    import socket
+    from hiso.flower.launch import FlowerRunError
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        with pytest.raises(FlowerRunError, match="already in use"):
+            federation(nodes=1, port=busy.getsockname()[1])
+
+
 @pytest.mark.slow
 @needs_flwr
 def test_flower_run_finishes_with_the_survivor_when_a_node_dies(federation, tmp_path):
@@ -555,6 +590,60 @@ def test_flower_cli_refuses_what_nodes_cannot_simulate(tmp_path, capsys, args, n
     code, _, err = run_cli(["flower", "--nodes", "2", "--out", str(tmp_path / "r"), *args], capsys)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+@needs_flwr
+def test_flower_cli_refuses_to_resume_a_full_model_run(tmp_path, capsys, monkeypatch):
+    """One line, before any Flower process starts (the ServerApp used to start and fail)."""
+    from cli_helpers import run_cli
+    import hiso.flower.launch as launch
+
+    def started(*a, **kw):
+        raise AssertionError("a federation was started")
+    monkeypatch.setattr(launch, "run_local", started)
+    run = tmp_path / "r"
+    run_to_dir(RunConfig(**{**CFG, "algorithm": "fedadam"}, rounds=1), run)
+    (run / "summary.json").unlink()  # as if its ServerApp had died
+    code, _, err = run_cli(["flower", "--resume", str(run)], capsys)
+    assert code == 2 and "fedadam runs cannot be resumed" in err and len(err.strip().splitlines()) == 1, err
+
+
+@needs_flwr
+@pytest.mark.parametrize("args,needle", [(["--nodes", "0"], "--nodes must be 1 to --clients (2)"),
+                                         (["--nodes", "3"], "--nodes must be 1 to --clients (2)"),
+                                         (["--round-timeout", "0"], "--round-timeout must be a positive"),
+                                         (["--round-timeout", "-5"], "--round-timeout must be a positive")])
+def test_flower_cli_refuses_bad_federation_options_before_starting_anything(tmp_path, capsys, monkeypatch,
+                                                                            args, needle):
+    """One line and exit 2, before any Flower process starts (they used to start: --nodes 0
+    ran --clients nodes, --nodes 3 waited a minute for a node that has no partition, a
+    non-positive round timeout failed every round)."""
+    from cli_helpers import run_cli
+    import hiso.flower.launch as launch
+
+    def started(*a, **kw):
+        raise AssertionError("a federation was started")
+    monkeypatch.setattr(launch, "run_local", started)
+    code, _, err = run_cli(["flower", "--task", "quadratic", "--clients", "2", "--sampled", "2",
+                            "--out", str(tmp_path / "r"), *args], capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@needs_flwr
+def test_flower_cli_refuses_a_run_directory_it_cannot_write(tmp_path, capsys, monkeypatch):
+    """The ServerApp writes --out: a directory that cannot be made is refused in one line before
+    the federation starts (it used to fail half a minute later with the ServerApp's traceback)."""
+    from cli_helpers import run_cli
+    import hiso.flower.launch as launch
+
+    def started(*a, **kw):
+        raise AssertionError("a federation was started")
+    monkeypatch.setattr(launch, "run_local", started)
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs /proc (a directory nobody, root included, can make folders in)")
+    code, _, err = run_cli(["flower", "--task", "quadratic", "--clients", "2", "--sampled", "2",
+                            "--out", "/proc/hiso-no-such-dir/r"], capsys)
+    assert code == 2 and "cannot write the run directory" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow

@@ -60,6 +60,64 @@ def test_own_processes_stops_orphans_and_stubborn_children(spawned, tmp_path, ho
     assert spawned.left() == []
 
 
+# an owner started with SIGHUP and SIGINT ignored (nohup; a shell's background job)
+IGNORING = textwrap.dedent("""
+    import signal, sys, time
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from hiso.procs import own_processes
+    with own_processes(grace=1.0):
+        open(sys.argv[1], "w").write("ready")
+        time.sleep(600)
+""")
+
+
+def test_own_processes_keeps_signals_it_was_started_ignoring(spawned, tmp_path):
+    """`nohup hiso flower ...` survives the terminal's SIGHUP; SIGTERM still stops it."""
+    ready = tmp_path / "ready"
+    p = spawned.start([sys.executable, "-c", IGNORING, str(ready)])
+    wait_progress(lambda: ready.exists() and ready.read_text() == "ready", True, "the owner to start", p,
+                  stall_s=120)
+    for sig in (signal.SIGHUP, signal.SIGINT):
+        p.send_signal(sig)
+    time.sleep(1.0)
+    assert p.poll() is None  # still running
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) != 0
+    assert spawned.left() == []
+
+
+# an owner whose child leaves an orphan (re-parented to the owner) that exits before it does
+ZOMBIE = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from hiso.procs import own_processes
+    with own_processes(grace=1.0):
+        subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                          "subprocess.Popen([sys.executable, '-c', 'pass'], start_new_session=True)"]).wait()
+        time.sleep(3)  # the orphan has exited by now: a zombie child of ours
+    me = str(os.getpid())
+    zombies = []
+    for d in os.listdir("/proc"):
+        try:
+            st = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if st[1] == me and st[0] == "Z":
+            zombies.append(d)
+    print("zombies", len(zombies))
+""")
+
+
+def test_own_processes_leaves_no_zombie(tmp_path):
+    """Children that exited on their own (Flower's SuperExecs, re-parented to us) are collected
+    before the command exits, not handed to init as zombies."""
+    import subprocess
+    from conftest import SRC
+    r = subprocess.run([sys.executable, "-c", ZOMBIE], capture_output=True, text=True, timeout=120,
+                       env={**__import__("os").environ, "PYTHONPATH": SRC})
+    assert "zombies 0" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.flower
 @needs_flwr

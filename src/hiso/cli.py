@@ -429,6 +429,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_flower(args: argparse.Namespace) -> int:
     import importlib.util
     import json
+    import os
 
     if importlib.util.find_spec("flwr") is None:
         return _fail("Flower is not installed: pip install -e '.[flower]'")
@@ -449,6 +450,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
         if (out / "summary.json").exists():
             print(f"{out} is a finished run: nothing to resume")
             return 0
+        if not cfg.scalar_only:
+            return _fail(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
+                         "their state from (start again with --out DIR --force)")
     else:
         cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
         out = Path(args.out)
@@ -463,6 +467,17 @@ def cmd_flower(args: argparse.Namespace) -> int:
                      "not --byzantine-per-round or random")
     if cfg.secagg and args.worker:
         return _fail("--secagg runs without --worker: SecAgg+ needs the ClientApp itself to answer")
+    nodes = cfg.clients if args.nodes is None else args.nodes
+    if not args.simulation and not 1 <= nodes <= cfg.clients:
+        return _fail(f"--nodes must be 1 to --clients ({cfg.clients}): node i serves partition i; got {nodes}")
+    if not args.round_timeout > 0:
+        return _fail(f"--round-timeout must be a positive number of seconds, got {args.round_timeout}")
+    try:  # the ServerApp writes there: find out now, not after starting the federation
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise PermissionError(f"Permission denied: '{out}'")
+    except OSError as e:
+        return _fail(f"cannot write the run directory {out}: {e.strerror or e}")
     if args.force:  # none of the old run's files may stay beside the new one's
         from .runners.rundir import clear_run
         clear_run(out)
@@ -471,7 +486,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
             from .flower.sim import run_simulation
             run_simulation(cfg, out, round_timeout=args.round_timeout)
         else:
-            run_local(cfg, out, args.nodes or cfg.clients, tls=args.tls, auth=args.auth,
+            run_local(cfg, out, nodes, tls=args.tls, auth=args.auth,
                       round_timeout=args.round_timeout, workdir=args.workdir, verbose=args.verbose,
                       resume=args.resume is not None, worker=args.worker)
     except (FlowerRunError, ValueError) as e:

@@ -9,9 +9,10 @@ matters here, the command's tree of descendants: Flower starts its SuperExec in 
 to init, and stays in the tree.
 
 :func:`own_processes` turns SIGTERM, SIGINT and SIGHUP (what ``timeout``, a batch scheduler,
-Ctrl-C or a closed terminal send) into a :class:`Stopped` exception in the main thread, so the
-``finally``/``with`` paths that stop runs in order (a federation's ``stop``, the pool's
-shutdown) run as they do for any other exception; whatever is still alive below the command
+Ctrl-C or a closed terminal send) into a :class:`Stopped` exception in the main thread (a
+signal the command was started ignoring, SIGHUP under ``nohup``, SIGINT in a shell's background
+job, stays ignored), so the ``finally``/``with`` paths that stop runs in order (a federation's
+``stop``, the pool's shutdown) run as they do for any other exception; whatever is still alive below the command
 then is stopped by :func:`stop_processes` (SIGTERM, a grace period, SIGKILL). Processes that
 hiso starts directly also get ``PR_SET_PDEATHSIG`` (:func:`die_with_parent`), so a SIGKILLed
 hiso (which runs no handler) still takes them down, and Flower's own processes watch their
@@ -201,7 +202,8 @@ def own_processes(grace: float = 5.0):
 
     Stop signals raise :class:`Stopped` once; a second one while the cleanup runs is ignored,
     so the cleanup is not cut short. On leaving, by any path, every process started in the
-    body and still alive is stopped. Main thread only (signal handlers)."""
+    body and still alive is stopped, and those that already exited are reaped. Main thread only
+    (signal handlers)."""
     me = os.getpid()
     before = set(descendants(me))
     reaper = become_subreaper()
@@ -213,13 +215,18 @@ def own_processes(grace: float = 5.0):
         stopping.append(signum)
         raise Stopped(signum)
 
-    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    # a signal the command was started ignoring stays ignored: `nohup hiso ...` (SIGHUP) and a
+    # shell's background job (SIGINT) must not be stopped by it
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         yield
     finally:
         stopping.append(0)
         try:
             stop_tree(me, keep=before | _exits_with_us(), grace=grace)
+            # and collect the ones that had already exited: orphans re-parented to us (Flower's
+            # SuperExecs) would otherwise outlive the command as zombies
+            _reap(p for p in descendants(me) if p not in before)
         finally:
             if reaper:
                 become_subreaper(False)

@@ -51,6 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _refuse_busy(port: int, what: str) -> None:
+    """Fail at once if something already listens on ``port``: the process about to start there
+    could not bind it, and waiting for the port would find the other listener instead."""
+    with socket.socket() as s:
+        if s.connect_ex((HOST, port)) == 0:
+            raise FlowerRunError(f"{HOST}:{port} is already in use: cannot start {what} there")
+
+
 def _wait_port(port: int, proc: subprocess.Popen, timeout: float, what: str) -> None:
     """Wait for ``proc`` to listen on ``port``. ``timeout`` bounds the time the process spends
     without using CPU (stuck), not its start: on a busy machine a start takes longer."""
@@ -188,6 +196,7 @@ class LocalFederation:
         if self.tls or self.auth:
             self.certs = make_tls(self.workdir / "certs") if self.tls else {}
         self.port = self.port or free_port()
+        _refuse_busy(self.port, "flower-superlink")
         conn = {"address": f"{HOST}:{self.port}"}
         if self.tls:
             conn["root-certificates"] = str(self.certs["ca"].resolve())
@@ -218,6 +227,7 @@ class LocalFederation:
                 if not res.get("success", False):
                     raise FlowerRunError(f"could not register node {i}: {res}")
         port = self.node_ports.setdefault(i, free_port())
+        _refuse_busy(port, f"flower-supernode {i}")
         part = self.partitions[i] if i < len(self.partitions) else i
         nc = f"partition-id={part} state-dir='{self.state_dir}'"
         if self.worker:  # the node's worker, (re)started with it
@@ -407,8 +417,8 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
     into ``out`` (``resume``: continue the interrupted run there), stop every process; returns
     the run's final status (raises unless completed, or after ``timeout`` seconds without a
     round logged)."""
-    if nodes < 1:
-        raise ValueError(f"need at least one node, got {nodes}")
+    if not 1 <= nodes <= cfg.clients:
+        raise ValueError(f"need 1 to {cfg.clients} nodes (node i serves partition i), got {nodes}")
     if worker and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm}: per-node workers serve the scalar-only algorithms (hiso, decomfl)")
     if cfg.clients != nodes:
@@ -416,7 +426,16 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
               file=sys.stderr)
     with LocalFederation(nodes=nodes, workdir=Path(workdir) if workdir else None, tls=tls, auth=auth,
                          verbose=verbose, worker=worker) as fed:
-        run_id = fed.submit(cfg, out, round_timeout=round_timeout, resume=resume)
-        if verbose:
-            print(f"run {run_id}; logs in {fed.logs}", file=sys.stderr)
-        return fed.wait(run_id, timeout, on_poll=progress)
+        try:
+            run_id = fed.submit(cfg, out, round_timeout=round_timeout, resume=resume)
+            if verbose:
+                print(f"run {run_id}; logs in {fed.logs}", file=sys.stderr)
+            return fed.wait(run_id, timeout, on_poll=progress)
+        except BaseException:  # the work directory stays (logs, replicas): say where, and how to go on
+            resumable = cfg.scalar_only and (Path(out) / "config.json").exists() \
+                and not (Path(out) / "summary.json").exists()
+            print(f"hiso flower: Flower's logs and the nodes' replicas are kept in {fed.workdir}"
+                  + (f"; to continue: hiso flower --resume {out}"
+                     f"{f' --nodes {nodes}' if nodes != cfg.clients else ''} --workdir {fed.workdir}" if resumable else ""),
+                  file=sys.stderr)
+            raise
