@@ -677,3 +677,19 @@ def test_flower_deployment_with_per_node_workers_matches_the_simulator(federatio
     rows = [json.loads(x) for f in fed.state_dir.glob("*/p*/timings.jsonl") for x in f.read_text().splitlines()]
     assert len(rows) == 4 and all(r.get("worker") for r in rows)
     assert {n for n in fed.procs if n.startswith("worker")} == {"worker0", "worker1"}
+
+
+def test_a_run_whose_sampled_clients_did_not_all_answer_says_so(tmp_path):
+    # flwr reports such a run as completed: the note is what tells the terminal a node was lost
+    from hiso.flower.launch import missed_answers_note
+
+    def write(rounds):
+        (tmp_path / "flower.json").write_text(json.dumps({"flower": {"timings": [
+            {"round": r + 1, "sampled": s, "participants": p} for r, (s, p) in enumerate(rounds)]}}))
+    write([([0, 1], [0, 1])] * 3)
+    assert missed_answers_note(tmp_path) is None
+    write([([0, 1], [0, 1]), ([0, 1], [0]), ([1, 2], [2]), ([0, 2], [0, 2])])
+    note = missed_answers_note(tmp_path)
+    assert note.startswith("note: 2 of 4 rounds closed without every sampled client's answer")
+    assert "partition 1 missed 2 of its 3" in note and "partition 0" not in note
+    assert missed_answers_note(tmp_path / "nothing-here") is None

@@ -495,6 +495,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
     final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items())
     print(f"{cfg.algorithm} on {cfg.task} over Flower: {summary['rounds_done']} rounds, {final}; "
           f"{summary['s_per_round']:.2f} s/round; results in {out}/")
+    from .flower.launch import missed_answers_note
+    if note := missed_answers_note(out):
+        print(note)
     _ending_note(cfg, out)
     return 0
 

@@ -439,3 +439,30 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
                      f"{f' --nodes {nodes}' if nodes != cfg.clients else ''} --workdir {fed.workdir}" if resumable else ""),
                   file=sys.stderr)
             raise
+
+
+def missed_answers_note(out: str | Path) -> str | None:
+    """One line naming the partitions whose sampled rounds closed without their answer (a node
+    down, late or refused), from the run's ``flower.json``; None when every sampled client answered.
+    ``flwr`` reports such a run as completed: without this nothing on the terminal would say so."""
+    try:
+        timings = json.loads(Path(out, "flower.json").read_text())["flower"]["timings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    sampled: dict[int, int] = {}
+    missed: dict[int, int] = {}
+    rounds = 0
+    for t in timings:
+        lost = set(t.get("sampled", [])) - set(t.get("participants", []))
+        rounds += bool(lost)
+        for pid in t.get("sampled", []):
+            sampled[pid] = sampled.get(pid, 0) + 1
+        for pid in lost:
+            missed[pid] = missed.get(pid, 0) + 1
+    if not missed:
+        return None
+    worst = sorted(missed, key=lambda p: (-missed[p], p))
+    parts = ", ".join(f"partition {p} missed {missed[p]} of its {sampled[p]}" for p in worst[:3])
+    more = f" and {len(worst) - 3} more partitions" if len(worst) > 3 else ""
+    return (f"note: {rounds} of {len(timings)} rounds closed without every sampled client's answer ({parts}{more}): "
+            f"a node down, late or refused; the run went on with those that answered (flower.json, the ServerApp log)")
