@@ -399,3 +399,20 @@ def test_real_shared_data_smoke():
     assert len({e.id for e in squad}) == 697
     assert all(e.answers and len(set(e.answers)) == len(e.answers) for e in squad)
     assert all(e.context and e.question for e in squad)
+
+
+@pytest.mark.skipif(
+    not SHARED_DATA.is_dir(), reason=f"real data not found at {SHARED_DATA} (CI's ../shared/data)"
+)
+def test_real_shared_train_files_match_the_data_readme():
+    """Row and class counts of the train files as shared/data/README.md gives them: no header row,
+    blank line or quoting error adds, drops or merges a row."""
+    sst2 = load_text_task("sst2", SHARED_DATA / "sst2", "train")
+    assert Counter(e.label for e in sst2) == {0: 29780, 1: 37569}
+    assert not any("\t" in e.text_a or "\n" in e.text_a for e in sst2)
+    qqp = load_text_task("qqp", SHARED_DATA / "qqp", "train")
+    assert Counter(e.label for e in qqp) == {0: 5079, 1: 5038}
+    assert not any('""' in e.text_a + e.text_b or "\t" in e.text_a + e.text_b for e in qqp)
+    squad = load_text_task("squad", SHARED_DATA / "squad", "train")
+    assert len(squad) == len({e.id for e in squad}) == 5010
+    assert all(a in e.context for e in squad for a in e.answers)  # extractive: answers are spans

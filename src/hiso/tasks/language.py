@@ -337,7 +337,8 @@ class LanguageTask(Task):
         return {f"{prefix}_loss": loss / tokens, f"{prefix}_em": em / n, f"{prefix}_f1": f / n}
 
     def generate(self, model: nn.Module, examples: list, device: torch.device | None = None) -> list[str]:
-        """Greedy answers (up to ``max_new_tokens``, cut at the first line break)."""
+        """Greedy answers (up to ``max_new_tokens``, cut at the first line break: a reply that
+        begins with one is the empty answer)."""
         device = device or next(model.parameters()).device
         b = self._encode(examples, with_answers=False)
         with self._autocast(device):
