@@ -54,6 +54,36 @@ def test_prompts_are_truncated_from_the_left_and_left_padded(files):
         assert (ids[i, :-n] == task.tok.pad_token_id).all() and pos[i, -n:].tolist() == list(range(n))
 
 
+def test_text_fields_are_stripped_before_the_template_as_the_authors_do(files, tmp_path, capsys):
+    # GLUE's SST-2 sentences (and the fixture's) end with a space: unstripped it became a token of its own
+    ex = sst2(files)._data["train"][0]
+    assert ex.text_a.endswith(" ")
+    assert sst2(files)._prompt(ex) == ex.text_a.strip() + " It was"
+    assert sst2(files, strip_text=False)._prompt(ex) == ex.text_a + " It was"  # runs made before the option
+    from hiso.runners.runfiles import saved_config
+    out = tmp_path / "r"
+    code, _, err = run_cli(["run", "--task", "sst2", "--model", files["lm"], "--data-dir", files["sst2"],
+                            "--label-words", ",".join(WORDS), "--clients", "3", "--sampled", "2", "--min-size", "2",
+                            "--rounds", "1", "--batch-size", "4", "--lora-r", "2", "--out", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["strip_text"] is True
+    del cfg["strip_text"]  # as a run made before the option recorded it: it read the fields as they are
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert saved_config(out)[0].strip_text is False
+
+
+def test_a_generated_answer_is_its_first_non_blank_line(files, monkeypatch):
+    task = squad(files)
+    model = task.build_model()
+    exs = task._data["eval"][:3]
+    replies = [" \nThe final score\nmore", "Denver Broncos\n", "\n\n"]
+    monkeypatch.setattr(task.tok, "batch_decode", lambda *a, **k: replies)
+    assert task.generate(model, exs) == ["The final score", "Denver Broncos", ""]
+    task.strip_text = False  # a run made before the option: the reply's first line, blank or not
+    assert task.generate(model, exs) == ["", "Denver Broncos", ""]
+
+
 def test_template_fields_are_checked(files):
     with pytest.raises(ValueError, match="sentence"):
         sst2(files, template="{text} was it")
@@ -172,7 +202,7 @@ def test_squad_generation_is_greedy_and_scored_with_squad_metrics(files):
                 break
             ids.append(nxt)
         text = task.tok.decode(ids[len(task.tok(task._prompt(ex)).input_ids):], skip_special_tokens=True)
-        assert pred == text.split("\n")[0].strip()
+        assert pred == text.strip().split("\n")[0].strip()
     out = task.evaluate(model)
     assert out["eval_em"] == pytest.approx(np.mean([exact_match(p, list(e.answers)) for p, e in zip(preds, exs)]))
     assert out["eval_f1"] == pytest.approx(np.mean([f1(p, list(e.answers)) for p, e in zip(preds, exs)]))

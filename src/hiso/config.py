@@ -266,6 +266,10 @@ class RunConfig(BaseModel, MethodRules):
     pack_sequences: bool = Field(True, description=(
         "language tasks: run a batch's prompts as one packed row without padding where that is cheaper "
         "(~2x faster forwards on SST-2; logits equal up to float rounding)"))
+    strip_text: bool = Field(True, description=(
+        "language tasks: strip each text field before the template (GLUE's SST-2 sentences end with a space) "
+        "and a generated answer before its first line is taken, as the authors' code does; runs made "
+        "before this option: false"))
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

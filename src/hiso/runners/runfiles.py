@@ -71,7 +71,8 @@ def write_atomic(path: Path, text: str) -> None:
 # before them did, so that `hiso run --resume DIR` continues such a run as it began (tasks None:
 # every task; a config.json without `directions` predates the option, when torch-normal was the
 # only family, so its run is rebuilt with that family, not today's default)
-_MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False), "directions": (None, "torch-normal")}
+_MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False), "directions": (None, "torch-normal"),
+                "strip_text": ({"sst2", "qqp", "squad"}, False)}
 
 
 def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:

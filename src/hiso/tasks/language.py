@@ -84,7 +84,7 @@ class LanguageTask(Task):
                  label_words: list[str] | None = None, lora_r: int | None = None,
                  lora_alpha: float = 16.0, lora_targets: list[str] | tuple[str, ...] = ("q_proj", "v_proj"),
                  autocast: str = "auto", eval_batch_size: int = 16, max_new_tokens: int = 16,
-                 pack: bool = True, val_fraction: float = 0.0):
+                 pack: bool = True, val_fraction: float = 0.0, strip_text: bool = True):
         super().__init__(num_clients, seed)
         if name not in LANGUAGE_TASKS:
             raise ValueError(f"unknown language task {name!r} (choose from {', '.join(LANGUAGE_TASKS)})")
@@ -104,6 +104,7 @@ class LanguageTask(Task):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.val_fraction = float(val_fraction)
         self.data_dir = data_dir
+        self.strip_text = bool(strip_text)
         self.eval_batch_size, self.max_new_tokens = int(eval_batch_size), int(max_new_tokens)
         self.lora = None if lora_r is None else {"r": int(lora_r), "alpha": float(lora_alpha),
                                                  "targets": list(lora_targets)}
@@ -223,7 +224,13 @@ class LanguageTask(Task):
         return self._data["label_hist"]
 
     def _prompt(self, ex) -> str:
-        return self.template.format(**{k: getattr(ex, f) for k, f in _FIELDS[self.name].items()})
+        """The template filled with the example's fields, each stripped (``strip_text``), as the
+        authors' code and MeZO do: GLUE's SST-2 sentences all end with a space, which otherwise
+        becomes a token of its own before the template's text."""
+        fields = {k: getattr(ex, f) for k, f in _FIELDS[self.name].items()}
+        if self.strip_text:
+            fields = {k: v.strip() for k, v in fields.items()}
+        return self.template.format(**fields)
 
     def _encode(self, examples: list, with_answers: bool) -> dict[str, torch.Tensor]:
         """Tokenize, truncate from the left, left-pad; with_answers appends the first gold answer + EOS."""
@@ -337,8 +344,8 @@ class LanguageTask(Task):
         return {f"{prefix}_loss": loss / tokens, f"{prefix}_em": em / n, f"{prefix}_f1": f / n}
 
     def generate(self, model: nn.Module, examples: list, device: torch.device | None = None) -> list[str]:
-        """Greedy answers (up to ``max_new_tokens``, cut at the first line break: a reply that
-        begins with one is the empty answer)."""
+        """Greedy answers (up to ``max_new_tokens``), each its first non-blank line (``strip_text``;
+        without it the first line, so a reply that begins with a line break is the empty answer)."""
         device = device or next(model.parameters()).device
         b = self._encode(examples, with_answers=False)
         with self._autocast(device):
@@ -346,7 +353,7 @@ class LanguageTask(Task):
                                  max_new_tokens=self.max_new_tokens, do_sample=False,
                                  pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
         texts = self.tok.batch_decode(out[:, b["input_ids"].shape[1]:], skip_special_tokens=True)
-        return [t.split("\n")[0].strip() for t in texts]
+        return [(t.strip() if self.strip_text else t).split("\n")[0].strip() for t in texts]
 
     # ------------------------------------------------------------------ facts
 
@@ -462,7 +469,7 @@ def _builder(name: str):
                             lora_targets=[t.strip() for t in split(cfg.lora_targets)],
                             autocast=cfg.autocast, eval_batch_size=cfg.eval_batch_size,
                             max_new_tokens=cfg.max_new_tokens, pack=cfg.pack_sequences,
-                            val_fraction=cfg.val_fraction)
+                            val_fraction=cfg.val_fraction, strip_text=cfg.strip_text)
     return build
 
 
@@ -473,7 +480,7 @@ def _builder(name: str):
 _LM_LR = {"zo": 5e-6, "zo+lora": 1e-2, "zo+lora@gemma3-270m": 1e-3}
 _LM_OPTIONS = {"data_dir", "partition", "alpha", "min_size", "eval_max", "val_fraction", "train_max", "model",
                "max_length", "template", "lora_r", "lora_alpha", "lora_targets", "autocast", "eval_batch_size",
-               "pack_sequences"}
+               "pack_sequences", "strip_text"}
 for _name, _doc in (("sst2", "SST-2 sentiment, prompt + label words on a causal LM"),
                     ("qqp", "QQP paraphrase, prompt + label words on a causal LM")):
     register_task(_name, metrics={"eval_acc": "max", "eval_loss": "min"}, default_lr=_LM_LR,
