@@ -392,3 +392,25 @@ def test_gguf_cache_survives_a_concurrent_writer(files, tmp_path, monkeypatch):
     out = lm._cache_gguf("smollm2-135m")
     assert (out / "config.json").is_file()
     assert [p.name for p in out.parent.iterdir()] == ["smollm2-135m"]  # the loser's temp copy is gone
+
+
+def test_a_squad_run_made_at_the_old_default_length_keeps_it(files, tmp_path, capsys):
+    # SQuAD's default max_length went from 256 to 640: a run that took 256 resumes and evaluates at 256
+    import warnings
+
+    from hiso.runners.runfiles import made_before, saved_config
+    out = tmp_path / "sq"
+    code, _, err = run_cli(["run", "--task", "squad", "--model", files["lm"], "--data-dir", files["squad"],
+                            "--clients", "2", "--sampled", "2", "--rounds", "1", "--batch-size", "2",
+                            "--max-new-tokens", "2", "--lora-r", "2", "--out", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["max_length"] is None and cfg["task_info"]["max_length"] == 640  # today's default
+    assert saved_config(out)[0].max_length is None and made_before(out) == {}
+    cfg["task_info"]["max_length"] = 256  # as a run made at the old default recorded it
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert saved_config(out)[0].max_length == 256 and made_before(out) == {"max_length": 256}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rebuilt at 256, the task describes itself as the run did
+        code, _, err = run_cli(["eval", str(out)], capsys)
+    assert code == 0, err

@@ -250,7 +250,7 @@ class RunConfig(BaseModel, MethodRules):
     model: str = Field("smollm2-135m", description=(
         "language tasks: causal LM by short name, local directory or hub name"))
     max_length: int | None = Field(None, gt=0, description=(
-        "language tasks: tokens per example (default: the task's: sst2 32, qqp 128, squad 256)"))
+        "language tasks: tokens per example (default: the task's: sst2 32, qqp 128, squad 640)"))
     template: str | None = Field(None, description=(
         "language tasks: prompt template (default: the task's, see hiso.tasks.language)"))
     label_words: str | None = Field(None, description=(

@@ -84,8 +84,9 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is damaged ({e})") from None
+    older = _made_before(raw)
     info = raw.pop("task_info", None) or {}
-    return RunConfig(**{**raw, **_made_before(raw), **_as_it_ran(raw, info)}), info
+    return RunConfig(**{**raw, **older, **_as_it_ran(raw, info)}), info
 
 
 class TaskMismatchWarning(UserWarning):
@@ -141,10 +142,21 @@ def _as_it_ran(raw: dict, info: dict) -> dict:
     return out
 
 
+# task defaults changed since: task -> (option, its default before), for runs that took the default
+# (None in config.json) when it was the old value (task_info records the value used)
+_DEFAULT_BEFORE = {"squad": ("max_length", 256)}  # 640 since 2026-11-25: 256 cut the answer out of 4 % of contexts
+
+
 def _made_before(raw: dict) -> dict:
-    """The options a saved configuration predates, at the values its run was made with."""
-    return {k: v for k, (tasks, v) in _MADE_BEFORE.items()
-            if k not in raw and (tasks is None or raw.get("task", "quadratic") in tasks)}
+    """The options a saved configuration predates, at the values its run was made with, and the
+    task defaults it took that have changed since (:data:`_DEFAULT_BEFORE`), at the old values."""
+    task = raw.get("task", "quadratic")
+    out = {k: v for k, (tasks, v) in _MADE_BEFORE.items() if k not in raw and (tasks is None or task in tasks)}
+    if task in _DEFAULT_BEFORE:
+        name, old = _DEFAULT_BEFORE[task]
+        if raw.get(name) is None and (raw.get("task_info") or {}).get(name) == old:
+            out[name] = old
+    return out
 
 
 def made_before(run_dir: str | Path) -> dict:
