@@ -145,17 +145,13 @@ def test_fedkseed_resumes_to_the_uninterrupted_run(tmp_path, mode):
     assert sa == sb
 
 
-def test_fedkseed_flower_serverapp_resumes_from_its_run_directory(tmp_path, monkeypatch):
-    """A FedKSeed ServerApp that dies in round 4 and is started again on its run directory
-    (nodes report the round of their saved pool state) ends as the uninterrupted in-process run:
-    log, model and bytes."""
-    pytest.importorskip("flwr")
+def _serverapp_dies_in_round_4_then_resumes(tmp_path, monkeypatch, cfg, after_death=None):
+    """A ServerApp over a fake grid dies in round 4 and a new one resumes the run (nodes keep
+    their replicas); ``after_death(out)`` checks the cut run; the resumed run must end as the
+    uninterrupted in-process run: log, model and bytes."""
     import test_flower as tf
-    from hiso.config import RunConfig
     from hiso.flower.app import FlowerFederation, Settings, serve
     from hiso.runners.rundir import run_to_dir
-    cfg = RunConfig(**{**tf.CFG, "algorithm": "fedkseed", "perturbations": 1, "clients": 3, "sampled": 2,
-                       "rounds": 7, "seed": 9, "eval_every": 2, "seed_pool": 16})
     monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: tf._Msg(f, nid, kind, group))
     out, st = tmp_path / "flower", dict(round_timeout=5, poll_s=0.01)
     grid = tf.FakeGrid(cfg, tmp_path / "replicas", {11: 0, 12: 1, 13: 2})
@@ -171,13 +167,27 @@ def test_fedkseed_flower_serverapp_resumes_from_its_run_directory(tmp_path, monk
     with pytest.raises(tf._ServerAppDies):
         serve(grid, cfg, Settings(out_dir=str(out), **st))
     assert not (out / "summary.json").exists()
+    if after_death is not None:
+        after_death(out)
     serve(tf.FakeGrid(cfg, tmp_path / "replicas", {21: 0, 22: 1, 23: 2}), cfg, Settings(out_dir=str(out), resume=True, **st))
     run_to_dir(cfg, tmp_path / "sim")
     assert (out / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()
     a, b = tf._load(out / "model.pt"), tf._load(tmp_path / "sim" / "model.pt")
-    assert tf._same_model(a, b) and a["round"] == 7
+    assert tf._same_model(a, b) and a["round"] == cfg.rounds
     fb, sb = (json.loads((d / "summary.json").read_text())["communication_per_client"] for d in (out, tmp_path / "sim"))
     assert fb == sb
+
+
+def test_fedkseed_flower_serverapp_resumes_from_its_run_directory(tmp_path, monkeypatch):
+    """A FedKSeed ServerApp that dies in round 4 and is started again on its run directory
+    (nodes report the round of their saved pool state) ends as the uninterrupted in-process run:
+    log, model and bytes."""
+    pytest.importorskip("flwr")
+    import test_flower as tf
+    from hiso.config import RunConfig
+    cfg = RunConfig(**{**tf.CFG, "algorithm": "fedkseed", "perturbations": 1, "clients": 3, "sampled": 2,
+                       "rounds": 7, "seed": 9, "eval_every": 2, "seed_pool": 16})
+    _serverapp_dies_in_round_4_then_resumes(tmp_path, monkeypatch, cfg)
 
 
 def test_feedsign_flower_serverapp_resumes_over_a_tied_vote(tmp_path, monkeypatch):
@@ -188,29 +198,9 @@ def test_feedsign_flower_serverapp_resumes_over_a_tied_vote(tmp_path, monkeypatc
     import test_flower as tf
     from hiso.config import RunConfig
     from hiso.core.history import read_history
-    from hiso.flower.app import FlowerFederation, Settings, serve
-    from hiso.runners.rundir import run_to_dir
     cfg = RunConfig(**{**tf.CFG, "algorithm": "feedsign", "perturbations": 1, "clients": 3, "sampled": 2,
                        "rounds": 7, "seed": 9, "eval_every": 2})
-    monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: tf._Msg(f, nid, kind, group))
-    out, st = tmp_path / "flower", dict(round_timeout=5, poll_s=0.01)
-    grid = tf.FakeGrid(cfg, tmp_path / "replicas", {11: 0, 12: 1, 13: 2})
-    push, trains = grid.push_messages, []
 
-    def dies_in_round_4(msgs):
-        trains.extend(m for m in msgs if m.kind == "train")
-        if len(trains) > 3 * cfg.sampled:
-            raise tf._ServerAppDies()
-        return push(msgs)
-
-    grid.push_messages = dies_in_round_4
-    with pytest.raises(tf._ServerAppDies):
-        serve(grid, cfg, Settings(out_dir=str(out), **st))
-    assert 0.0 in [v for r in read_history(out / "history.bin")[2] for v in r.scalars.ravel().tolist()]  # a tie
-    serve(tf.FakeGrid(cfg, tmp_path / "replicas", {21: 0, 22: 1, 23: 2}), cfg, Settings(out_dir=str(out), resume=True, **st))
-    run_to_dir(cfg, tmp_path / "sim")
-    assert (out / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()
-    a, b = tf._load(out / "model.pt"), tf._load(tmp_path / "sim" / "model.pt")
-    assert tf._same_model(a, b) and a["round"] == 7
-    fb, sb = (json.loads((d / "summary.json").read_text())["communication_per_client"] for d in (out, tmp_path / "sim"))
-    assert fb == sb
+    def a_tie_is_logged(out):  # vote 0, which no node sends
+        assert 0.0 in [v for r in read_history(out / "history.bin")[2] for v in r.scalars.ravel().tolist()]
+    _serverapp_dies_in_round_4_then_resumes(tmp_path, monkeypatch, cfg, a_tie_is_logged)
