@@ -44,6 +44,15 @@ SRC = str(Path(hiso.__file__).parents[1])
 # command that gets SIGTERM stops everything it started, see hiso.procs).
 
 
+def _as_from_a_terminal() -> None:
+    """A started command's stop signals at their defaults, as a terminal starts it, whatever the
+    test run inherited (under nohup or as a shell's background job SIGHUP and SIGINT are ignored,
+    and a command keeps ignoring what it was started ignoring); and it dies with its test."""
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    procs.die_with_parent()
+
+
 def pytest_configure(config):
     procs.become_subreaper()  # so that what a test's processes orphan is still ours at the end
 
@@ -86,7 +95,7 @@ class Spawned:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
         log = self.logdir / f"proc{len(self.procs)}.log"
         with open(log, "wb") as f:  # a file, not a pipe: a chatty process never blocks on it
-            p = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=procs.die_with_parent,
+            p = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_as_from_a_terminal,
                                  stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **kw)
         p.log = log
         self.procs.append(p)
