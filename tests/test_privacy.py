@@ -171,3 +171,19 @@ def test_bad_dp_settings_are_one_line_exit_2(tmp_path, capsys, args, msg):
     code, _, err = run_cli(_quad(tmp_path, "bad", *args), capsys)
     assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_comparison_table_names_each_private_arms_guarantee(tmp_path, capsys):
+    pytest.importorskip("dp_accounting")
+    conf = tmp_path / "c.toml"
+    conf.write_text('task = "quadratic"\ndim = 20\nclients = 4\nsampled = 2\nrounds = 4\neval_every = 2\n\n'
+                    '[compare]\nalgorithms = ["hiso", "hiso-dp"]\n[compare.variants]\n'
+                    '"hiso-dp" = { algorithm = "hiso", dp_clip = 10.0, dp_noise_multiplier = 1.0, dp_delta = 1e-5 }\n')
+    out = tmp_path / "cmp"
+    code, stdout, err = run_cli(["compare", "--config", str(conf), "--out", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    spent = json.loads((out / "runs" / "hiso-dp" / "lr0.05" / "seed0" / "summary.json").read_text())["privacy"]["epsilon"]
+    lines = [x for x in stdout.splitlines() if x.startswith("- privacy:")]
+    assert lines == [f"- privacy: hiso-dp ran with central differential privacy: scalars clipped at 10, noise "
+                     f"multiplier 1; ({spent:.3g}, 1e-05)-DP over the run."]
+    assert lines[0] in (out / "table.md").read_text()

@@ -148,6 +148,7 @@ class TableRow:
     # seeds (the numbers the warning prints; a seed that never gained counts too)
     kept: float | None = None
     first_mean: float | None = None  # metric at round 0, mean over seeds
+    privacy: dict | None = None  # summary.json's "privacy" of a DP arm: mode, clip, noise multiplier, epsilon
 
     @property
     def bytes_total(self) -> float:
@@ -240,13 +241,37 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
             client_backwards=_mean_of([c.get("backwards_per_round") for c in client]),
             client_s=_mean_of([c.get("s_per_round") for c in client]),
             client_peak_bytes=max(cpeaks) if cpeaks else None,
-            last_mean=last_mean, kept=kept, first_mean=first_mean))
+            last_mean=last_mean, kept=kept, first_mean=first_mean, privacy=_privacy_of(arm.runs)))
     cfg0 = ref.runs[0].config
     info = cfg0.get("task_info", {}) or {}
     context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "eval_every": cfg0.get("eval_every"),
                "clients": cfg0.get("clients"), "sampled": cfg0.get("sampled"),
                "seeds": [r.seed for r in ref.runs], "n_eval": info.get("n_eval"), "n_val": info.get("n_val")}
     return Table(rows, metric, reference, threshold, context, select, select_note)
+
+
+def _privacy_of(runs) -> dict | None:
+    """A DP arm's privacy (summary.json): its settings, and the most epsilon any of its seeds spent."""
+    priv = [r.summary.get("privacy") for r in runs if r.summary.get("privacy")]
+    if not priv:
+        return None
+    spent = [p["epsilon"] for p in priv if p.get("epsilon") is not None]
+    return {**priv[0], "epsilon": max(spent) if spent else None}
+
+
+def privacy_lines(table: Table) -> list[str]:
+    """Footer lines naming each differentially private arm's guarantee (a table of accuracies
+    whose arms ran under different privacy must say so)."""
+    lines = []
+    for r in table.rows:
+        p = r.privacy
+        if not p:
+            continue
+        spent = (f"({p['epsilon']:.3g}, {p['delta']:g})-DP over the run" if p.get("epsilon") is not None
+                 else "no epsilon (no delta given)")
+        lines.append(f"- privacy: {display_name(r.name)} ran with {p['mode']} differential privacy: scalars clipped "
+                     f"at {p['clip']:g}, noise multiplier {p['noise_multiplier']:.4g}; {spent}.")
+    return lines
 
 
 def _best_header(table: Table) -> str:
@@ -375,6 +400,7 @@ def footer(table: Table) -> str:
         "sampled client computes per round; client s / round: its measured seconds for them (mean over seeds); "
         "client peak memory: its resident tensors (model, H, ...) + the peak of the tensors one answer allocates, "
         "max over seeds, without the client's data and the Python/torch runtime (hiso.runners.client_cost).",
+        *privacy_lines(table),
         *lr_warnings(table),
         *ending_warnings(table),
     ])
