@@ -103,6 +103,11 @@ def test_options_the_algorithm_never_reads_are_named(tmp_path, capsys):
     assert load_config(algorithm="fedavg", mu=1e-2).unused_options() == {"mu": "the zeroth-order estimate's"}
     assert load_config(algorithm="fedzo", perturbations=8, mu=1e-2).unused_options() == {}
     assert load_config(algorithm="feedsign", mu=1e-2).unused_options() == {}
+    # options that act only with another: an attack without attackers, a trim without the trimmed mean, ...
+    cfg = load_config(attack="sign-flip", byzantine_per_round=True, trim=0.3, secagg_bits=8)
+    assert cfg.unused_options() == {"byzantine_per_round": "with byzantine only", "attack": "with byzantine only",
+                                    "trim": "with aggregate trimmed-mean only", "secagg_bits": "with secagg only"}
+    assert load_config(attack="sign-flip", byzantine=1, aggregate="trimmed-mean", trim=0.3).unused_options() == {}
 
 
 def test_out_and_resume_together_name_both(tmp_path, capsys):

@@ -399,3 +399,19 @@ def test_secagg_deployment_matches_the_simulator(federation, tmp_path):
     run_to_dir(cfg, tmp_path / "sim")
     assert _records(tmp_path / "flower") == _records(tmp_path / "sim")
     assert _rows(tmp_path / "flower") == _rows(tmp_path / "sim")
+
+
+def test_an_in_process_secagg_round_with_fewer_answers_than_the_threshold_is_planned_again(tmp_path):
+    # a "secure sum" of one answer is that client's answer: in process as over Flower, a round left
+    # with fewer valid answers than secagg_threshold is planned again, nothing logged
+    cfg = RunConfig(task="quadratic", dim=200, clients=10, sampled=4, rounds=40, secagg=True, drop_rate=0.5,
+                    corrupt_rate=0.1, threads=1)
+    assert cfg.secagg_threshold == 3
+    out = tmp_path / "sa"
+    run_to_dir(cfg, out)
+    records = read_history(out / "history.bin")[2]
+    assert len(records) == 40 and min(len(r.participants) for r in records) >= 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reliability"]["rounds_replanned"] > 0
+    state, ckpt = rebuild(out)
+    assert all(torch.equal(ckpt["model"][k], v) for k, v in torch.load(out / "model.pt")["model"].items())

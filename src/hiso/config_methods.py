@@ -86,6 +86,12 @@ class MethodRules:
                for name in self.changed(names)}
         if self.step_norm is None and self.changed(["step_norm_beta"]):
             out["step_norm_beta"] = "with step_norm only"
+        for names, off, whose in ((("byzantine_per_round", "attack", "attack_scale"), not self.byzantine,
+                                   "with byzantine only"),
+                                  (("trim",), self.aggregate != "trimmed-mean", "with aggregate trimmed-mean only"),
+                                  (("secagg_bits", "secagg_modulus_bits"), not self.secagg, "with secagg only")):
+            if off:
+                out.update(dict.fromkeys(self.changed(names), whose))
         return out
 
     @property

@@ -194,8 +194,9 @@ class Server:
 
         Strict (default): every participant must answer exactly once; otherwise nothing
         changes. ``partial=True``: the valid answers are averaged and the others dropped (the
-        reasons go to ``rejected``); with no valid answer the round is re-planned and None
-        is returned (nothing logged, nobody's ``synced`` round moves).
+        reasons go to ``rejected``); with no valid answer (under secure aggregation: fewer than
+        its threshold) the round is re-planned and None is returned (nothing logged, nobody's
+        ``synced`` round moves).
         """
         plan = self._current()
         by_client: dict[int, Uplink] = {}
@@ -228,7 +229,9 @@ class Server:
         if missing and not partial:
             raise MessageError(f"round {plan.round}: no answer from clients {sorted(missing)}")
         self.rejected, self.rejected_reasons = rejected, reasons
-        if not by_client:  # nobody computed this round: plan it again, log nothing
+        # nobody computed this round, or fewer than secure aggregation's threshold (SecAgg+ cannot
+        # unmask a sum of fewer, and a sum of one is that client's answer): plan it again, log nothing
+        if not by_client or (self.secagg is not None and len(by_client) < self.secagg.threshold):
             self._plan = None
             self.replanned += 1
             self.attempt += 1

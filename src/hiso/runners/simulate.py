@@ -290,7 +290,7 @@ class Simulation:
             if rec is not None:
                 break
             replanned += 1
-            log.info("row %d (round %d): no valid answer, planned again", plan.round + 1, plan.round)
+            log.info("row %d (round %d): no valid answer (or fewer than secure aggregation's threshold), planned again", plan.round + 1, plan.round)
             if replanned >= 1000:
                 raise RuntimeError(f"round {plan.round}: no valid answer in 1000 attempts")
         self.state.apply(rec)
