@@ -46,6 +46,7 @@ def test_eval_reproduces_the_runs_own_metrics_on_a_language_task(tmp_path, capsy
     code, _, err = run_cli(["eval", str(run), "--eval-max", "4", "--data-dir", str(data), "--out",
                             str(tmp_path / "e4.json")], capsys)
     assert code == 0, err
+    assert "warning" not in err  # other data asked for: only the base model must be the run's
     assert json.loads((tmp_path / "e4.json").read_text())["metrics"]["eval_acc"] in (0, 0.25, 0.5, 0.75, 1)
 
 

@@ -38,20 +38,23 @@ def evaluate_run(run_dir: str | Path, round: int | None = None, data_dir: str | 
     if split == "dev" and cfg.val_fraction == 0:
         raise ValueError(f"{run_dir} has no validation split (val_fraction 0): its held-out examples are "
                          f"reported as eval_* (--split test)")
-    if task is None:
+    built = task is None
+    if built:  # checked against the run there (only its base, with other data or size)
         task, cfg, info = run_task(run_dir, device, data_dir=data_dir, eval_max=eval_max)
     elif data_dir is not None or eval_max is not None:
         raise ValueError("a task object holds its own data: build it with the other data instead of giving "
                          "data_dir or eval_max")
-    rm = load_run_model(run_dir, round, task=task, device=device)
+    # how many examples are scored: n_eval (eval_*) and n_val (val_*); described before the model is
+    # built, so a language task's description reuses the model it makes for it
+    described = task.describe()
+    scored = {k: described[k] for k in ("n_eval", "n_val") if k in described}
+    rm = load_run_model(run_dir, round, task=task, device=device, checked=built)
     task = rm.task
     t0 = time.perf_counter()
     metrics = task.evaluate(rm.model)
     seconds = time.perf_counter() - t0
     if split is not None:
         metrics = {k: v for k, v in metrics.items() if k.startswith(_PREFIX[split])}
-    described = task.describe()  # how many examples were scored: n_eval (eval_*) and n_val (val_*)
-    scored = {k: described[k] for k in ("n_eval", "n_val") if k in described}
     return {"metrics": metrics, "round": rm.round, "split": split or "all", **scored,
             "data_dir": data_dir or cfg.data_dir, "eval_max": eval_max or cfg.eval_max,
             "seconds": seconds, **{k: v for k, v in rm.identity().items() if k != "round"}}

@@ -75,10 +75,11 @@ def run_task(run_dir: str | Path, device: str = "cpu", **overrides: Any) -> tupl
 
 
 def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | None = None,
-                   device: str = "cpu") -> RunModel:
+                   device: str = "cpu", checked: bool = False) -> RunModel:
     """x_``round`` of the run in ``run_dir`` (None: its last round) on ``device``.
 
-    ``task``: the run's task object (default: built from ``config.json``). Refused (ValueError,
+    ``task``: the run's task object (default: built from ``config.json``; ``checked``: the caller
+    built it with :func:`run_task`, which checked it against the run). Refused (ValueError,
     nothing loaded): a round the log does not hold, another round than the last of a full-model
     run, a base model that is not the run's.
     """
@@ -88,7 +89,8 @@ def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | N
         task, _, _ = run_task(run_dir, device)
     else:
         task = on_device(task, device)
-        check_run_task(task, info, run_dir, given=True)
+        if not checked:
+            check_run_task(task, info, run_dir, given=True)
     ckpt_path = run_dir / "model.pt"
     if cfg.algorithm == "fedkseed":  # its log folded, then x_round materialised (at most K draws)
         from .fedkseed import rebuild_pool
