@@ -179,18 +179,20 @@ def rebuild(out: str | Path, task: Task | None = None):
     (:class:`~hiso.core.state.ModelState`: ``.model``, ``.h``, ``.round``). ``task`` builds x_0
     (default: the task named in the run's ``config.json``, built from it)."""
     from .runners.rundir import rebuild as rebuild_dir
-    from .tasks.registry import use_instance
 
-    if task is not None:  # the task the run names is this object, wherever the run was made
-        use_instance(task, json.loads((Path(out) / "config.json").read_text())["task"])
+    _known_task(out, task)
     return rebuild_dir(out, task=task)[0]
 
 
 def _known_task(out: str | Path, task: Task | None) -> None:
-    """The task a run names is this object (wherever the run was made), for what reads the run."""
+    """``out`` must hold a run (one line otherwise); the task it names is ``task`` if given,
+    wherever the run was made, for what reads the run next."""
+    from .runners.runfiles import saved_config
     from .tasks.registry import use_instance
+
+    name = saved_config(out)[0].task
     if task is not None:
-        use_instance(task, json.loads((Path(out) / "config.json").read_text())["task"])
+        use_instance(task, name)
 
 
 def evaluate(out: str | Path, task: Task | None = None, round: int | None = None, split: str | None = None,
@@ -202,9 +204,7 @@ def evaluate(out: str | Path, task: Task | None = None, round: int | None = None
     ``config.json``). Returns ``{"metrics": {...}, "round": R, ...}`` (what ``eval.json`` holds);
     nothing is written."""
     from .runners.evaluate import evaluate_run
-    from .runners.runfiles import saved_config
 
-    saved_config(out)  # a run directory, before anything else is said about it
     _known_task(out, task)
     return evaluate_run(out, round, data_dir, eval_max, split, device, task=task)
 
@@ -213,12 +213,11 @@ def export(out: str | Path, to: str | Path, format: str | None = None, round: in
            task: Task | None = None, force: bool = False) -> dict[str, Any]:
     """``hiso export``: round ``round`` (None: the last) of the run in ``out`` written into the
     directory ``to`` (``format``: ``merged``, a Hugging Face model directory, the default for
-    language runs; ``peft``, the LoRA adapter; ``state-dict``, safetensors, the default otherwise). ``force`` replaces an earlier export there, nothing else. Returns the
-    format, round, files, bytes and seconds."""
+    language runs; ``peft``, the LoRA adapter; ``state-dict``, safetensors, the default otherwise).
+    ``force`` replaces an earlier export there, nothing else. Returns the format, round, files,
+    bytes and seconds."""
     from .runners.export import export as export_run
-    from .runners.runfiles import saved_config
 
-    saved_config(out)
     _known_task(out, task)
     return export_run(out, to, format, round=round, force=force, task=task)
 

@@ -178,8 +178,8 @@ def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict) -> None:
     if tok is not None and fmt != "state-dict":
         tok.save_pretrained(tmp)
     (tmp / "README.md").write_text(model_card(meta, rm.info))
-    written = sorted(p.name for p in tmp.iterdir())  # what --force may replace later: these names only
-    (tmp / "hiso.json").write_text(json.dumps({**meta, "files": sorted([*written, "hiso.json"])}, indent=2))
+    files = sorted([*(p.name for p in tmp.iterdir()), "hiso.json"])  # what --force may replace later, only
+    (tmp / "hiso.json").write_text(json.dumps({**meta, "files": files}, indent=2))
 
 
 def not_an_export(out: Path) -> str | None:

@@ -27,11 +27,18 @@ def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "
     if not cfg.scalar_only:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
     records = read_run_history(run_dir, cfg).records
+    task = _run_task_on(run_dir, cfg, info, task, device, checked)
+    return ModelState(task.build_model(), cfg.zo(), run_seed=cfg.seed), task, cfg, info, records
+
+
+def _run_task_on(run_dir, cfg, info: dict, task: Task | None, device: str, checked: bool = False) -> Task:
+    """The run's task on ``device``: the object given, else built from its configuration; checked
+    against the run (:func:`~hiso.runners.runfiles.check_run_task`) unless the caller did."""
     given = task is not None
     task = on_device(task, device) if given else build_task(cfg.model_copy(update={"device": device}))
     if not checked:
         check_run_task(task, info, run_dir, given)
-    return ModelState(task.build_model(), cfg.zo(), run_seed=cfg.seed), task, cfg, info, records
+    return task
 
 
 def logged_rounds(records: list, round: int | None, run_dir: str | Path) -> list:
@@ -52,10 +59,7 @@ def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu",
     cfg, info = saved_config(run_dir)
     if cfg.algorithm == "fedkseed":  # fold the log, then one materialisation (at most K draws)
         from .fedkseed import rebuild_pool
-        given = task is not None
-        task = on_device(task, device) if given else build_task(cfg.model_copy(update={"device": device}))
-        check_run_task(task, info, run_dir, given)
-        rep = rebuild_pool(run_dir, cfg, task, round)
+        rep = rebuild_pool(run_dir, cfg, _run_task_on(run_dir, cfg, info, task, device), round)
         return rep.state, checkpoint(rep.state.state_dict(), info)
     state, _, _, info, records = start_replica(run_dir, task, device)
     state.replay(logged_rounds(records, round, run_dir))

@@ -196,9 +196,10 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         kept, records = pool_resume_point(out, cfg, resume_point(out, None)[0])
     else:
         kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
-    if resume and (out / "config.json").exists():  # continuing it on another task would mix two runs
-        check_run_task(task, saved_config(out)[1], out, given=given, resume=True)
-    saved_rounds = saved_config(out)[0].rounds if resume and (out / "config.json").exists() else None
+    saved = saved_config(out) if resume and (out / "config.json").exists() else None
+    if saved is not None:  # continuing it on another task would mix two runs
+        check_run_task(task, saved[1], out, given=given, resume=True)
+    saved_rounds = saved[0].rounds if saved is not None else None
     if saved_rounds is not None and saved_rounds != cfg.rounds:
         _extend(out, saved_rounds, cfg, info)
     elif not resume or saved_rounds is None:
