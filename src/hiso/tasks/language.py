@@ -60,7 +60,7 @@ CLASSIFICATION = {
             "label_words": (" No", " Yes"), "max_length": 128},
 }
 # SQuAD: 640 tokens keep every prompt of the shared files whole (the longest is 631; the authors
-# allow 2,048); 256 cut the gold answer out of the context of 3-4 % of questions, for 5 % less time
+# allow 2,048); 256 cut the gold answer out of the context of 3-4 % of questions, for 5 % less time (2-core AMD EPYC)
 QA = {"squad": {"template": "Context: {context}\nQuestion: {question}\nAnswer:", "max_length": 640}}
 LANGUAGE_TASKS = tuple(CLASSIFICATION) + tuple(QA)
 # which placeholders a template may use, per task, and the example field each one reads
