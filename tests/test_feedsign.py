@@ -178,3 +178,26 @@ def test_dropped_answers_in_fast_mode_count_the_bytes_faithful_mode_counts(tmp_p
     sa, sb = (json.loads((tmp_path / m / "summary.json").read_text())["communication_per_client"]
               for m in ("fast", "faithful"))
     assert sa == sb and sa["bytes_up_mean"] > 0
+
+
+def test_attacks_a_sign_cannot_carry_are_refused_and_a_lying_sign_moves_the_run(tmp_path):
+    """A scaled sign is the same sign and a NaN packs as -1: both would run as something other than
+    the attack named (scale: no attack at all). Sign-flip and random lies change the logged votes."""
+    kw = dict(algorithm="feedsign", task="quadratic", dim=30, clients=6, sampled=3, rounds=6, byzantine=2)
+    for attack in ("scale", "nan", "sign-flip,nan"):
+        with pytest.raises(ValueError, match="feedsign's clients send signs"):
+            load_config(None, attack=attack, **kw)
+    assert load_config(None, byzantine=0, attack="nan", algorithm="feedsign", task="quadratic")  # no attackers
+    assert "attack_scale" in load_config(None, attack="random", attack_scale=5.0, **kw).unused_options()
+    assert "attack_scale" not in load_config(None, attack="random", attack_scale=5.0, algorithm="decomfl",
+                                             task="quadratic", byzantine=2).unused_options()
+
+    def votes(**extra):
+        from hiso.runners.rundir import run_to_dir
+        out = tmp_path / "-".join(f"{k}{v}" for k, v in extra.items())
+        run_to_dir(load_config(None, **{**kw, **extra}), out)
+        return np.concatenate([r.scalars.ravel() for r in read_history(out / "history.bin")[2]])
+
+    honest = votes(byzantine=0)
+    assert not np.array_equal(votes(attack="sign-flip"), honest)
+    assert not np.array_equal(votes(attack="random"), honest)

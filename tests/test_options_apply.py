@@ -110,6 +110,24 @@ def test_options_the_algorithm_never_reads_are_named(tmp_path, capsys):
     assert load_config(attack="sign-flip", byzantine=1, aggregate="trimmed-mean", trim=0.3).unused_options() == {}
 
 
+def test_a_robust_rule_that_cannot_act_is_named_when_the_run_starts(tmp_path, capsys):
+    """floor(0.25 x 3) = 0: a trimmed mean of 3 answers is the plain mean; 2 attackers of 4 a round
+    outnumber what either robust rule outvotes. A run that could act says nothing."""
+    def weak(**kw):
+        return load_config(**{"clients": 8, **kw}).weak_aggregation()
+    (note,) = weak(sampled=3, aggregate="trimmed-mean")
+    assert "drops floor(0.25 x 3) = 0" in note and "give trim >= 0.334" in note
+    assert weak(sampled=3, aggregate="trimmed-mean", trim=0.334) == []
+    assert weak(sampled=4, aggregate="trimmed-mean") == weak(sampled=3) == []
+    per_round = dict(sampled=4, byzantine=2, byzantine_per_round=True, attack="sign-flip")
+    assert "outnumber the 1 answer trimmed-mean drops" in weak(aggregate="trimmed-mean", **per_round)[0]
+    assert "the median is not robust" in weak(aggregate="median", **per_round)[0]
+    assert weak(aggregate="median", **{**per_round, "sampled": 5}) == []
+    code, _, err = run_cli(["run", "--out", str(tmp_path / "a"), *TINY, "--sampled", "3",
+                            "--aggregate", "trimmed-mean"], capsys)
+    assert code == 0 and "it is the plain mean here" in err
+
+
 def test_out_and_resume_together_name_both(tmp_path, capsys):
     code, _, err = run_cli(["run", "--out", str(tmp_path / "a"), "--resume", str(tmp_path / "b"), *TINY], capsys)
     assert code == 2 and "give one of them" in err

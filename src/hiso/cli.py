@@ -313,6 +313,8 @@ def _warn_unused(cfg: RunConfig) -> None:
     if unused:
         print(f"hiso: note: {cfg.algorithm} does not use {'; '.join(unused)}: config.json records "
               f"{'it' if len(unused) == 1 else 'them'} as given, with no effect on the run", file=sys.stderr)
+    for why in cfg.weak_aggregation():
+        print(f"hiso: note: {why}", file=sys.stderr)
 
 
 def _ending_note(cfg: RunConfig, out: Path) -> None:

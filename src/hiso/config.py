@@ -201,7 +201,7 @@ class RunConfig(BaseModel, MethodRules):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description=(
         "where clients and the server run their model: cpu, or cuda / cuda:N (directions of the Philox families "
         "are then generated on the GPU; hiso rebuild replays on the CPU)"))
-    # reliability (hiso, decomfl): how the server combines answers, simulated faults and attackers
+    # reliability (hiso, decomfl, feedsign, ferret): how the server combines answers, simulated faults and attackers
     aggregate: Literal["mean", "median", "trimmed-mean"] = Field("mean", description=(
         "how the server combines the clients' scalars, per (step, perturbation) entry: (weighted) mean, weighted "
         "median, or trimmed mean (see hiso.core.aggregate)"))
@@ -297,10 +297,13 @@ class RunConfig(BaseModel, MethodRules):
                              + (f"sampled ({self.sampled})" if self.byzantine_per_round
                                 else f"clients ({self.clients})"))
         from .runners.faults import parse_attacks
-        parse_attacks(self.attack)
+        attacks = parse_attacks(self.attack)
+        if self.algorithm == "feedsign" and self.byzantine and (bad := [a for a in attacks if a in ("scale", "nan")]):
+            raise ValueError(f"feedsign's clients send signs: attack {' and '.join(bad)} cannot be sent as one "
+                             "(a scaled sign is the same sign, a NaN packs as -1): give --attack sign-flip or random")
         if not self.scalar_only and (faults or self.byzantine or self.aggregate != "mean"):
-            raise ValueError(f"faults, attackers and robust aggregation are simulated for hiso and decomfl only, "
-                             f"not {self.algorithm}")
+            raise ValueError(f"faults, attackers and robust aggregation are simulated for the seed-and-scalar "
+                             f"methods (hiso, decomfl, feedsign, ferret), not {self.algorithm}")
         if self.lr_decay is not None and not self.scalar_only:
             raise ValueError(f"lr_decay is for hiso and decomfl, not {self.algorithm}")
         if self.dp_clip is None:

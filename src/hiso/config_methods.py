@@ -92,7 +92,29 @@ class MethodRules:
                                   (("secagg_bits", "secagg_modulus_bits"), not self.secagg, "with secagg only")):
             if off:
                 out.update(dict.fromkeys(self.changed(names), whose))
+        if self.algorithm == "feedsign" and self.byzantine:  # a random lie's scale cannot change its sign
+            out.update(dict.fromkeys(self.changed(["attack_scale"]), "a lying sign has no scale"))
         return out
+
+    def weak_aggregation(self) -> list[str]:
+        """Why the robust rule asked for cannot do its work in this run (a trimmed mean that trims
+        none of a round's answers, attackers a round beyond what the rule outvotes): said when the
+        run starts, since a robust-aggregation table built on it would read as robust."""
+        n, notes = self.sampled, []
+        if self.aggregate == "trimmed-mean":
+            cut = math.floor(self.trim * n)
+            if cut == 0:
+                fix = f"give trim >= {math.ceil(1000 / n) / 1000:g}, or " if n > 2 else ""  # trim < 0.5
+                notes.append(f"aggregate trimmed-mean with trim {self.trim:g} drops floor({self.trim:g} x {n}) = 0 "
+                             f"of the {n} answers a round at each end: it is the plain mean here ({fix}sample more "
+                             "clients)")
+            elif self.byzantine_per_round and self.byzantine > cut:
+                notes.append(f"{self.byzantine} attackers a round outnumber the {cut} answer{'s' if cut > 1 else ''} "
+                             f"trimmed-mean drops at each end (trim {self.trim:g} of {n}): it is not robust to them")
+        elif self.aggregate == "median" and self.byzantine_per_round and 2 * self.byzantine >= n:
+            notes.append(f"{self.byzantine} attackers a round are at least half of its {n} answers: the median is "
+                         "not robust to them")
+        return notes
 
     @property
     def dp_noise(self) -> float | None:
