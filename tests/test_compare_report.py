@@ -333,3 +333,23 @@ def test_the_ending_warning_counts_every_seed_and_prints_consistent_numbers():
     flat = _arm("hiso", [[20.0, 25.0, 29.0], [35.0, 36.0, 44.0]], metric="gap")
     text = footer(build_table([flat], "hiso", "gap"))
     assert "ended worse than it started" in text and "at round 0 (means over seeds)" in text, text
+
+
+def test_a_comparison_table_names_each_arms_rule_attackers_and_faults(tmp_path, capsys):
+    """A median arm under attack beside a plain one: the footer says what each was put through."""
+    conf = tmp_path / "c.toml"
+    conf.write_text('task = "quadratic"\ndim = 20\nclients = 6\nsampled = 4\nrounds = 4\neval_every = 2\n\n'
+                    '[compare]\nalgorithms = ["hiso", "hiso-robust"]\n[compare.variants]\n'
+                    '"hiso-robust" = { algorithm = "hiso", aggregate = "trimmed-mean", trim = 0.3, byzantine = 1, '
+                    'byzantine_per_round = true, attack = "sign-flip,random", attack_scale = 10.0, drop_rate = 0.2 }\n')
+    out = tmp_path / "cmp"
+    code, stdout, err = run_cli(["compare", "--config", str(conf), "--out", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    lines = [x for x in stdout.splitlines() if x.startswith("- reliability:")]
+    assert lines == ["- reliability: HiSo: plain mean, no attackers or faults.",
+                     "- reliability: hiso-robust: aggregate trimmed-mean (trim 0.3); 1 Byzantine of each round's "
+                     "sampled (attack sign-flip,random x 10); answers 20% lost."]
+    assert all(x in (out / "table.md").read_text() for x in lines)
+    conf.write_text(conf.read_text().split("[compare.variants]")[0].replace(', "hiso-robust"', ""))
+    code, stdout, err = run_cli(["compare", "--config", str(conf), "--out", str(tmp_path / "plain"), "--quiet"], capsys)
+    assert code == 0 and "- reliability:" not in stdout

@@ -149,6 +149,7 @@ class TableRow:
     kept: float | None = None
     first_mean: float | None = None  # metric at round 0, mean over seeds
     privacy: dict | None = None  # summary.json's "privacy" of a DP arm: mode, clip, noise multiplier, epsilon
+    reliability: str = ""  # its aggregation rule, attackers and injected faults, when any differs from none
 
     @property
     def bytes_total(self) -> float:
@@ -241,7 +242,8 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
             client_backwards=_mean_of([c.get("backwards_per_round") for c in client]),
             client_s=_mean_of([c.get("s_per_round") for c in client]),
             client_peak_bytes=max(cpeaks) if cpeaks else None,
-            last_mean=last_mean, kept=kept, first_mean=first_mean, privacy=_privacy_of(arm.runs)))
+            last_mean=last_mean, kept=kept, first_mean=first_mean, privacy=_privacy_of(arm.runs),
+            reliability=_reliability_of(arm.runs[0].config)))
     cfg0 = ref.runs[0].config
     info = cfg0.get("task_info", {}) or {}
     context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "eval_every": cfg0.get("eval_every"),
@@ -257,6 +259,36 @@ def _privacy_of(runs) -> dict | None:
         return None
     spent = [p["epsilon"] for p in priv if p.get("epsilon") is not None]
     return {**priv[0], "epsilon": max(spent) if spent else None}
+
+
+_FAULTS = (("drop_rate", "lost"), ("late_rate", "late"), ("duplicate_rate", "duplicated"), ("corrupt_rate", "damaged"))
+
+
+def _reliability_of(cfg: dict) -> str:
+    """What an arm's config.json says the server and its clients were put through: the aggregation
+    rule (when not the mean), its attackers and the faults injected ("" for none of them)."""
+    parts = []
+    rule = cfg.get("aggregate", "mean")
+    if rule != "mean":
+        parts.append(f"aggregate {rule}" + (f" (trim {cfg.get('trim', 0.25):g})" if rule == "trimmed-mean" else ""))
+    if k := cfg.get("byzantine", 0):
+        attack = cfg.get("attack", "scale")
+        scaled = f" x {cfg.get('attack_scale', 1e3):g}" if any(a in attack for a in ("scale", "random")) else ""
+        who = "of each round's sampled" if cfg.get("byzantine_per_round") else f"fixed client{'s' if k > 1 else ''}"
+        parts.append(f"{k} Byzantine {who} (attack {attack}{scaled})")
+    faults = [f"{cfg[key]:.0%} {what}" for key, what in _FAULTS if cfg.get(key)]
+    if faults:
+        parts.append("answers " + ", ".join(faults))
+    return "; ".join(parts)
+
+
+def reliability_lines(table: Table) -> list[str]:
+    """Footer lines naming each arm's aggregation rule, attackers and injected faults, once any arm
+    has them: a robust arm's row beside a plain one must say what each was put through."""
+    if not any(r.reliability for r in table.rows):
+        return []
+    return [f"- reliability: {display_name(r.name)}: {r.reliability or 'plain mean, no attackers or faults'}."
+            for r in table.rows]
 
 
 def privacy_lines(table: Table) -> list[str]:
@@ -401,6 +433,7 @@ def footer(table: Table) -> str:
         "client peak memory: its resident tensors (model, H, ...) + the peak of the tensors one answer allocates, "
         "max over seeds, without the client's data and the Python/torch runtime (hiso.runners.client_cost).",
         *privacy_lines(table),
+        *reliability_lines(table),
         *lr_warnings(table),
         *ending_warnings(table),
     ])
