@@ -199,3 +199,9 @@ def test_choices_are_validated_by_the_config_not_by_argparse(tmp_path, capsys):
     # the same one-line error for a flag and a TOML key, naming the field
     code, _, err = _run(["run", "--out", str(tmp_path / "x"), "--difference", "backward", "--quiet"], capsys)
     assert code == 2 and err.startswith("hiso: error: difference:") and "forward" in err
+
+
+def test_version_names_the_package_version(capsys):
+    import hiso
+    code, out, _ = run_cli(["--version"], capsys)
+    assert code == 0 and out.strip() == f"hiso {hiso.__version__}"

@@ -95,6 +95,8 @@ def _tracking(args: argparse.Namespace, name: str):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hiso", description="Federated zeroth-order fine-tuning with scalar-only communication.")
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"hiso {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run one algorithm on one task into --out DIR")
     run.add_argument("--out", help="run directory to create")
