@@ -276,7 +276,7 @@ def _reliability_of(cfg: dict) -> str:
         scaled = f" x {cfg.get('attack_scale', 1e3):g}" if any(a in attack for a in ("scale", "random")) else ""
         who = "of each round's sampled" if cfg.get("byzantine_per_round") else f"fixed client{'s' if k > 1 else ''}"
         parts.append(f"{k} Byzantine {who} (attack {attack}{scaled})")
-    faults = [f"{cfg[key]:.0%} {what}" for key, what in _FAULTS if cfg.get(key)]
+    faults = [f"{cfg[key] * 100:g}% {what}" for key, what in _FAULTS if cfg.get(key)]
     if faults:
         parts.append("answers " + ", ".join(faults))
     return "; ".join(parts)
