@@ -350,6 +350,9 @@ def test_a_comparison_table_names_each_arms_rule_attackers_and_faults(tmp_path, 
                      "- reliability: hiso-robust: aggregate trimmed-mean (trim 0.3); 1 Byzantine of each round's "
                      "sampled (attack sign-flip,random x 10); answers 20% lost."]
     assert all(x in (out / "table.md").read_text() for x in lines)
+    from hiso.report.table import _reliability_of
+    assert _reliability_of({"aggregate": "trimmed-mean", "sampled": 3}) == (
+        "aggregate trimmed-mean (trim 0.25, which drops none of 3 answers: the plain mean)")
     conf.write_text(conf.read_text().split("[compare.variants]")[0].replace(', "hiso-robust"', ""))
     code, stdout, err = run_cli(["compare", "--config", str(conf), "--out", str(tmp_path / "plain"), "--quiet"], capsys)
     assert code == 0 and "- reliability:" not in stdout

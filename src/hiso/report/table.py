@@ -270,7 +270,9 @@ def _reliability_of(cfg: dict) -> str:
     parts = []
     rule = cfg.get("aggregate", "mean")
     if rule != "mean":
-        parts.append(f"aggregate {rule}" + (f" (trim {cfg.get('trim', 0.25):g})" if rule == "trimmed-mean" else ""))
+        trim, n = cfg.get("trim", 0.25), cfg.get("sampled", 0)
+        none = f", which drops none of {n} answers: the plain mean" if math.floor(trim * n) == 0 else ""
+        parts.append(f"aggregate {rule}" + (f" (trim {trim:g}{none})" if rule == "trimmed-mean" else ""))
     if k := cfg.get("byzantine", 0):
         attack = cfg.get("attack", "scale")
         scaled = f" x {cfg.get('attack_scale', 1e3):g}" if any(a in attack for a in ("scale", "random")) else ""
