@@ -11,13 +11,16 @@
 # with `hiso run --resume` (every logged round kept, bit for bit the uninterrupted run), a run with
 # a summary.json is skipped. Each process gets SIGINT after SECONDS (then SIGKILL 30 s later: a
 # killed run loses at most its round in flight). Prints each run's last logged round and accuracy,
-# and "all finished" when nothing is left to run. Needs `python3 -m hiso.cli` importable
-# (PYTHONPATH=src) and $PYTHON if python3 is not the interpreter to use.
+# and "all finished" when nothing is left to run. Each run writes its server state every $CKPT
+# (default 2m) to checkpoint.pt, so a resume replays only the rounds after the last one, not the
+# whole log. Needs `python3 -m hiso.cli` importable (PYTHONPATH=src) and $PYTHON if python3 is not
+# the interpreter to use.
 set -u
-if [ $# -lt 5 ]; then sed -n 2,15p "$0"; exit 2; fi
+if [ $# -lt 5 ]; then sed -n 2,17p "$0"; exit 2; fi
 config=$1 runs=$2 secs=$3 grid=$4 seeds=$5
 shift 5
 py=${PYTHON:-python3}
+ckpt=${CKPT:-2m}
 mkdir -p "$runs"
 planned=()
 for spec in $grid; do
@@ -34,10 +37,10 @@ for p in "${planned[@]}"; do
   mkdir -p "$(dirname "$d")"
   [ -f "$d/summary.json" ] && continue
   if [ -f "$d/config.json" ]; then
-    timeout -s INT -k 30 "$secs" "$py" -m hiso.cli run --resume "$d" --quiet >>"$d.log" 2>&1 &
+    timeout -s INT -k 30 "$secs" "$py" -m hiso.cli run --resume "$d" --checkpoint-every "$ckpt" --quiet >>"$d.log" 2>&1 &
   else
     timeout -s INT -k 30 "$secs" "$py" -m hiso.cli run --config "$config" --algorithm "$algo" --lr "$lr" \
-      --seed "$seed" --out "$d" --force --quiet "$@" >>"$d.log" 2>&1 &
+      --seed "$seed" --out "$d" --force --checkpoint-every "$ckpt" --quiet "$@" >>"$d.log" 2>&1 &
   fi
   started=$((started + 1))
 done

@@ -249,13 +249,16 @@ class _ServerAppDies(Exception):
     pass
 
 
-def test_flower_serverapp_resumes_from_its_run_directory(tmp_path, monkeypatch):
+@pytest.mark.parametrize("every", ["0", "2"])
+def test_flower_serverapp_resumes_from_its_run_directory(tmp_path, monkeypatch, every):
     """A ServerApp that dies after round 3 (its grid fails mid-round 4) leaves a run directory
     that a new ServerApp continues (``Settings.resume``): the nodes keep their replicas and
     are asked where they stand; the run ends equal to the uninterrupted in-process run, bit
-    for bit (model, H, history, metrics and bytes), and hiso rebuild reproduces it."""
+    for bit (model, H, history, metrics and bytes), and hiso rebuild reproduces it. With a
+    checkpoint every 2 rounds the new ServerApp's model and H start from round 2's."""
     from hiso.flower.app import FlowerFederation, Settings, serve
-    cfg = RunConfig(**{**CFG, "clients": 3, "sampled": 2, "rounds": 7, "seed": 9, "eval_every": 2})
+    cfg = RunConfig(**{**CFG, "clients": 3, "sampled": 2, "rounds": 7, "seed": 9, "eval_every": 2,
+                       "checkpoint_every": every})
     monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: _Msg(f, nid, kind, group))
     out = tmp_path / "flower"
     st = dict(round_timeout=5, poll_s=0.01)
@@ -272,6 +275,7 @@ def test_flower_serverapp_resumes_from_its_run_directory(tmp_path, monkeypatch):
     with pytest.raises(_ServerAppDies):
         serve(grid, cfg, Settings(out_dir=str(out), **st))
     assert len(read_history(out / "history.bin")[2]) == 3 and not (out / "summary.json").exists()
+    assert (out / "checkpoint.pt").exists() == (every == "2")
     lineage = (out / "flower-lineage").read_text()
     # a new ServerApp (fresh node ids: the nodes were queried again) continues the run
     grid2 = FakeGrid(cfg, tmp_path / "replicas", {21: 0, 22: 1, 23: 2})
@@ -279,6 +283,7 @@ def test_flower_serverapp_resumes_from_its_run_directory(tmp_path, monkeypatch):
     run_to_dir(cfg, tmp_path / "sim")
     a, b = _load(out / "model.pt"), _load(tmp_path / "sim" / "model.pt")
     assert _same_model(a, b) and a["round"] == 7
+    assert json.loads((out / "summary.json").read_text())["checkpoints"]["resumed_from"] == (2 if every == "2" else None)
     recs_f, recs_s = read_history(out / "history.bin")[2], read_history(tmp_path / "sim" / "history.bin")[2]
     assert [(r.participants, r.seeds.tobytes(), r.scalars.tobytes()) for r in recs_f] == \
            [(r.participants, r.seeds.tobytes(), r.scalars.tobytes()) for r in recs_s]

@@ -198,6 +198,10 @@ class RunConfig(BaseModel, MethodRules):
     wire_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
         "number format of full-model baselines' messages"))
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's own)")
+    checkpoint_every: str | int = Field("5m", description=(
+        "write the server's state (model, H) to DIR/checkpoint.pt every this many rounds (an integer) or this much "
+        "training time (90s, 5m, 1h; 0: never), so --resume replays only the rounds after it instead of the whole "
+        "log (hiso, decomfl, feedsign, ferret); changes no result, and may differ when a run is resumed"))
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description=(
         "where clients and the server run their model: cpu, or cuda / cuda:N (directions of the Philox families "
         "are then generated on the GPU; hiso rebuild replays on the CPU)"))
@@ -326,6 +330,7 @@ class RunConfig(BaseModel, MethodRules):
         self._secagg_checks()
         if self.batch_memory is not None:
             parse_size(self.batch_memory)
+        parse_every(self.checkpoint_every)
         if self.step_norm is not None and not self.scalar_only:
             raise ValueError(f"step_norm is for hiso and decomfl, not {self.algorithm}")
         if self.step_norm is not None and self.local_steps > 1:
@@ -441,6 +446,29 @@ def _kind(annotation: Any) -> str:
     from typing import get_args
     kinds = {a for a in (annotation, *get_args(annotation)) if a in (int, float, str)}
     return "an integer" if kinds == {int} else "a number" if kinds & {int, float} else "a value"
+
+
+# options that change how a run is carried out, never its results: a resumed run may take others
+RUNTIME_ONLY = ("checkpoint_every",)
+
+
+def parse_every(spec: str | int) -> tuple[str, float] | None:
+    """``checkpoint_every`` as ("rounds", n) or ("seconds", s); None for never (0). Raises
+    ValueError (one line) for anything else."""
+    import re
+
+    if isinstance(spec, bool):
+        raise ValueError(f"checkpoint_every must be rounds (an integer) or a time such as 5m, got {spec!r}")
+    text = str(spec).strip()
+    if re.fullmatch(r"[0-9]+", text):
+        n = int(text)
+        return None if n == 0 else ("rounds", n)
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?)\s*([smh])", text)
+    if m is None:
+        raise ValueError(f"checkpoint_every must be rounds (an integer, 0 for never) or a time such as 90s, 5m or "
+                         f"1h, got {spec!r}")
+    s = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
+    return None if s == 0 else ("seconds", s)
 
 
 def parse_size(text: str) -> int:

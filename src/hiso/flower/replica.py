@@ -35,7 +35,7 @@ from ..core.state import ModelState
 
 ALIGN = 64
 # fields that do not change the trajectory: a longer run or other logging reuses the replica
-_NOT_TRAJECTORY = {"rounds", "eval_every", "threads", "mode", "eval_max"}
+_NOT_TRAJECTORY = {"rounds", "eval_every", "threads", "mode", "eval_max", "checkpoint_every"}
 
 
 def run_key(cfg_json: str, run_id: int | str) -> str:

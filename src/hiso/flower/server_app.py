@@ -255,17 +255,27 @@ class FlowerFederation:
         return metric_rows(self.task, self.state.model, self.comm, step, rounds, every, start=start, wall=wall,
                            extra=extra)
 
-    def resume(self, records: list[RoundRecord]) -> None:
+    def resume(self, records: list[RoundRecord], start: dict | None = None) -> None:
         """Bring a new ServerApp to the end of an interrupted run's log (``run_to_dir(resume=
         True)``): the server draws each logged round's sample and seeds again (checked against
         the log; rounds the run planned again are skipped as it did), closes it with the logged
         record, and the model and H replay it. Bytes are counted as if every sampled
         partition had a node (what the log can tell). Nodes report the round their replica
-        holds when they are queried, so each one's next downlink starts there."""
+        holds when they are queried, so each one's next downlink starts there. ``start``: the
+        server state at a round c of the log, as :meth:`hiso.runners.simulate.Simulation.resume`
+        takes it (model and H replay only the records from c on)."""
         from ..core.messages import Uplink, encode_uplink
+        from ..runners.checkpoint import CheckpointUnusable, refusal
         wire = self.server.wire
         if self.server.round:
             raise RuntimeError("resume() needs a federation that has not run yet")
+        c = 0
+        if start is not None:
+            c = start["round"]
+            why = refusal(self.server, c, len(records))
+            if why is not None:
+                raise CheckpointUnusable(why)
+            self.state.load_state_dict(start)
         for rec in records:
             plan = self.server.plan_logged(rec)
             for cid in plan.participants:
@@ -275,7 +285,8 @@ class FlowerFederation:
                     self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire,
                                                            check=False))
             self.server.close_logged(rec)
-            self.state.apply(rec)
+            if rec.round >= c:
+                self.state.apply(rec)
 
     @property
     def model(self):

@@ -7,6 +7,7 @@ DIR/summary.json    final and best metrics, communication per client, time and m
 DIR/model.pt        the final server model (state dict) and, for HiSo, H
 DIR/rejections.log  every message a run with faults or attackers rejected, and why
 DIR/dp_secret.json  the DP noise key a run with --dp-clip drew (not in config.json: it undoes the noise)
+DIR/checkpoint.pt   while it runs: the server's state at a recent round (hiso.runners.checkpoint)
 
 ``hiso run --force`` over a run removes all of these (and ``hiso eval``'s and ``diagnose``'s output
 there) first: :func:`hiso.runners.runfiles.clear_run`; a user's other files in DIR stay.
@@ -25,7 +26,9 @@ the log, the server's client sampling by drawing it again for the logged rounds 
 record's attempt says how often; seeds derive from the run seed; all checked against the
 log), the bytes counted per client by re-encoding the messages, and
 goes on. The result is the uninterrupted run's ``model.pt``, ``history.bin`` and metrics,
-bit for bit (``wall_s`` apart: it adds the time of both attempts' kept rounds).
+bit for bit (``wall_s`` apart: it adds the time of both attempts' kept rounds). With a
+checkpoint of this run (:mod:`hiso.runners.checkpoint`) the model and H start from its round
+and replay only the records after it; the server's bookkeeping still goes over every record.
 
 Reading a directory back: :mod:`hiso.runners.runfiles` (config, checkpoint, resume point);
 its model from the log: :mod:`hiso.runners.rebuild`. Their names are importable from here too.
@@ -55,6 +58,8 @@ from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one im
 from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp_secret,  # noqa: F401
                        extend_refusal, made_before, not_a_dir, overwrites_run, read_run_history, resume_point,
                        same_run, saved_config, write_atomic)
+from .checkpoint import FILE as CHECKPOINT
+from .checkpoint import Checkpoints, CheckpointUnusable, load_start
 from .simulate import PrivacyBudgetSpent, Simulation
 
 
@@ -228,6 +233,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             hist.write(rec)
 
         sim = (runner or build_simulation)(dp_secret(out, cfg, resume), task, log if hist else None)
+        # the server's state every so often, so that a resume replays only the rounds after it
+        ckpt = (Checkpoints(out, cfg, start=len(records))
+                if cfg.scalar_only and cfg.algorithm != "fedkseed" and hasattr(sim, "state") else None)
         if hasattr(sim, "measure_client"):  # a client's memory, on one extra answer (hiso.runners.client_cost)
             sim.measure_client()
         if getattr(sim, "unreliable", False):  # every rejected message, with its reason
@@ -260,14 +268,26 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             return None if why is None else {"round": row["round"], "error": why}
 
         rows = sim.run(cfg.rounds) if not kept else ()
+        resumed_from = None  # the round whose checkpointed state a resume started from
         if kept:  # resume: the kept rows' bookkeeping, then the server state at their last round
             for line in kept:
                 row = json.loads(line)
                 diverged = diverged or account(row)
-            if getattr(sim, "unreliable", False):  # faults and attackers: counts the log lacks are in the rows
-                sim.resume(records, [json.loads(line) for line in kept])
-            else:
-                sim.resume(records)
+            args = ((records, [json.loads(line) for line in kept]) if getattr(sim, "unreliable", False)
+                    else (records,))  # faults and attackers: counts the log lacks are in the rows
+            start, why = load_start(out, cfg, len(records)) if ckpt is not None else (None, "")
+            if start is not None:
+                try:
+                    sim.resume(*args, start=start)
+                    resumed_from = start["round"]
+                except CheckpointUnusable as e:  # raised before the runner changed anything
+                    start, why = None, f"{out / CHECKPOINT} not used: {e}"
+            elif why:
+                why = f"{why}: not used"
+            if why:
+                print(f"hiso: {why}; replaying the log from round 0", file=sys.stderr)
+            if start is None:
+                sim.resume(*args)
             if diverged is None:
                 rows = sim.run(cfg.rounds, start=row["round"], wall=row["wall_s"])
         cost = getattr(sim, "cost", None)
@@ -282,6 +302,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                 if tracker is not None:
                     tracker.log(row, getattr(getattr(sim, "state", None), "h", None))
                 diverged = account(row)
+                if ckpt is not None and diverged is None:
+                    ckpt.maybe_write(sim.state, row["round"])
                 if progress is not None:
                     progress(row)
                 if diverged is not None:  # this round's model is finite (checked above): it is kept
@@ -304,6 +326,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         last.replay(read_history(out / "history.bin")[2][:row.get("round", 0)])
         state = last.state_dict()
     torch.save(checkpoint(state, info), out / "model.pt")
+    if ckpt is not None:  # model.pt holds the final state now
+        ckpt.remove()
     summary = {
         "algorithm": cfg.algorithm, "task": cfg.task, "rounds": cfg.rounds,
         "rounds_done": row.get("round", 0), "diverged": diverged,
@@ -315,6 +339,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     }
     if getattr(sim, "cost", None) is not None:
         summary["client"] = sim.cost.summary()
+    if ckpt is not None:
+        summary["checkpoints"] = {**ckpt.summary(), "resumed_from": resumed_from}
     if getattr(sim, "unreliable", False):
         summary["reliability"] = sim.reliability()
     if cfg.dp_clip is not None:

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import RunConfig, load_config
+from ..config import RUNTIME_ONLY, RunConfig, load_config
 from ..core.history import parse_history
 
 
 # the files a run writes into its directory (see hiso.runners.rundir; flower*: a run over Flower)
 RUN_FILES = ("config.json", "metrics.jsonl", "history.bin", "summary.json", "model.pt", "rejections.log",
-             "dp_secret.json", "flower.json", "flower-lineage")
+             "dp_secret.json", "flower.json", "flower-lineage", "checkpoint.pt")
 # what other commands write into it by default (hiso eval, hiso diagnose): about that run too
 ABOUT_RUN_FILES = ("eval.json", "diagnose.json", "diagnose.txt", "diagnose.png")
 
@@ -177,7 +177,7 @@ def same_run(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:
     saved, _ = saved_config(run_dir)
     a, b = saved.model_dump(), cfg.model_dump()
     older = made_before(run_dir)  # options the run predates: it resumes with their old values
-    diff = [k for k in b if a.get(k) != b.get(k) and k not in older]
+    diff = [k for k in b if a.get(k) != b.get(k) and k not in older and k not in RUNTIME_ONLY]
     if not diff or (diff == ["rounds"] and cfg.rounds > saved.rounds and extend_refusal(cfg, saved.rounds) is None):
         return "same", ""  # (or the same run asked to more rounds: continued to them)
     return "other", f"{diff[0]} = {a.get(diff[0])!r} there, {b.get(diff[0])!r} here"
@@ -219,7 +219,8 @@ def continuation(out: Path, given: dict) -> Continuation:
     saved = cfg.model_dump()
     asked = load_config(None, **{**saved, **given})
     wanted = asked.model_dump()
-    changed = [k for k in given if wanted.get(k) != saved.get(k)]
+    changed = [k for k in given if wanted.get(k) != saved.get(k) and k not in RUNTIME_ONLY]
+    cfg = cfg.model_copy(update={k: getattr(asked, k) for k in RUNTIME_ONLY})  # as asked now
     longer = changed == ["rounds"] and asked.rounds > cfg.rounds
     if longer:  # the same run continued to a later horizon, if its log allows it
         why = extend_refusal(asked, cfg.rounds)

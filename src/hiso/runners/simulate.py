@@ -42,6 +42,7 @@ from ..core.server import Server
 from ..core.state import ModelState
 from ..methods.privacy import noise_key
 from ..tasks.base import Task
+from .checkpoint import CheckpointUnusable, refusal
 from .client_cost import ClientCost, Timer, replica_bytes
 from .common import Comm, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
@@ -346,7 +347,7 @@ class Simulation:
         return metric_rows(self.task, self.state.model, self.comm, lambda: self.step()[1], rounds, self.eval_every,
                            start=start, wall=wall, extra=extra, cost=self.cost)
 
-    def resume(self, records: list[RoundRecord], rows: list[dict] | None = None) -> None:
+    def resume(self, records: list[RoundRecord], rows: list[dict] | None = None, start: dict | None = None) -> None:
         """Bring a new simulation to the end of an interrupted run's logged rounds, exactly as
         if it had run them: the server re-draws each round's clients and seeds (its streams
         are seeded; the draws are checked against the log) and takes the logged record, the
@@ -359,9 +360,22 @@ class Simulation:
         (:mod:`hiso.runners.faults`), and counts their bytes; only the late answers of the last
         logged round, still in flight, are computed (a later round receives them). What the
         log does not hold, the rejections per round by reason (and, when not 0, damaged answers
-        that would have decoded, replicas out of sync), comes from the kept metrics ``rows``."""
+        that would have decoded, replicas out of sync), comes from the kept metrics ``rows``.
+
+        ``start``: the server state at a round c of the log (``DIR/checkpoint.pt``,
+        :mod:`hiso.runners.checkpoint`): the model and H are loaded from it and replay only the
+        records from c on; the server's bookkeeping replays them all. Raises
+        :class:`~hiso.runners.checkpoint.CheckpointUnusable`, having changed nothing, where the
+        replay needs the state of rounds before c (see that module)."""
         if self.server.round or self.clients:
             raise RuntimeError("resume() needs a simulation that has not run yet")
+        c = 0
+        if start is not None:
+            c = start["round"]
+            why = refusal(self.server, c, len(records), faithful=self.mode == "faithful", unreliable=self.unreliable)
+            if why is not None:
+                raise CheckpointUnusable(why)
+            self.state.load_state_dict(start)
         last = {c: rec.round for rec in records for c in rec.participants}
         wire = self.server.wire
         if self.unreliable:
@@ -397,7 +411,8 @@ class Simulation:
                     if last.get(cid) == rec.round:  # the replica at rec.round
                         self.client(cid).state.load_state_dict(self.state.state_dict())
             self.server.close_logged(rec)
-            self.state.apply(rec)
+            if rec.round >= c:
+                self.state.apply(rec)
 
     def state_dict(self) -> dict:
         """The server's final state (model, H, round), as saved in ``model.pt``."""

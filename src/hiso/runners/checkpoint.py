@@ -1,0 +1,161 @@
+"""Checkpoints of a running server's state, so that ``--resume`` replays only the rounds after one.
+
+A resumed run rebuilds the server's model and H by replaying the log from x_0 (see
+:mod:`hiso.runners.rundir`). That costs one update per logged round: negligible for small
+models, but for an LLM with all parameters trainable it is one direction-combination of d
+values per round, so a run resumed at round 2,000 spent minutes replaying before its first new
+round (docs/gpu.md). ``DIR/checkpoint.pt`` cuts that to the rounds since the last checkpoint.
+
+What it holds: the server replica's :meth:`~hiso.core.state.ModelState.state_dict` (model or
+adapter, H, momentum, step normalisation) at a round c whose history record and metrics row are
+both written, tied to its run by the fingerprint of the algorithm configuration
+(:func:`hiso.core.join.config_fingerprint`, the one peers compare when they join) and the
+SHA-256 of ``history.bin``'s first bytes, up to record c. A resume uses it only when both still
+match the log it keeps (at least c records); otherwise it replays from x_0 as before and says
+why. The state is the one the run held, saved bit for bit, so a run continued from it equals
+the uninterrupted run exactly (``tests/test_checkpoint.py``); it changes no result, which is why
+``checkpoint_every`` may differ between the start of a run and its resumption.
+
+When: every ``checkpoint_every`` rounds (an integer) or that much training time (``"5m"``,
+``"300s"``, ``"1h"``; the default is ``"5m"``, so runs of a few minutes never write one), after
+the round's metrics row; ``0`` never. Written atomically (a temporary file, fsync, rename): a
+crash leaves the old checkpoint or the new one. Removed when the run ends (``model.pt`` then
+holds the final state). Its cost (writes, seconds, bytes) is in ``summary.json``'s
+``checkpoints``; the seconds are not in ``wall_s``.
+
+Where it is not used (the log is replayed from x_0 as before): ``--mode faithful`` (each
+client's replica is rebuilt at the round it last took part in, which needs every round's state),
+a server that could have sent a snapshot before round c (the byte count of a snapshot is made
+from the state of its round), a run with faults whose last logged round is c (its late answers
+in flight are recomputed at round c - 1), and FedKSeed (its own log format).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import parse_every
+from ..core.join import config_fingerprint
+
+FILE = "checkpoint.pt"
+FORMAT = 1
+
+
+def _history_digest(path: Path, size: int | None = None) -> tuple[int, str] | None:
+    """(bytes, SHA-256) of ``path``'s first ``size`` bytes (all of it if None); None if shorter."""
+    data = path.read_bytes()
+    if size is not None:
+        if len(data) < size:
+            return None
+        data = data[:size]
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def _on_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+class CheckpointUnusable(ValueError):
+    """A runner cannot resume from a checkpoint (raised before it changed anything)."""
+
+
+def refusal(server, c: int, records: int, faithful: bool = False, unreliable: bool = False) -> str | None:
+    """Why a resume of ``records`` logged rounds cannot start from the state at round ``c`` (None:
+    it can): the replay of rounds before c needs their states (see the module docstring)."""
+    if faithful:
+        return "faithful mode rebuilds each client's replica at the round it last took part in"
+    if server.snapshot_after is not None and server.snapshot_after < c:
+        return (f"the server sends a snapshot to a client {server.snapshot_after + 1} rounds behind, and a "
+                f"snapshot's bytes are made from its round's state")
+    if unreliable and c >= records:
+        return "the late answers in flight at the cut are computed at the state before the checkpoint's round"
+    return None
+
+
+class Checkpoints:
+    """Writes ``DIR/checkpoint.pt`` when one is due (see the module docstring). ``start``: the
+    round the run (or its resumption) starts from; ``clock``: seconds, monotonic."""
+
+    def __init__(self, out: str | Path, cfg, start: int = 0, clock=time.monotonic):
+        self.path = Path(out) / FILE
+        self.history = Path(out) / "history.bin"
+        self.every = parse_every(cfg.checkpoint_every)
+        self.config = config_fingerprint(cfg.zo()).hex()
+        self.clock = clock
+        self.last_round, self.last_t = start, clock()
+        self.writes, self.seconds, self.bytes = 0, 0.0, 0
+
+    def due(self, round: int) -> bool:
+        if self.every is None or round <= self.last_round:
+            return False
+        kind, n = self.every
+        return round - self.last_round >= n if kind == "rounds" else self.clock() - self.last_t >= n
+
+    def maybe_write(self, state, round: int) -> bool:
+        """Write ``state`` (a :class:`~hiso.core.state.ModelState` at ``round``) if a checkpoint
+        is due; True if one was written."""
+        if not self.due(round) or state.round != round:
+            return False
+        self.write(state, round)
+        return True
+
+    def write(self, state, round: int) -> None:
+        t0 = time.perf_counter()
+        size, digest = _history_digest(self.history)
+        blob = {"format": FORMAT, "round": round, "config": self.config, "history_bytes": size,
+                "history_sha256": digest, "state": _on_cpu(state.state_dict())}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            torch.save(blob, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self.writes += 1
+        self.bytes = self.path.stat().st_size
+        self.seconds += time.perf_counter() - t0
+        self.last_round, self.last_t = round, self.clock()
+
+    def remove(self) -> None:
+        """The run ended: ``model.pt`` holds its final state."""
+        for p in (self.path, self.path.with_name(self.path.name + ".tmp")):
+            if p.is_file():
+                p.unlink()
+
+    def summary(self) -> dict:
+        every = None if self.every is None else f"{self.every[1]:g} {self.every[0]}"
+        return {"every": every, "writes": self.writes, "seconds": round(self.seconds, 3), "bytes": self.bytes}
+
+
+def load_start(out: str | Path, cfg, records: int) -> tuple[dict | None, str]:
+    """The server state to resume ``out`` from, if its checkpoint belongs to this run and to the
+    ``records`` history records it keeps: (state, "") or (None, why not; "" if there is none)."""
+    path = Path(out) / FILE
+    if not path.is_file():
+        return None, ""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged file is a reason to replay, not to stop
+        return None, f"{path} cannot be read ({type(e).__name__}: {e})"
+    if not isinstance(blob, dict) or blob.get("format") != FORMAT or not isinstance(blob.get("state"), dict):
+        return None, f"{path} is not a hiso checkpoint of format {FORMAT}"
+    if blob.get("config") != config_fingerprint(cfg.zo()).hex():
+        return None, f"{path} was written by another algorithm configuration"
+    c = blob.get("round")
+    if not isinstance(c, int) or c < 0 or blob["state"].get("round") != c:
+        return None, f"{path} names no valid round"
+    if c > records:
+        return None, f"{path} is at round {c}, past the {records} rounds the log keeps"
+    size = blob.get("history_bytes")
+    got = _history_digest(Path(out) / "history.bin", size) if isinstance(size, int) else None
+    if got is None or got[1] != blob.get("history_sha256"):
+        return None, f"{path} was written with another history.bin than the one the run keeps"
+    return blob["state"], ""
