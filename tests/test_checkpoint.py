@@ -189,3 +189,31 @@ def test_force_removes_an_old_checkpoint(tmp_path, capsys):
     assert (d / FILE).exists()
     assert run_cli(["run", "--out", str(d), "--force", *QUAD, "--rounds", "2", "--quiet"], capsys)[0] == 0
     assert not (d / FILE).exists() and load_start(d, _cfg(QUAD), 2) == (None, "")
+    assert json.loads((d / "summary.json").read_text())["checkpoints"]["model_pt"]["round"] == 2
+
+
+def test_a_finished_run_continued_to_more_rounds_starts_from_its_model_pt(tmp_path, capsys, monkeypatch):
+    """summary.json ties model.pt to the run as a checkpoint does: ``--rounds N`` over a finished
+    run loads it and replays nothing; a model.pt that is not the summary's is named and replayed.
+    (8: an evaluation round, as an old horizon that was not one keeps its evaluation row.)"""
+    args = [*QUAD, "--rounds", "12", "--momentum", "0.5"]
+    full, short = tmp_path / "full", tmp_path / "short"
+    run_to_dir(_cfg(args), full)
+    run_to_dir(_cfg([*args[:-4], "--rounds", "8", "--momentum", "0.5"]), short)
+    assert _summary(short)["checkpoints"]["model_pt"]["round"] == 8
+    spare = tmp_path / "spare"
+    shutil.copytree(short, spare)
+    seen = _applied_rounds(monkeypatch)
+    code, _, err = run_cli(["run", "--resume", str(short), "--rounds", "12", "--quiet"], capsys)
+    assert code == 0, err
+    assert seen[0] == 8 and _summary(short)["checkpoints"]["resumed_from"] == 8
+    _same(full, short)
+    # another run's model.pt in its place: named, and the log replayed
+    other = tmp_path / "other"
+    run_to_dir(_cfg([*args[:-4], "--rounds", "8", "--momentum", "0.5", "--sampled", "2"]), other)
+    shutil.copy(other / "model.pt", spare / "model.pt")
+    shutil.copy(other / "summary.json", spare / "summary.json")
+    seen.clear()
+    code, _, err = run_cli(["run", "--resume", str(spare), "--rounds", "12", "--quiet"], capsys)
+    assert code == 0 and "checkpoint.pt was written with another history.bin" in err and seen[0] == 0, err
+    _same(full, spare)

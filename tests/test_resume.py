@@ -30,7 +30,8 @@ from hiso.runners.rundir import run_to_dir
 
 QUAD = ["--task", "quadratic", "--dim", "40", "--clients", "6", "--sampled", "3", "--eval-every", "4"]
 WALL = {"wall_s", "client_s"}  # wall-clock keys: the only ones a resumed run may change
-WALL_SUMMARY = {"wall_s_train", "wall_s_total", "s_per_round", "peak_rss_mb", "peak_rss_mb_run", "client"}
+WALL_SUMMARY = {"wall_s_train", "wall_s_total", "s_per_round", "peak_rss_mb", "peak_rss_mb_run", "client",
+                "checkpoints"}  # (checkpoints: what a run wrote and started from, which a resume changes)
 CLIENT_EXACT = ("answers", "forwards_per_round", "backwards_per_round", "resident_bytes")  # "client": the counted part
 
 

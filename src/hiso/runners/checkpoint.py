@@ -19,8 +19,10 @@ the uninterrupted run exactly (``tests/test_checkpoint.py``); it changes no resu
 When: every ``checkpoint_every`` rounds (an integer) or that much training time (``"5m"``,
 ``"300s"``, ``"1h"``; the default is ``"5m"``, so runs of a few minutes never write one), after
 the round's metrics row; ``0`` never. Written atomically (a temporary file, fsync, rename): a
-crash leaves the old checkpoint or the new one. Removed when the run ends (``model.pt`` then
-holds the final state). Its cost (writes, seconds, bytes) is in ``summary.json``'s
+crash leaves the old checkpoint or the new one. Removed when the run ends: ``model.pt`` then
+holds the final state, and ``summary.json`` (``checkpoints.model_pt``) the same ties for it, so a
+finished run continued to more rounds (``--rounds N``) starts from its ``model.pt``, made its
+checkpoint before that summary goes (:func:`keep_final`). Its cost (writes, seconds, bytes) is in ``summary.json``'s
 ``checkpoints``; the seconds are not in ``wall_s``.
 
 Where it is not used (the log is replayed from x_0 as before): ``--mode faithful`` (each
@@ -33,6 +35,7 @@ in flight are recomputed at round c - 1), and FedKSeed (its own log format).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -113,12 +116,7 @@ class Checkpoints:
         size, digest = _history_digest(self.history)
         blob = {"format": FORMAT, "round": round, "config": self.config, "history_bytes": size,
                 "history_sha256": digest, "state": _on_cpu(state.state_dict())}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(blob, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        _save(self.path, blob)
         self.writes += 1
         self.bytes = self.path.stat().st_size
         self.seconds += time.perf_counter() - t0
@@ -135,6 +133,59 @@ class Checkpoints:
         return {"every": every, "writes": self.writes, "seconds": round(self.seconds, 3), "bytes": self.bytes}
 
 
+def final_marker(out: str | Path, cfg, round: int) -> dict:
+    """What ``summary.json`` records (``checkpoints.model_pt``) so that ``model.pt``, the state at
+    ``round`` a finished run ends with, serves as the checkpoint of a continuation to more rounds."""
+    size, digest = _history_digest(Path(out) / "history.bin")
+    return {"round": round, "config": config_fingerprint(cfg.zo()).hex(), "history_bytes": size,
+            "history_sha256": digest}
+
+
+def keep_final(out: str | Path, cfg) -> bool:
+    """A finished run about to be continued to more rounds (its summary.json is going): its
+    ``model.pt``, which that summary ties to the run (``checkpoints.model_pt``), becomes
+    ``checkpoint.pt``, so the continuation starts there. True if it was written."""
+    out = Path(out)
+    if (out / FILE).exists():
+        return False
+    try:
+        meta = json.loads((out / "summary.json").read_text())["checkpoints"]["model_pt"]
+        state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+    except Exception:  # no summary or model, or ones from before model.pt was described there
+        return False
+    state = {k: v for k, v in state.items() if k != "base"}  # (the LoRA base's name, not state)
+    _save(out / FILE, {**meta, "format": FORMAT, "state": state})
+    return True
+
+
+def _save(path: Path, blob: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(blob, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _check(path: Path, blob, cfg, records: int) -> str | None:
+    if isinstance(blob, str):
+        return blob
+    if not isinstance(blob, dict) or blob.get("format") != FORMAT or not isinstance(blob.get("state"), dict):
+        return f"{path} is not a hiso checkpoint of format {FORMAT}"
+    if blob.get("config") != config_fingerprint(cfg.zo()).hex():
+        return f"{path} was written by another algorithm configuration"
+    c = blob.get("round")
+    if not isinstance(c, int) or c < 0 or blob["state"].get("round") != c:
+        return f"{path} names no valid round"
+    if c > records:
+        return f"{path} is at round {c}, past the {records} rounds the log keeps"
+    size = blob.get("history_bytes")
+    got = _history_digest(path.parent / "history.bin", size) if isinstance(size, int) else None
+    if got is None or got[1] != blob.get("history_sha256"):
+        return f"{path} was written with another history.bin than the one the run keeps"
+    return None
+
+
 def load_start(out: str | Path, cfg, records: int) -> tuple[dict | None, str]:
     """The server state to resume ``out`` from, if its checkpoint belongs to this run and to the
     ``records`` history records it keeps: (state, "") or (None, why not; "" if there is none)."""
@@ -145,17 +196,5 @@ def load_start(out: str | Path, cfg, records: int) -> tuple[dict | None, str]:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file is a reason to replay, not to stop
         return None, f"{path} cannot be read ({type(e).__name__}: {e})"
-    if not isinstance(blob, dict) or blob.get("format") != FORMAT or not isinstance(blob.get("state"), dict):
-        return None, f"{path} is not a hiso checkpoint of format {FORMAT}"
-    if blob.get("config") != config_fingerprint(cfg.zo()).hex():
-        return None, f"{path} was written by another algorithm configuration"
-    c = blob.get("round")
-    if not isinstance(c, int) or c < 0 or blob["state"].get("round") != c:
-        return None, f"{path} names no valid round"
-    if c > records:
-        return None, f"{path} is at round {c}, past the {records} rounds the log keeps"
-    size = blob.get("history_bytes")
-    got = _history_digest(Path(out) / "history.bin", size) if isinstance(size, int) else None
-    if got is None or got[1] != blob.get("history_sha256"):
-        return None, f"{path} was written with another history.bin than the one the run keeps"
-    return blob["state"], ""
+    why = _check(path, blob, cfg, records)
+    return (None, why) if why is not None else (blob["state"], "")

@@ -59,7 +59,7 @@ from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp
                        extend_refusal, made_before, not_a_dir, overwrites_run, read_run_history, resume_point,
                        same_run, saved_config, write_atomic)
 from .checkpoint import FILE as CHECKPOINT
-from .checkpoint import Checkpoints, CheckpointUnusable, load_start
+from .checkpoint import Checkpoints, CheckpointUnusable, final_marker, keep_final, load_start
 from .simulate import PrivacyBudgetSpent, Simulation
 
 
@@ -151,6 +151,8 @@ def _extend(out: Path, done: int, cfg: RunConfig, info: dict) -> None:
     why = extend_refusal(cfg, done)
     if why is not None:
         raise ValueError(f"{out} cannot be continued to {cfg.rounds} rounds: {why}")
+    if cfg.scalar_only and cfg.algorithm != "fedkseed":  # its model.pt: where the continuation starts
+        keep_final(out, cfg)
     write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
     (out / "summary.json").unlink(missing_ok=True)
 
@@ -339,8 +341,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     }
     if getattr(sim, "cost", None) is not None:
         summary["client"] = sim.cost.summary()
-    if ckpt is not None:
-        summary["checkpoints"] = {**ckpt.summary(), "resumed_from": resumed_from}
+    if ckpt is not None:  # (model.pt: the checkpoint of a continuation to more rounds)
+        summary["checkpoints"] = {**ckpt.summary(), "resumed_from": resumed_from,
+                                  "model_pt": final_marker(out, cfg, state["round"])}
     if getattr(sim, "unreliable", False):
         summary["reliability"] = sim.reliability()
     if cfg.dp_clip is not None:
