@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -96,19 +97,29 @@ class Checkpoints:
         self.clock = clock
         self.last_round, self.last_t = start, clock()
         self.writes, self.seconds, self.bytes = 0, 0.0, 0
+        self.failed: str | None = None
 
     def due(self, round: int) -> bool:
-        if self.every is None or round <= self.last_round:
+        if self.every is None or self.failed or round <= self.last_round:
             return False
         kind, n = self.every
         return round - self.last_round >= n if kind == "rounds" else self.clock() - self.last_t >= n
 
     def maybe_write(self, state, round: int) -> bool:
         """Write ``state`` (a :class:`~hiso.core.state.ModelState` at ``round``) if a checkpoint
-        is due; True if one was written."""
+        is due; True if one was written. A checkpoint that cannot be written (a full disk, say)
+        stops the checkpoints, not the run: it is named in one line on stderr."""
         if not self.due(round) or state.round != round:
             return False
-        self.write(state, round)
+        try:
+            self.write(state, round)
+        except OSError as e:
+            self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)
+            self.failed = f"{type(e).__name__}: {e}"
+            print(f"hiso: {self.path} could not be written at round {round} ({self.failed}); no more checkpoints "
+                  f"this run: a resume replays the log from {'an earlier checkpoint' if self.writes else 'round 0'}",
+                  file=sys.stderr)
+            return False
         return True
 
     def write(self, state, round: int) -> None:
@@ -130,7 +141,8 @@ class Checkpoints:
 
     def summary(self) -> dict:
         every = None if self.every is None else f"{self.every[1]:g} {self.every[0]}"
-        return {"every": every, "writes": self.writes, "seconds": round(self.seconds, 3), "bytes": self.bytes}
+        return {"every": every, "writes": self.writes, "seconds": round(self.seconds, 3), "bytes": self.bytes,
+                **({"failed": self.failed} if self.failed else {})}
 
 
 def final_marker(out: str | Path, cfg, round: int) -> dict:
