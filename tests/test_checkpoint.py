@@ -236,3 +236,21 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_checkpoints_not_the_run(t
     assert not (d / FILE).exists() and not (d / (FILE + ".tmp")).exists()
     run_to_dir(_cfg(args), tmp_path / "plain")
     _same(tmp_path / "plain", d)
+
+
+def test_eval_and_export_of_an_unfinished_run_start_from_its_checkpoint(tmp_path, monkeypatch):
+    """load_run_model (hiso eval, hiso export): a round at or after the checkpoint's is the
+    replay's, bit for bit, with only the rounds after the checkpoint applied; an earlier round
+    replays from x_0."""
+    from hiso.runners.runmodel import load_run_model
+    args = [*QUAD, "--rounds", "14"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run_to_dir(_cfg(args), full)
+    _interrupted(_cfg([*args, "--checkpoint-every", "3"]), cut, 8)
+    for r, first in [(8, 6), (7, 6), (6, 6), (4, 0)]:
+        seen = _applied_rounds(monkeypatch)
+        got = load_run_model(cut, round=r)
+        assert (seen[0] if seen else r) == first and got.round == r, (r, seen)
+        want = load_run_model(full, round=r)
+        assert all(torch.equal(a, b) for a, b in zip(got.model.state_dict().values(), want.model.state_dict().values()))
+        monkeypatch.undo()

@@ -114,6 +114,12 @@ def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | N
         state.load_state_dict(ckpt)  # what the run saved at this round: the replay's result, bit for bit
     else:  # ModelState.replay, round by round with a progress bar (on a terminal): minutes for a long full run
         from tqdm import tqdm
+
+        from .checkpoint import load_start
+        start, _ = load_start(run_dir, cfg, len(upto))  # an unfinished run's checkpoint at or before the round
+        if start is not None:
+            state.load_state_dict(start)
+            upto = upto[state.round:]
         state.replay(tqdm(upto, desc=f"replaying {len(upto)} rounds", unit="round", leave=False, disable=None))
     return RunModel(state.model, task, cfg, info, state.round, run_dir)
 
