@@ -265,17 +265,11 @@ class FlowerFederation:
         server state at a round c of the log, as :meth:`hiso.runners.simulate.Simulation.resume`
         takes it (model and H replay only the records from c on)."""
         from ..core.messages import Uplink, encode_uplink
-        from ..runners.checkpoint import CheckpointUnusable, refusal
+        from ..runners.checkpoint import start_from
         wire = self.server.wire
         if self.server.round:
             raise RuntimeError("resume() needs a federation that has not run yet")
-        c = 0
-        if start is not None:
-            c = start["round"]
-            why = refusal(self.server, c, len(records))
-            if why is not None:
-                raise CheckpointUnusable(why)
-            self.state.load_state_dict(start)
+        first = start_from(self.state, self.server, start, len(records))
         for rec in records:
             plan = self.server.plan_logged(rec)
             for cid in plan.participants:
@@ -285,7 +279,7 @@ class FlowerFederation:
                     self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire,
                                                            check=False))
             self.server.close_logged(rec)
-            if rec.round >= c:
+            if rec.round >= first:
                 self.state.apply(rec)
 
     @property

@@ -45,6 +45,7 @@ import torch
 
 from ..config import parse_every
 from ..core.join import config_fingerprint
+from .runfiles import on_cpu
 
 FILE = "checkpoint.pt"
 FORMAT = 1
@@ -60,16 +61,22 @@ def _history_digest(path: Path, size: int | None = None) -> tuple[int, str] | No
     return len(data), hashlib.sha256(data).hexdigest()
 
 
-def _on_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _on_cpu(v) for k, v in obj.items()}
-    return obj
-
-
 class CheckpointUnusable(ValueError):
     """A runner cannot resume from a checkpoint (raised before it changed anything)."""
+
+
+def start_from(state, server, start: dict | None, records: int, faithful: bool = False,
+               unreliable: bool = False) -> int:
+    """A runner's resume: load ``start`` (a checkpoint's state at round c, or None) into the
+    server's replica ``state`` and return c, the first record the replica must apply (0: all).
+    Raises :class:`CheckpointUnusable`, having loaded nothing, where the replay cannot use it."""
+    if start is None:
+        return 0
+    why = refusal(server, start["round"], records, faithful, unreliable)
+    if why is not None:
+        raise CheckpointUnusable(why)
+    state.load_state_dict(start)
+    return state.round
 
 
 def refusal(server, c: int, records: int, faithful: bool = False, unreliable: bool = False) -> str | None:
@@ -91,9 +98,8 @@ class Checkpoints:
 
     def __init__(self, out: str | Path, cfg, start: int = 0, clock=time.monotonic):
         self.path = Path(out) / FILE
-        self.history = Path(out) / "history.bin"
         self.every = parse_every(cfg.checkpoint_every)
-        self.config = config_fingerprint(cfg.zo()).hex()
+        self.cfg = cfg
         self.clock = clock
         self.last_round, self.last_t = start, clock()
         self.writes, self.seconds, self.bytes = 0, 0.0, 0
@@ -124,10 +130,8 @@ class Checkpoints:
 
     def write(self, state, round: int) -> None:
         t0 = time.perf_counter()
-        size, digest = _history_digest(self.history)
-        blob = {"format": FORMAT, "round": round, "config": self.config, "history_bytes": size,
-                "history_sha256": digest, "state": _on_cpu(state.state_dict())}
-        _save(self.path, blob)
+        _save(self.path, {**final_marker(self.path.parent, self.cfg, round), "format": FORMAT,
+                          "state": on_cpu(state.state_dict())})
         self.writes += 1
         self.bytes = self.path.stat().st_size
         self.seconds += time.perf_counter() - t0
@@ -146,8 +150,10 @@ class Checkpoints:
 
 
 def final_marker(out: str | Path, cfg, round: int) -> dict:
-    """What ``summary.json`` records (``checkpoints.model_pt``) so that ``model.pt``, the state at
-    ``round`` a finished run ends with, serves as the checkpoint of a continuation to more rounds."""
+    """What ties the state at ``round`` to the run in ``out``: its round, the configuration's
+    fingerprint and the hash of ``history.bin`` as it is now. A checkpoint carries it, and so
+    does ``summary.json`` (``checkpoints.model_pt``) for ``model.pt``, the state a finished run
+    ends with, which a continuation to more rounds starts from."""
     size, digest = _history_digest(Path(out) / "history.bin")
     return {"round": round, "config": config_fingerprint(cfg.zo()).hex(), "history_bytes": size,
             "history_sha256": digest}
@@ -165,7 +171,6 @@ def keep_final(out: str | Path, cfg) -> bool:
         state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
     except Exception:  # no summary or model, or ones from before model.pt was described there
         return False
-    state = {k: v for k, v in state.items() if k != "base"}  # (the LoRA base's name, not state)
     _save(out / FILE, {**meta, "format": FORMAT, "state": state})
     return True
 
@@ -180,8 +185,6 @@ def _save(path: Path, blob: dict) -> None:
 
 
 def _check(path: Path, blob, cfg, records: int) -> str | None:
-    if isinstance(blob, str):
-        return blob
     if not isinstance(blob, dict) or blob.get("format") != FORMAT or not isinstance(blob.get("state"), dict):
         return f"{path} is not a hiso checkpoint of format {FORMAT}"
     if blob.get("config") != config_fingerprint(cfg.zo()).hex():

@@ -308,11 +308,12 @@ def cut_rejections(path: Path, rows: int) -> None:
     write_atomic(path, "".join(keep))
 
 
-def _on_cpu(obj):
+def on_cpu(obj):
+    """``obj`` (a tensor, or dicts of them) with its tensors on the CPU."""
     if isinstance(obj, torch.Tensor):
         return obj.cpu()
     if isinstance(obj, dict):
-        return {k: _on_cpu(v) for k, v in obj.items()}
+        return {k: on_cpu(v) for k, v in obj.items()}
     return obj
 
 
@@ -320,7 +321,7 @@ def checkpoint(state: dict, task_info: dict) -> dict:
     """What ``model.pt`` holds: the replicated state (its tensors on the CPU, whatever device the
     run used), plus the base model's name and fingerprint where the state alone does not define
     the model (LoRA adapters over a frozen base)."""
-    state = _on_cpu(state)
+    state = on_cpu(state)
     if "base_fingerprint" not in task_info:
         return state
     return {**state, "base": {"model": task_info["model"], "fingerprint": task_info["base_fingerprint"]}}

@@ -42,7 +42,7 @@ from ..core.server import Server
 from ..core.state import ModelState
 from ..methods.privacy import noise_key
 from ..tasks.base import Task
-from .checkpoint import CheckpointUnusable, refusal
+from .checkpoint import start_from
 from .client_cost import ClientCost, Timer, replica_bytes
 from .common import Comm, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
@@ -369,13 +369,8 @@ class Simulation:
         replay needs the state of rounds before c (see that module)."""
         if self.server.round or self.clients:
             raise RuntimeError("resume() needs a simulation that has not run yet")
-        c = 0
-        if start is not None:
-            c = start["round"]
-            why = refusal(self.server, c, len(records), faithful=self.mode == "faithful", unreliable=self.unreliable)
-            if why is not None:
-                raise CheckpointUnusable(why)
-            self.state.load_state_dict(start)
+        first = start_from(self.state, self.server, start, len(records), faithful=self.mode == "faithful",
+                           unreliable=self.unreliable)
         last = {c: rec.round for rec in records for c in rec.participants}
         wire = self.server.wire
         if self.unreliable:
@@ -411,7 +406,7 @@ class Simulation:
                     if last.get(cid) == rec.round:  # the replica at rec.round
                         self.client(cid).state.load_state_dict(self.state.state_dict())
             self.server.close_logged(rec)
-            if rec.round >= c:
+            if rec.round >= first:
                 self.state.apply(rec)
 
     def state_dict(self) -> dict:
