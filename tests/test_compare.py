@@ -345,6 +345,53 @@ def test_table_only_reports_the_finished_runs_and_runs_nothing(tmp_path, capsys)
     assert code == 2 and "choose one" in err
 
 
+def _csv_rows(path):
+    return {r["algorithm"]: r for r in csv.DictReader(path.read_text().splitlines())}
+
+
+def test_table_only_at_round_tabulates_runs_as_they_stood(tmp_path, capsys):
+    """--table-only --at-round R: every run, finished or still going, cut at round R, equals a
+    compare of R rounds (metrics, rounds to reach, bytes per client, client work); 'latest' is the
+    last round every run going has logged (a torn last line is not read); what has not reached R
+    is listed and left out; the final table is never replaced; bad uses are one line."""
+    base = [*TINY_FLAGS[:-4], "--eval-every", "10", "--seeds", "0", "--lr-grid", "hiso=0.05",
+            "--lr-grid", "decomfl=0.05", "--quiet"]
+    out, short = tmp_path / "cmp", tmp_path / "short"
+    assert _main(["compare", "--out", str(out), *base, "--rounds", "30"], capsys)[0] == 0
+    assert _main(["compare", "--out", str(short), *base, "--rounds", "20"], capsys)[0] == 0
+    final = (out / "table.md").read_bytes()
+    going = cmp.run_dir(out, "hiso", 0.05, 0)
+    (going / "summary.json").unlink()  # hiso still going: logged up to round 25, writing round 26
+    lines = (going / "metrics.jsonl").read_text().splitlines()
+    (going / "metrics.jsonl").write_text("\n".join(lines[:26]) + "\n" + lines[26][:15])
+
+    code, stdout, err = _main(["compare", "--out", str(out), "--table-only", "--at-round", "20", "--quiet"], capsys)
+    assert code == 0, err
+    cut, want = _csv_rows(out / "round20/table.csv"), _csv_rows(short / "table.csv")
+    same = ["best_gap_mean", "rounds_to_reach", "speedup", "bytes_up_per_client", "bytes_down_per_client",
+            "bytes_to_reach_per_client", "client_forwards_per_round", "last_gap_mean"]
+    assert {a: [r[k] for k in same] for a, r in cut.items()} == {a: [r[k] for k in same] for a, r in want.items()}
+    assert "as they stood at round 20 of the 30 planned" in stdout
+    assert json.loads((out / "round20/selection.json").read_text())["at_round"] == 20
+    assert (out / "round20/curves_rounds.png").is_file() and (out / "table.md").read_bytes() == final
+
+    code, stdout, err = _main(["compare", "--out", str(out), "--table-only", "--at-round", "latest"], capsys)
+    assert code == 0, err
+    assert (out / "round25/table.csv").is_file() and "round25" in stdout and "left out" not in err
+    code, stdout, err = _main(["compare", "--out", str(out), "--table-only", "--at-round", "28"], capsys)
+    assert code == 0, err
+    assert "hiso: lr=0.05 (seed 0 at round 25, not yet 28)" in err and set(_csv_rows(out / "round28/table.csv")) == {"decomfl"}
+    ref = cmp.run_dir(out, "decomfl", 0.05, 0)
+    (ref / "summary.json").unlink()  # the reference going too, at round 30: 31 is reached by none
+    for args, needle in ((["--at-round", "31"], "reference decomfl"), (["--at-round", "x"], "'latest'"),
+                         (["--at-round", "-1"], "'latest'")):
+        code, _, err = _main(["compare", "--out", str(out), "--table-only", *args, "--quiet"], capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and needle in lines[0], err
+    code, _, err = _main(["compare", "--out", str(tmp_path / "new"), *base, "--at-round", "5"], capsys)
+    assert code == 2 and "--table-only" in err and not (tmp_path / "new").exists()
+
+
 def test_table_only_reads_the_plan_recorded_in_the_directory(tmp_path, capsys):
     """--table-only tabulates DIR by its compare.json: no config or flags needed, a config whose
     rounds the runs were since extended past still works, flags narrow it, and a directory

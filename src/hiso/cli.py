@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         "seed; what is left out is listed), e.g. beside a compare still running in --out. The plan is the one "
         "recorded in --out (compare.json: what was last started there; --config is not read); options given "
         "override it, e.g. --seeds 0 or --lr-grid to tabulate part of it"))
+    cmp.add_argument("--at-round", metavar="ROUND", help=(
+        "with --table-only: the table and plots of the runs, finished or still going, as they stood at "
+        "round ROUND (or 'latest': the last round every run has logged), into --out/roundROUND/; the lrs "
+        "whose runs have not logged it for every seed are left out and listed"))
     cmp.add_argument("--jobs", type=int, default=1,
                      help="runs at a time, each in its own worker process (default 1). A worker starts Python "
                      "and torch and builds its own task (a few seconds), so for runs of a few seconds each, "
@@ -336,6 +340,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if args.table_only and args.force:
         return _fail("--table-only runs nothing and --force reruns everything: choose one")
+    at_round = args.at_round
+    if at_round is not None:
+        if not args.table_only:
+            return _fail("--at-round tabulates runs as they stood at a round: give it with --table-only")
+        if at_round != "latest":
+            try:
+                at_round = int(at_round)
+            except ValueError:
+                at_round = -1
+            if at_round < 0:
+                return _fail(f"--at-round takes a round (0 or more) or 'latest', not {args.at_round!r}")
     shared = {k: getattr(args, k) for k in RunConfig.model_fields if hasattr(args, k)}
     flags = parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric, args.select_on)
     # --table-only: the runs in --out are what the plan recorded there made, not what the
@@ -346,9 +361,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
               f"{args.config} is not read", file=sys.stderr)
     if args.jobs < 1:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")
+    if at_round == "latest":  # resolved once here: the runs go on logging meanwhile
+        from .runners.compare import reached_part
+        at_round = reached_part(plan, args.out, "latest")[2]
     try:
         text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs,
-                       tracking=None if args.table_only else _tracking(args, "compare"), run=not args.table_only)
+                       tracking=None if args.table_only else _tracking(args, "compare"), run=not args.table_only,
+                       at_round=at_round)
     except KeyboardInterrupt as e:
         if _stopped_by(e):
             raise
@@ -357,7 +376,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return 128 + signal.SIGINT
     print(text, end="")
     if not args.quiet:
-        print(f"results in {args.out}/ (table.md, table.csv, selection.json, *.png)")
+        where = args.out if at_round is None else f"{args.out.rstrip('/')}/round{at_round}"
+        print(f"results in {where}/ (table.md, table.csv, selection.json, *.png)")
     return 0
 
 

@@ -146,6 +146,7 @@ def plot_curves(arms: list[ArmResult], out: str | Path, metric: str, xkind: str,
     fig = Figure(figsize=(12, 4.6), dpi=110, layout="constrained")
     ax_e, ax_t = fig.subplots(1, 2)
     evals, trains = [], []
+    drawn = {ax_e: False, ax_t: False}  # whether an axis got any point (a log axis needs one)
     for i, arm in enumerate(arms):
         label = f"{display_name(arm.name)} (lr {arm.lr:g})"
         for ax, key, sm, store in ((ax_e, metric, 1, evals), (ax_t, "train_loss", w, trains)):
@@ -157,6 +158,7 @@ def plot_curves(arms: list[ArmResult], out: str | Path, metric: str, xkind: str,
                 keep = x > 0
                 x, y = x[keep], y[:, keep]
             store.append(y)
+            drawn[ax] = drawn[ax] or x.size > 0
             _band(ax, x, y, _color(i), label)
     if select and select != metric:  # selected on validation: mark what the table reports
         for i, arm in enumerate(arms):
@@ -182,7 +184,7 @@ def plot_curves(arms: list[ArmResult], out: str | Path, metric: str, xkind: str,
         _log_y(ax_t)
     for ax in (ax_e, ax_t):
         ax.set_xlabel(X_LABELS[xkind])
-        if xkind == "comm":
+        if xkind == "comm" and drawn[ax]:  # (none: only round 0 evaluated yet, in a table --at-round)
             _bytes_axis(ax)
         ax.grid(True, which="major", alpha=0.3)
     if evals or trains:
@@ -214,7 +216,8 @@ def plot_h_hist(arms: list[ArmResult], out: str | Path, bins: int = 60, title: s
     for i, arm in enumerate(arms):
         if arm.algorithm != "hiso":
             continue
-        hs = [h for h in (load_h(r.dir) for r in arm.runs) if h is not None]
+        # (a run read as it stood at an earlier round has no H of that round on disk)
+        hs = [h for h in (load_h(r.dir) for r in arm.runs if not r.cut) if h is not None]
         if hs:
             v = np.concatenate(hs)
             data.append((i, arm, v[np.isfinite(v) & (v > 0)], len(hs[0]), len(hs)))
@@ -309,7 +312,8 @@ def _setup_title(arms: list[ArmResult], wrap: bool = False, band: bool = True) -
     if c.get("task") == "quadratic":
         bits.append(f"d = {c.get('dim')}")
     bits.append(f"{c.get('clients')} clients, {c.get('sampled')} per round")
-    bits.append(f"P = {c.get('perturbations')}, τ = {c.get('local_steps')}, {c.get('rounds')} rounds")
+    at = f"round {c.get('rounds')} of {c.get('planned_rounds')}" if c.get("planned_rounds") else f"{c.get('rounds')} rounds"
+    bits.append(f"P = {c.get('perturbations')}, τ = {c.get('local_steps')}, {at}")
     seeds = f"mean over {n} seed{'s' if n > 1 else ''}" + (", band: min–max over seeds" if band and n > 1 else "")
     return ", ".join(bits) + ("\n" if wrap else " — ") + seeds
 

@@ -246,7 +246,8 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
             reliability=_reliability_of(arm.runs[0].config)))
     cfg0 = ref.runs[0].config
     info = cfg0.get("task_info", {}) or {}
-    context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "eval_every": cfg0.get("eval_every"),
+    context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "planned_rounds": cfg0.get("planned_rounds"),
+               "eval_every": cfg0.get("eval_every"),
                "clients": cfg0.get("clients"), "sampled": cfg0.get("sampled"),
                "seeds": [r.seed for r in ref.runs], "n_eval": info.get("n_eval"), "n_val": info.get("n_val")}
     return Table(rows, metric, reference, threshold, context, select, select_note)
@@ -402,6 +403,16 @@ def selection_lines(table: Table) -> list[str]:
         f"{vlab}; {spread}."]
 
 
+def _rounds_text(c: dict) -> str:
+    """"N rounds", or for a table of runs as they stood at an earlier round (``--at-round``) what
+    that leaves out."""
+    if not c.get("planned_rounds"):
+        return f"{c.get('rounds')} rounds"
+    return (f"the runs as they stood at round {c.get('rounds')} of the {c.get('planned_rounds')} planned "
+            "(runs still going cut there: their bytes, times and work up to that round; peak memory only "
+            "of finished runs)")
+
+
 def footer(table: Table) -> str:
     c, m = table.context, table.metric
     ref = display_name(table.reference)
@@ -413,7 +424,7 @@ def footer(table: Table) -> str:
     own = "its own best" if table.on_test else "its selected round"
     return "\n".join([
         f"Task {c.get('task')}: {c.get('clients')} clients, {c.get('sampled')} sampled per round, "
-        f"{c.get('rounds')} rounds, evaluated every {c.get('eval_every')} rounds{n_eval}; "
+        f"{_rounds_text(c)}, evaluated every {c.get('eval_every')} rounds{n_eval}; "
         f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))}).",
         *selection_lines(table),
         f"- rounds to {ref}'s {best}: per seed the first evaluated round with {sel} {cmp_word} "

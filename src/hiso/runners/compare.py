@@ -76,8 +76,9 @@ def select_lr(grid: dict[float, list[float]], higher: bool) -> float:
     return best_lr
 
 
-def collect(plan: Plan, out: str | Path) -> tuple[list[ArmResult], dict]:
-    """Load every run, choose each arm's lr; returns the arms (at their lr) and selection.json's content."""
+def collect(plan: Plan, out: str | Path, at_round: int | None = None) -> tuple[list[ArmResult], dict]:
+    """Load every run, choose each arm's lr; returns the arms (at their lr) and selection.json's
+    content. ``at_round``: every run as it stood at that round (finished or not)."""
     out = Path(out)
     higher = plan.higher_is_better
     sel = plan.select_metric
@@ -86,13 +87,15 @@ def collect(plan: Plan, out: str | Path) -> tuple[list[ArmResult], dict]:
     rule += (" (selected on test: the reported examples themselves)" if sel == plan.metric else
              f"; each run reports its {plan.metric} at its first round of best {sel}")
     arms, selection = [], {"metric": plan.metric, "higher_is_better": higher, "seeds": plan.seeds,
+                           **({"at_round": at_round} if at_round is not None else {}),
                            "reference": plan.reference, "select_on": plan.select_on, "select_metric": sel,
                            **({"select_note": plan.select_note} if plan.select_note else {}),
                            "rule": rule, "arms": {}}
     for arm in plan.arms:
         by_lr: dict[float, list[RunResult]] = {}
         for lr in arm.lrs:
-            by_lr[lr] = [load_run_result(run_dir(out, arm.name, lr, s), seed=s) for s in plan.seeds]
+            by_lr[lr] = [load_run_result(run_dir(out, arm.name, lr, s), seed=s, at_round=at_round)
+                         for s in plan.seeds]
         for runs in by_lr.values():
             for r in runs:
                 for m in dict.fromkeys((plan.metric, sel)):
@@ -157,25 +160,93 @@ def finished_part(plan: Plan, out: str | Path) -> tuple[Plan, list[str]]:
     return replace(plan, arms=arms), left
 
 
-def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
-            plots: bool = True, jobs: int = 1, tracking=None, run: bool = True) -> str:
-    """Run, select, write selection.json, the table and the plots; returns the printed table.
-    ``run=False`` (``--table-only``) runs nothing: the table of the runs finished so far (safe
-    beside a compare still running in ``out``)."""
-    from ..report.table import build_table, write_table
+def reached_part(plan: Plan, out: str | Path, at_round: int | str) -> tuple[Plan, list[str], int]:
+    """``plan`` cut to the runs in ``out`` that stood at round ``at_round`` (an int, or ``"latest"``:
+    the last round every run kept has logged), for ``--table-only --at-round``: each arm keeps the
+    lrs whose runs, finished or not, have logged that round for every seed (a run that ended
+    earlier, diverged, counts as it ended). Returns the cut plan, one line per thing left out,
+    and the round."""
+    from dataclasses import replace
+
+    from ..report.runs import last_round
+    from .compare_run import _state
 
     out = Path(out)
+    fix = f"{out}/compare.json records how its runs were made: drop {{option}}"
+    stood: dict[tuple[str, float], dict[int, float]] = {}  # (arm, lr) -> seed -> the last round it stands at
+    left: list[str] = []
+    for arm in plan.arms:
+        for lr in arm.lrs:
+            at: dict[int, float] = {}
+            for s in plan.seeds:
+                d = run_dir(out, arm.name, lr, s)
+                state = _state(RunSpec(arm, lr, s, plan.config(arm, lr, s), d), fix)
+                last = last_round(d) if state != "start" else None
+                if last is not None:
+                    at[s] = math.inf if state == "finished" and (d / "summary.json").is_file() else last
+            if len(at) == len(plan.seeds):
+                stood[(arm.name, lr)] = at
+            else:
+                missing = [s for s in plan.seeds if s not in at]
+                left.append(f"{arm.name}: lr={lr:g} (not started for seed{'s' if len(missing) > 1 else ''} "
+                            f"{','.join(map(str, missing))})")
+    if at_round == "latest":
+        going = [r for at in stood.values() for r in at.values() if r != math.inf]
+        ended = [last_round(run_dir(out, a, lr, s)) or 0 for (a, lr), at in stood.items() for s in at]
+        at_round = int(min(going)) if going else max(ended, default=0)
+    at_round = int(at_round)
+    arms = []
+    for arm in plan.arms:
+        keep = []
+        for lr in arm.lrs:
+            at = stood.get((arm.name, lr))
+            if at is None:
+                continue
+            short = {s: int(r) for s, r in at.items() if r < at_round}
+            if short:
+                left.append(f"{arm.name}: lr={lr:g} (" + ", ".join(f"seed {s} at round {r}" for s, r in short.items())
+                            + f", not yet {at_round})")
+            else:
+                keep.append(lr)
+        if keep:
+            arms.append(replace(arm, lrs=tuple(keep)))
+    if not any(a.name == plan.reference for a in arms):
+        raise ConfigError(f"--at-round {at_round}: the reference {plan.reference} has no lr whose runs have logged "
+                          f"round {at_round} for every seed in {out}/runs (an earlier --at-round, --seeds or "
+                          "--lr-grid to what has run, or --reference another arm)")
+    return replace(plan, arms=arms), left, at_round
+
+
+def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
+            plots: bool = True, jobs: int = 1, tracking=None, run: bool = True,
+            at_round: int | str | None = None) -> str:
+    """Run, select, write selection.json, the table and the plots; returns the printed table.
+    ``run=False`` (``--table-only``) runs nothing: the table of the runs finished so far (safe
+    beside a compare still running in ``out``). ``at_round`` (with ``run=False``): the runs,
+    finished or not, as they stood at that round (``"latest"``: the last round all have logged),
+    written into ``out/roundR/`` so that the final table in ``out`` is never replaced by a cut."""
+    from ..report.table import build_table, write_table
+
+    out = dest = Path(out)
+    if at_round is not None and run:
+        raise ValueError("at_round tabulates runs as they stood: it runs nothing (run=False)")
     if run:
         execute(plan, out, force=force, quiet=quiet, jobs=jobs, tracking=tracking)
+    elif at_round is not None:
+        plan, left, at_round = reached_part(plan, out, at_round)
+        if left and not quiet:
+            print(f"not at round {at_round} yet, left out of the table:\n  " + "\n  ".join(left), file=sys.stderr)
+        dest = out / f"round{at_round}"
+        dest.mkdir(exist_ok=True)
     else:
         plan, left = finished_part(plan, out)
         if left and not quiet:
             print("not finished yet, left out of the table:\n  " + "\n  ".join(left), file=sys.stderr)
-    arms, selection = collect(plan, out)
-    (out / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
+    arms, selection = collect(plan, out, at_round=at_round)
+    (dest / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
     table = build_table(arms, plan.reference, plan.metric, plan.select_metric, plan.select_note)
-    text = write_table(out, table)
+    text = write_table(dest, table)
     if plots:
         from ..report.plots import plot_all
-        plot_all(arms, out, plan.metric, plan.reference, table=table)
+        plot_all(arms, dest, plan.metric, plan.reference, table=table)
     return text
