@@ -84,14 +84,14 @@ def load_run_result(run_dir: str | Path, seed: int | None = None, at_round: int 
     seed = config.get("seed", seed) if seed is None else seed
     if at_round is None:
         return RunResult(d, seed, config, rows, summary)
+    as_of = {**config, "rounds": at_round, "planned_rounds": config.get("rounds")}
     if summary is not None and rows and int(rows[-1]["round"]) <= at_round:
-        return RunResult(d, seed, config, rows, summary)  # ended by then (its last round, or diverged before)
+        return RunResult(d, seed, as_of, rows, summary)  # ended by then (its last round, or diverged before)
     kept = [r for r in rows if int(r["round"]) <= at_round]
     if not kept or kept[-1]["round"] != at_round:
         last = rows[-1]["round"] if rows else None
         raise ValueError(f"{d} has not logged round {at_round} (its last: {last})")
-    return RunResult(d, seed, {**config, "rounds": at_round, "planned_rounds": config.get("rounds")}, kept,
-                     summary_at(d, config, kept, summary), cut=True)
+    return RunResult(d, seed, as_of, kept, summary_at(d, config, kept, summary), cut=True)
 
 
 def summary_at(run_dir: Path, config: dict, rows: list[dict], summary: dict | None) -> dict:
