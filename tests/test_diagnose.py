@@ -159,3 +159,20 @@ def test_an_out_that_is_a_file_is_refused_in_one_line_before_the_work(run, tmp_p
         code, _, err = run_cli(["diagnose", str(run), "--out", str(out), "--curvature", "no"], capsys)
         assert code == 2 and "is a file" in err and len(err.strip().splitlines()) == 1, err
     assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_the_per_tensor_panel_shows_at_most_the_largest_tensors(run, tmp_path, monkeypatch):
+    """A full model has hundreds of tensors: the panel names the PANEL_TENSORS largest, and says so."""
+    from matplotlib.figure import Figure
+
+    from hiso.report import diagnose as diag
+
+    d = diagnose(run, points=3, curvature="no", progress=False)
+    many = [{**t, "name": f"t{i}", "numel": i + 1} for i in range(diag.PANEL_TENSORS + 12) for t in d["per_tensor"][:1]]
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: saved.append(self))
+    diag.plot({**d, "per_tensor": many}, tmp_path / "p.png")
+    panel = next(ax for ax in saved[0].axes if ax.get_title().startswith("H per tensor"))
+    names = [t.get_text() for t in panel.get_yticklabels()]
+    assert len(names) == diag.PANEL_TENSORS and names[0] == f"t{len(many) - 1}"
+    assert f"the {diag.PANEL_TENSORS} largest of {len(many)}" in panel.get_title()

@@ -249,6 +249,9 @@ def summary_text(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+PANEL_TENSORS = 30  # a full model has hundreds of tensors: their names would not be readable in one panel
+
+
 def plot(d: dict[str, Any], path: str | Path) -> None:
     """``diagnose.png``: H's histogram, H and lr/H over rounds, per-tensor H, H vs curvature."""
     from matplotlib.figure import Figure
@@ -278,13 +281,15 @@ def plot(d: dict[str, Any], path: str | Path) -> None:
         ax.set(title=title, xlabel="round")
         ax.legend(fontsize=7)
     ax = axes[3]
-    tens = d["per_tensor"]
+    every = d["per_tensor"]
+    tens = every if len(every) <= PANEL_TENSORS else sorted(every, key=lambda t: -t["numel"])[:PANEL_TENSORS]
     y = np.arange(len(tens))
     ax.errorbar([t["median"] for t in tens], y,
                 xerr=[[t["median"] - t["p5"] for t in tens], [t["p95"] - t["median"] for t in tens]], fmt="o", ms=3)
     ax.set_yticks(y, [t["name"] for t in tens], fontsize=6)
     ax.set_xscale("log")
-    ax.set(title="H per tensor (median, 5-95 %)", xlabel="H")
+    some = "" if len(tens) == len(every) else f", the {len(tens)} largest of {len(every)}"
+    ax.set(title=f"H per tensor (median, 5-95 %{some})", xlabel="H")
     c = d["curvature"]
     for ax, key, title in ((axes[4], "hutchinson", "H vs Hessian diagonal (Hutchinson)"),
                            (axes[5], "grad2", "H vs gradient second moment")):
