@@ -173,17 +173,18 @@ def reached_part(plan: Plan, out: str | Path, at_round: int | str) -> tuple[Plan
 
     out = Path(out)
     fix = f"{out}/compare.json records how its runs were made: drop {{option}}"
-    stood: dict[tuple[str, float], dict[int, float]] = {}  # (arm, lr) -> seed -> the last round it stands at
+    # (arm, lr) -> seed -> (its last logged round, whether it has ended there)
+    stood: dict[tuple[str, float], dict[int, tuple[int, bool]]] = {}
     left: list[str] = []
     for arm in plan.arms:
         for lr in arm.lrs:
-            at: dict[int, float] = {}
+            at: dict[int, tuple[int, bool]] = {}
             for s in plan.seeds:
                 d = run_dir(out, arm.name, lr, s)
                 state = _state(RunSpec(arm, lr, s, plan.config(arm, lr, s), d), fix)
                 last = last_round(d) if state != "start" else None
                 if last is not None:
-                    at[s] = math.inf if state == "finished" and (d / "summary.json").is_file() else last
+                    at[s] = (last, state == "finished")
             if len(at) == len(plan.seeds):
                 stood[(arm.name, lr)] = at
             else:
@@ -191,9 +192,8 @@ def reached_part(plan: Plan, out: str | Path, at_round: int | str) -> tuple[Plan
                 left.append(f"{arm.name}: lr={lr:g} (not started for seed{'s' if len(missing) > 1 else ''} "
                             f"{','.join(map(str, missing))})")
     if at_round == "latest":
-        going = [r for at in stood.values() for r in at.values() if r != math.inf]
-        ended = [last_round(run_dir(out, a, lr, s)) or 0 for (a, lr), at in stood.items() for s in at]
-        at_round = int(min(going)) if going else max(ended, default=0)
+        going = [r for at in stood.values() for r, ended in at.values() if not ended]
+        at_round = min(going) if going else max((r for at in stood.values() for r, _ in at.values()), default=0)
     at_round = int(at_round)
     arms = []
     for arm in plan.arms:
@@ -202,7 +202,7 @@ def reached_part(plan: Plan, out: str | Path, at_round: int | str) -> tuple[Plan
             at = stood.get((arm.name, lr))
             if at is None:
                 continue
-            short = {s: int(r) for s, r in at.items() if r < at_round}
+            short = {s: r for s, (r, ended) in at.items() if r < at_round and not ended}
             if short:
                 left.append(f"{arm.name}: lr={lr:g} (" + ", ".join(f"seed {s} at round {r}" for s, r in short.items())
                             + f", not yet {at_round})")
