@@ -256,6 +256,28 @@ def test_stopping_a_parallel_compare_prints_no_traceback(tmp_path, spawned, sig,
     assert "stopped: 0 of 8 runs are finished and kept" in log
     assert "hiso: stopped by SIGTERM" in log if sig == "SIGTERM" else "hiso: interrupted;" in log
 
+
+def test_a_compare_worker_draws_progress_bars_without_a_semaphore(monkeypatch):
+    """tqdm's default lock is a multiprocessing semaphore, which a worker stopped with its compare
+    never unregisters: Python's resource tracker printed "leaked semaphore objects" after every
+    stopped compare of a language task (its evaluation draws a bar in the worker)."""
+    import multiprocessing.synchronize as mps
+
+    from hiso.runners import compare_run
+    from tqdm import tqdm
+    from tqdm.std import TqdmDefaultWriteLock
+
+    for cls, name in ((tqdm, "_lock"), (TqdmDefaultWriteLock, "mp_lock")):  # as in a fresh worker
+        monkeypatch.setattr(cls, name, None, raising=False)
+        monkeypatch.delattr(cls, name)
+    monkeypatch.setattr(compare_run, "_PROGRESS", None)
+    made = []
+    init = mps.SemLock.__init__
+    monkeypatch.setattr(mps.SemLock, "__init__", lambda self, *a, **k: (made.append(type(self)), init(self, *a, **k))[1])
+    compare_run._init_worker(None)
+    assert sum(tqdm(range(3), desc="eval", disable=True)) == 3
+    assert made == []
+
 def test_warns_when_an_arm_ends_below_what_it_reports():
     # gains from 0.5: held 0.40 of 0.40 / ended 0.55 of 0.30 gained (17 % kept) / lost a quarter exactly
     holds = _arm("hiso", [[0.5, 0.9, 0.88, 0.9], [0.5, 0.8, 0.9, 0.9]])

@@ -140,6 +140,13 @@ _PROGRESS = None  # in a worker process: the queue its runs report their rounds 
 def _init_worker(queue, parent: int | None = None) -> None:
     global _PROGRESS
     _PROGRESS = queue
+    # tqdm's default lock (an evaluation's bar takes it) is a named semaphore that a spawned
+    # worker owns alone, shared with no one; a worker stopped with its compare never unregisters
+    # it, and Python's resource tracker then warned of "leaked semaphore objects" after each stop
+    import threading
+
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
     if parent is not None:
         _exit_with_parent(parent)
 
