@@ -273,10 +273,16 @@ def test_a_compare_worker_draws_progress_bars_without_a_semaphore(monkeypatch):
     monkeypatch.setattr(compare_run, "_PROGRESS", None)
     made = []
     init = mps.SemLock.__init__
-    monkeypatch.setattr(mps.SemLock, "__init__", lambda self, *a, **k: (made.append(type(self)), init(self, *a, **k))[1])
+
+    def counted_init(self, *a, **k):
+        made.append(type(self))
+        init(self, *a, **k)
+
+    monkeypatch.setattr(mps.SemLock, "__init__", counted_init)
     compare_run._init_worker(None)
     assert sum(tqdm(range(3), desc="eval", disable=True)) == 3
     assert made == []
+
 
 def test_warns_when_an_arm_ends_below_what_it_reports():
     # gains from 0.5: held 0.40 of 0.40 / ended 0.55 of 0.30 gained (17 % kept) / lost a quarter exactly
