@@ -122,10 +122,23 @@ def test_the_graph_sees_function_level_imports():
     assert "hiso.core.scalars" in graph["hiso.core.history"]  # imported inside functions
     assert "hiso.core" in graph["hiso.methods.momentum"]  # hiso.core.exact: hiso/core/__init__.py runs first
     assert "hiso.core" not in graph["hiso.core.state"]  # its own package is already running
-    assert "hiso.core.state" in graph["hiso.flower.bench"]  # "from ..core import ModelState": a lazy name
+    assert "hiso.core" in graph["hiso.flower.bench"]  # "from ..core import ModelState"
+    assert "hiso.core.state" in graph["hiso.core"]  # which runs the package's own imports
 
 
 def test_no_import_circles_in_hiso():
     found = cycles(import_graph())
     assert not found, "import circles (move what both sides need to the lower module): " + "; ".join(
         " <-> ".join(c) for c in found)
+
+
+def test_the_core_imports_no_method_and_loads_nothing_lazily():
+    """Methods plug into the core through hiso.core.method; the core never imports one (so it
+    needs no lazy loader to break a circle with them)."""
+    graph = import_graph()
+    into_methods = {m: sorted(d for d in deps if d.startswith("hiso.methods"))
+                    for m, deps in graph.items() if m == "hiso.core" or m.startswith("hiso.core.")}
+    assert not {m: d for m, d in into_methods.items() if d}, into_methods
+    assert {"hiso.core.state", "hiso.core.server"} <= graph["hiso.core"]  # the test sees the core's edges
+    init = (SRC / "core" / "__init__.py").read_text()  # (hiso/__init__.py's keeps `import hiso` cheap)
+    assert "_EXPORTS" not in init and "def __getattr__" not in init

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import (Client, Downlink, ModelState, MomentumConfig, PreconditionerConfig, RoundRecord,
+from hiso.methods.momentum import MomentumConfig
+from hiso.core import (Client, Downlink, ModelState, PreconditionerConfig, RoundRecord,
                        decode_downlink, decomfl, encode_downlink, hiso)
 from hiso.runners.simulate import Simulation
 

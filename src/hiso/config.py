@@ -423,14 +423,18 @@ class RunConfig(BaseModel, MethodRules):
             from .methods.ferret import FerretConfig
             return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.ferret_k, local_steps=self.ferret_blocks,
                             directions=self.directions, scalar_dtype=self.scalar_dtype,
-                            ferret=FerretConfig(self.local_steps, self.resolved_server_lr(), self.ferret_blocks))
+                            method=FerretConfig(self.local_steps, self.resolved_server_lr(), self.ferret_blocks))
         momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
         dp = None if self.dp_clip is None else DPConfig(self.dp_clip, self.dp_noise, self.dp_mode)
         step_norm = None if self.step_norm is None else StepNormConfig(self.step_norm, self.step_norm_beta)
+        method = None
+        if self.algorithm == "feedsign":
+            from .methods.feedsign import FeedSign
+            method = FeedSign()
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
                         directions=self.direction_spec, scalar_dtype=self.scalar_dtype, momentum=momentum,
-                        lr_decay=self.lr_decay, dp=dp, signs=self.algorithm == "feedsign", step_norm=step_norm)
+                        lr_decay=self.lr_decay, dp=dp, method=method, step_norm=step_norm)
 
     @property
     def direction_spec(self) -> str:

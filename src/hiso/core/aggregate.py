@@ -18,6 +18,9 @@ it sends, within what the rule lets through.
   ``scipy.stats.trim_mean(g, trim, axis=0)``. Robust while the attackers are at most
   ``floor(trim * n)`` per round.
 
+* the sign vote (:func:`sign_vote`, FeedSign's): the sign of what the rule gives (under the
+  mean, of the weighted *sum*), 0 on an exact tie.
+
 Non-finite scalars never reach a rule: the decoder and :meth:`Server.aggregate` reject them.
 """
 
@@ -63,3 +66,14 @@ def combine(g: np.ndarray, w: np.ndarray | None = None, rule: str = "mean", trim
     cut = int(np.floor(trim * n))
     vals, ws = vals[cut:n - cut], ws[cut:n - cut]
     return (vals * ws).sum(axis=0) / ws.sum(axis=0)
+
+
+def sign_vote(g: np.ndarray, w: np.ndarray | None = None, rule: str = "mean", trim: float = 0.25) -> np.ndarray:
+    """The (weighted) majority vote of answers ``g`` (n, ...): float32 -1, 0 or +1 per entry.
+
+    Under the mean it is the sign of the weighted *sum*: exact for equal (or integer) weights, so
+    a tie is 0, where the mean's w / w.sum() (1/6, 1/10, ...) can leave +-5e-17 and a step."""
+    g = np.asarray(g, dtype=np.float64)
+    w = np.ones(len(g)) if w is None else np.asarray(w, dtype=np.float64)
+    agg = combine(g, w, rule, trim)  # also checks the rule, the weights and that there are answers
+    return np.sign(np.tensordot(w, g, axes=1) if rule == "mean" else agg).astype(np.float32)

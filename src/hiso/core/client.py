@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..methods.privacy import noise_key, private_answer
 from .estimator import LossFn, local_update
 from .messages import (Downlink, Hello, MessageError, Uplink, Wire, check_welcome, decode_downlink,
                        decode_welcome, encode_hello, encode_uplink, load_state, tensors_fingerprint)
 from .perturb import Mode, Perturber
+from .seeds import secret_key
 from .state import ModelState
 from .work import Work
 
@@ -32,24 +32,23 @@ def answer(cid: int, state: ModelState, perturber: Perturber, loss_fn: LossFn, b
     already hold that round's x_r and H_r): the one computation behind :meth:`Client.train`
     and the simulator's fast mode, where one shared replica stands for every client.
 
-    Under local differential privacy the scalars are clipped and noised here, before they
-    leave (``dp_seed``: the client's secret for its noise; see :mod:`hiso.methods.privacy`)."""
+    The method's hooks (:mod:`hiso.core.method`) decide the batches and the computation. Under
+    local differential privacy the scalars are clipped and noised here, before they leave
+    (``dp_seed``: the client's secret for its noise; see :mod:`hiso.methods.privacy`)."""
     return answer_work(cid, state, perturber, loss_fn, batch_fn, msg, report_loss, dp_seed)[0]
 
 
 def answer_work(cid: int, state: ModelState, perturber: Perturber, loss_fn: LossFn, batch_fn: BatchFn,
                 msg: Downlink, report_loss: bool = True, dp_seed: int = 0) -> tuple[Uplink, Work]:
     """:func:`answer`, and the forwards and backpropagations it took (:class:`~hiso.core.work.Work`)."""
-    fer = state.cfg.ferret
-    batches = [batch_fn(msg.round, k) for k in range(state.cfg.local_steps if fer is None else fer.steps)]
-    if fer is not None:  # Ferret: first-order steps, the update projected (hiso.methods.ferret)
-        from ..methods.ferret import local_update as ferret_update
-        res = ferret_update(state, loss_fn, batches, msg.seeds)
-    else:
+    method = state.cfg.method
+    batches = [batch_fn(msg.round, k) for k in range(state.cfg.local_steps if method is None else method.batches(state.cfg))]
+    res = None if method is None else method.local_update(state, perturber, loss_fn, batches, msg.seeds)
+    if res is None:
         res = local_update(state, perturber, loss_fn, batches, msg.seeds)
     scalars, dp = res.scalars, state.cfg.dp
     if dp is not None and dp.mode == "local":
-        scalars = private_answer(scalars, dp, dp_seed, msg.round, msg.attempt, cid)
+        scalars = dp.private_answer(scalars, dp_seed, msg.round, msg.attempt, cid)
     return Uplink(cid, msg.round, scalars, res.loss if report_loss else None, msg.attempt), res.work
 
 
@@ -60,7 +59,7 @@ class Client:
         self.cid, self.state, self.loss_fn, self.batch_fn = cid, state, loss_fn, batch_fn
         self.perturber = Perturber(state.model, state.params, perturb_mode, batch_memory)
         self.report_loss = report_loss
-        self.dp_seed = noise_key(dp_seed)  # local DP: this client's secret
+        self.dp_seed = secret_key(dp_seed)  # local DP: this client's secret
         self.wire = wire  # set by join()
         self.work = Work()  # what its last answer computed
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from ..methods.ferret import FerretConfig
-from ..methods.momentum import MomentumConfig
-from ..methods.privacy import DPConfig
-from ..methods.stepnorm import StepNormConfig
+from .method import Method, check_method
 from .preconditioner import PreconditionerConfig
 
 
@@ -24,14 +21,15 @@ class ZOConfig:
     precond: PreconditionerConfig | None = None
     directions: str = "philox-rademacher"  # the direction family (see hiso.core.directions.FAMILIES)
     scalar_dtype: str = "float32"  # the scalars' number format on the wire and in the log (float16, bfloat16, int8)
-    momentum: MomentumConfig | None = None  # server-side momentum (hiso.methods.momentum); None: none
+    momentum: Any = None  # the fold's step stage instead of SGD (hiso.methods.momentum); None: none
     lr_decay: float | None = None  # inverse-time decay horizon T (rounds): round r steps with lr / (1 + r / T)
-    dp: DPConfig | None = None  # client-level differential privacy of the scalars (hiso.methods.privacy); None: none
-    ferret: FerretConfig | None = None  # Ferret (hiso.methods.ferret): (tau, P) is then (blocks, K)
-    signs: bool = False  # FeedSign (hiso.methods.feedsign): clients upload sign bits, the server logs the majority vote
-    step_norm: StepNormConfig | None = None  # global step / spread of the logged scalars (hiso.methods.stepnorm)
+    dp: Any = None  # client-level differential privacy of the scalars (hiso.methods.privacy.DPConfig); None: none
+    method: Method | None = None  # a method's own hooks (hiso.core.method); None: DeComFL's (HiSo's with precond)
+    step_norm: Any = None  # a step-size stage of the fold (hiso.methods.stepnorm); None: none
 
     def __post_init__(self) -> None:
+        if self.method is not None:
+            check_method(self.method)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.lr_decay is not None and not self.lr_decay > 0:
@@ -62,6 +60,11 @@ class ZOConfig:
         if self.lr_decay is None:
             return self.lr
         return self.lr / (1.0 + round / self.lr_decay)
+
+    @property
+    def signs(self) -> bool:
+        """Whether clients upload one sign bit per scalar (FeedSign's wire)."""
+        return self.method is not None and self.method.uplink == "signs"
 
     @property
     def shape(self) -> tuple[int, int]:

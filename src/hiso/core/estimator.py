@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..methods import feedsign
 from . import exact
 from .perturb import Perturber, Shift
 from .state import ModelState, step_direction
@@ -81,8 +80,8 @@ def local_update(state: ModelState, perturber: Perturber, loss_fn: LossFn,
                     losses.append(0.5 * (fp + fm))
             if not np.all(np.isfinite(scalars[k])):
                 raise FloatingPointError(f"non-finite ZO scalar at local step {k} (loss diverged: lower lr or mu)")
-            if cfg.signs:  # FeedSign: the client keeps (and steps with) only the sign
-                scalars[k] = feedsign.signs(scalars[k])
+            if cfg.method is not None:  # what the method keeps of them (FeedSign: the signs)
+                scalars[k] = cfg.method.step_scalars(scalars[k])
             if delta is not None and (k < tau - 1 or return_delta):
                 for i, prm in enumerate(state.params):
                     ghat = step_direction(gen, i, prm, seeds[k], scalars[k], state.h_of(i))

@@ -22,8 +22,14 @@ FINGERPRINT_BYTES = 16
 
 def config_fingerprint(zo) -> bytes:
     """16 bytes naming the whole algorithm configuration (every field of ZOConfig, nested ones
-    included, whatever fields it has): peers with different fingerprints must not mix."""
-    blob = json.dumps(dataclasses.asdict(zo), sort_keys=True, default=repr)
+    included, whatever fields it has, and the classes of its method and stages): peers with
+    different fingerprints must not mix."""
+    fields = dataclasses.asdict(zo)
+    for name in ("method", "momentum", "step_norm", "dp"):  # two classes with the same fields differ
+        if getattr(zo, name, None) is not None:
+            fields[name] = {"class": f"{type(getattr(zo, name)).__module__}.{type(getattr(zo, name)).__qualname__}",
+                            **fields[name]}
+    blob = json.dumps(fields, sort_keys=True, default=repr)
     return hashlib.sha256(f"hiso-protocol-{VERSION}|{blob}".encode()).digest()[:FINGERPRINT_BYTES]
 
 

@@ -23,7 +23,7 @@ kind       direction  fields after ``version, kind``
 =========  =========  ===============================================================
 
 FeedSign (``Wire.signs``): an uplink's tau*P scalars are signs, packed 8 to a byte
-(:func:`hiso.methods.feedsign.pack`: ceil(tau*P / 8) bytes); everything else is unchanged.
+(:func:`hiso.core.scalars.pack_signs`: ceil(tau*P / 8) bytes); everything else is unchanged.
 
 ``n_retried`` lists the missed rounds that were planned more than once (record j of the
 history has attempt_j > 0; almost never), so a record costs its scalars and nothing else.
@@ -49,14 +49,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..methods import feedsign
 from .history import RoundRecord
 # one import path for every message and the pieces they share (joining, snapshots and the
 # header live in their own modules: join.py, snapshot.py, wire.py)
 from .join import (FINGERPRINT_BYTES, Hello, Welcome, check_welcome, config_fingerprint, decode_hello,  # noqa: F401
                    decode_welcome, encode_hello, encode_welcome, tensors_fingerprint, welcome_for)
 from .scalars import (SCALAR_BYTES, SCALAR_DTYPES, _check_dtype, block_size, decode_blocks,  # noqa: F401
-                      decode_scalars, encode_blocks, encode_scalars, loss_dtype, quantize)
+                      decode_scalars, encode_blocks, encode_scalars, loss_dtype, pack_signs, packed_signs_size,
+                      quantize, unpack_signs)
 from .seeds import MAX_ATTEMPT, MAX_ROUND, round_seeds, seeds_of  # noqa: F401
 from .snapshot import encode_state, load_state, state_size  # noqa: F401
 from .wire import (DOWN, HELLO, KINDS, SNAPSHOT, UP, VERSION, WELCOME, JoinError, MessageError, Wire,  # noqa: F401
@@ -197,7 +197,7 @@ def encode_uplink(msg: Uplink, wire: Wire | None = None, *, check: bool = True) 
     if wire is not None and wire.signs:
         if check and not np.all(np.abs(msg.scalars) == 1):
             raise ValueError(f"uplink from client {msg.client}: FeedSign sends signs (+1 / -1), got other values")
-        out += feedsign.pack(msg.scalars)
+        out += pack_signs(msg.scalars)
     else:
         out += encode_scalars(msg.scalars, dtype, check)
     if msg.loss is not None:  # in the scalar dtype too (monitoring only; bfloat16 beside int8)
@@ -224,10 +224,10 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
         raise MessageError(f"uplink from client {client}: round {rnd}, but the server is in round {expect_round}")
     has_loss = bool(flags & FLAG_LOSS)
     if wire.signs:  # FeedSign: packed sign bits, then the loss
-        nb = feedsign.packed_size(wire.n)
+        nb = packed_signs_size(wire.n)
         _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
         try:
-            scalars = feedsign.unpack(data, off, wire.n).reshape(wire.shape)
+            scalars = unpack_signs(data, off, wire.n).reshape(wire.shape)
         except ValueError as e:
             raise MessageError(f"uplink from client {client}: {e}") from None
         vals = decode_scalars(data, off + nb, 1, loss_dtype(wire.dtype)) if has_loss else None

@@ -136,3 +136,23 @@ def decode_blocks(data, off: int, count: int, n: int, dtype: str) -> np.ndarray:
     for j in range(count):
         out[j] = decode_scalars(data, off + j * step, n, dtype)
     return out
+
+
+def packed_signs_size(n: int) -> int:
+    """Bytes of n packed signs (the one-bit uplink format, FeedSign's)."""
+    return (n + 7) // 8
+
+
+def pack_signs(s) -> bytes:
+    """Signs (+1 / -1; anything > 0 counts as +1) to bytes, 8 per byte, least significant bit first."""
+    bits = (np.asarray(s, dtype=np.float32).reshape(-1) > 0).astype(np.uint8)
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def unpack_signs(data, off: int, n: int) -> np.ndarray:
+    """n signs (float32 +1 / -1) from ``data[off:]``; set pad bits are an error (ValueError)."""
+    raw = np.frombuffer(data, np.uint8, packed_signs_size(n), off)
+    bits = np.unpackbits(raw, bitorder="little")
+    if bits[n:].any():
+        raise ValueError("packed signs: pad bits are set")
+    return np.where(bits[:n] == 1, np.float32(1), np.float32(-1)).astype(np.float32)

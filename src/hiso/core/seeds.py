@@ -20,6 +20,8 @@ attempt < 2^12, tau * P <= 2^16.
 
 from __future__ import annotations
 
+import secrets
+
 import numpy as np
 
 MASK = (1 << 64) - 1
@@ -94,3 +96,9 @@ def seeds_of(seed: int, rounds, attempts, tau: int, P: int) -> np.ndarray:
 def round_seeds(seed: int, round: int, attempt: int, tau: int, P: int) -> np.ndarray:
     """The (tau, P) uint64 direction seeds of attempt ``attempt`` of round ``round``."""
     return seeds_of(seed, [round], [attempt], tau, P)[0]
+
+
+def secret_key(key: int | None = None) -> int:
+    """A secret (a run's DP noise, a client's local noise): ``key`` as given, else a fresh one
+    (63 random bits from the OS), which its holder keeps and never sends or logs."""
+    return secrets.randbits(63) if key is None else int(key)

@@ -22,10 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..methods import feedsign
-from ..methods.privacy import DPConfig, private_mean
-from ..methods.secagg import SecAggConfig, answer_levels, secure_mean
-from .aggregate import check_rule, combine
+from .aggregate import check_rule, combine, sign_vote
 from .history import RoundRecord
 from .messages import Downlink, MessageError, Uplink, Wire, encode_state, quantize, state_size, varint_size
 
@@ -84,8 +81,7 @@ class Server:
                  rule: str = "mean", trim: float = 0.25,
                  scalar_dtype: str = "float32", replica=None, snapshot_after: int | None = None,
                  bandwidth: float | None = None, replay_rate: float = REPLAY_RATE,
-                 dp: DPConfig | None = None, noise_seed: int = 0, signs: bool = False,
-                 secagg: SecAggConfig | None = None):
+                 dp=None, noise_seed: int = 0, signs: bool = False, secagg=None, method=None):
         if num_clients < 1:
             raise ValueError(f"need at least one client, got {num_clients}")
         if not 1 <= clients_per_round <= num_clients:
@@ -93,6 +89,8 @@ class Server:
         if weights is not None and (len(weights) != num_clients or min(weights) <= 0):
             raise ValueError("weights must be one positive number per client")
         check_rule(rule, trim)
+        if method is not None:
+            signs = method.uplink == "signs"
         if signs and dp is not None:
             raise ValueError("FeedSign's votes are not accounted for differential privacy: turn DP off")
         if dp is not None and (rule != "mean" or weights is not None):
@@ -105,6 +103,9 @@ class Server:
         self.dp, self._noise_seed = dp, int(noise_seed)
         self.M, self.m = num_clients, clients_per_round
         self.rule, self.trim = rule, trim  # how answers are combined (see hiso.core.aggregate)
+        # the base rule, or the method's wrapper of it (FeedSign: the sign vote); central DP and
+        # the secure sum wrap this in aggregate() (hiso.methods.privacy, hiso.methods.secagg)
+        self._combine = method.combine if method is not None else sign_vote if signs else combine
         self.shape = (local_steps, perturbations)
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         # separate streams: who is sampled does not depend on how many seeds a round draws,
@@ -239,17 +240,13 @@ class Server:
         answered = tuple(c for c in plan.participants if c in by_client)
         g = np.stack([by_client[c].scalars.astype(np.float64) for c in answered])
         w = np.ones(len(g)) if self.weights is None else self.weights[list(answered)]
-        if self.secagg is not None:  # what a secure sum of the answers gives (each on the grid)
-            total = np.sum([answer_levels(x, self.secagg, self.dp) for x in g], axis=0)
+        if self.secagg is not None:  # the transport: what a secure sum of the answers gives (each on the grid)
+            total = np.sum([self.secagg.answer_levels(x, self.dp) for x in g], axis=0)
             return self.close_secure(answered, total)
-        if self.dp is not None and self.dp.mode == "central":
-            agg = private_mean(g, self.dp, self._noise_seed, plan.round, plan.attempt).astype(np.float32)
+        if self.dp is not None and self.dp.mode == "central":  # the DP wrapper: noised mean of clipped answers
+            agg = self.dp.private_mean(g, self._noise_seed, plan.round, plan.attempt).astype(np.float32)
         else:
-            agg = combine(g, w, self.rule, self.trim).astype(np.float32)
-        if self.wire.signs:  # FeedSign: the sign of the combined signs, the (weighted) majority vote
-            # under the mean, the sign of the weighted *sum*: exact for equal (or integer) weights, so
-            # a tie is 0, where the mean's w / w.sum() (1/6, 1/10, ...) can leave +-5e-17 and a step
-            agg = feedsign.vote(np.tensordot(w, g, axes=1) if self.rule == "mean" else agg)
+            agg = np.asarray(self._combine(g, w, self.rule, self.trim)).astype(np.float32)
         return self._close(plan, answered, agg)
 
     def close_secure(self, answered, total) -> RoundRecord:
@@ -265,7 +262,7 @@ class Server:
         total = np.asarray(total, dtype=np.int64)
         if total.shape != self.shape:
             raise MessageError(f"round {plan.round}: a secure sum of shape {total.shape}, expected {self.shape}")
-        agg = secure_mean(total, len(answered), self.secagg, self.dp, self._noise_seed, plan.round, plan.attempt)
+        agg = self.secagg.secure_mean(total, len(answered), self.dp, self._noise_seed, plan.round, plan.attempt)
         return self._close(plan, tuple(c for c in plan.participants if c in answered), agg.astype(np.float32))
 
     def _close(self, plan: RoundPlan, answered: tuple[int, ...], agg: np.ndarray) -> RoundRecord:

@@ -1,8 +1,9 @@
-"""The replicated state (x_r, H_r) and the one function that advances it by a round.
+"""The replicated state (x_r, the fold's stage states, r) and the one method that advances it.
 
-Server, clients and ``hiso rebuild`` all advance their state with :func:`apply_round`, so
-replaying a history is folding ``apply_round`` over it and they cannot drift apart: the same
-float32 scalars go through the same operations in the same order, tensor by tensor.
+Server, clients and ``hiso rebuild`` all advance their state with :meth:`ModelState.apply`
+(the chain of :mod:`hiso.core.chain`, or the method's own fold), so replaying a history is
+folding it over the records and they cannot drift apart: the same float32 scalars go through
+the same operations in the same order, tensor by tensor.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..methods import momentum as mo
-from ..methods import stepnorm as sn
-from . import exact
 from . import preconditioner as pc
+from .chain import fold, stages_of
 from .config import ZOConfig
 from .directions import DirectionGenerator
 from .history import RoundRecord
@@ -43,7 +42,8 @@ def step_direction(
 
 
 class ModelState:
-    """A replica of the protocol state: the model (x_r), H_r (HiSo only) and r.
+    """A replica of the protocol state: the model (x_r), the fold's stage states (H_r for
+    HiSo, a momentum buffer, ...) and r.
 
     ``round`` is the round whose starting point the replica holds: a replica with
     ``round == r`` holds x_r and H_r and needs history records r, r+1, ... to move on.
@@ -56,55 +56,34 @@ class ModelState:
         self.cfg = cfg
         self.named = trainable_params(model)
         self.params = [p for _, p in self.named]
-        self.h = pc.init(self.params) if cfg.precond is not None else None
-        self.m = mo.init(self.params) if cfg.momentum is not None else None  # momentum buffer
-        self.sn = sn.init() if cfg.step_norm is not None else None  # (v, w) of the step normalisation
+        self.stages = stages_of(cfg)  # the fold's chain (hiso.core.chain), H aside
+        self.slots: dict = {"h": pc.init(self.params)} if cfg.precond is not None else {}
+        named = {st.name: st for st in self.stages if st.name is not None}
+        for name in sorted(named, key=lambda n: (n != "momentum", n)):  # model.pt's order: h, momentum, step_norm
+            self.slots[name] = named[name].init(self.params)
         self.round = round
         # a family may need the run's seed (lowrank refresh) or x_0 (sparse mask): bound here
         if round != 0 and "mask=" in cfg.directions:
             raise ValueError("a replica of a masked direction family must be built from x_0 (round 0)")
         self.gen = DirectionGenerator(cfg.directions).bind(run_seed, self.params)
 
+    # the stage states by their historical names (snapshots, Flower's replica, diagnose)
+    h = property(lambda self: self.slots.get("h"), lambda self, v: self.slots.__setitem__("h", v))
+    m = property(lambda self: self.slots.get("momentum"), lambda self, v: self.slots.__setitem__("momentum", v))
+    sn = property(lambda self: self.slots.get("step_norm"), lambda self, v: self.slots.__setitem__("step_norm", v))
+
     def h_of(self, i: int) -> torch.Tensor | None:
-        return None if self.h is None else self.h[i]
+        h = self.slots.get("h")
+        return None if h is None else h[i]
 
     @torch.no_grad()
     def apply(self, record: RoundRecord) -> None:
-        """x_{r+1} = x_r - eta sum_k ghat_k, then H_{r+1} from ghat (H_r fixed in the round).
-
-        With momentum x moves along the buffer m instead (:mod:`hiso.methods.momentum`); with a
-        blockwise H (:mod:`hiso.core.preconditioner`) H is updated after every tensor's step;
-        with a step normalisation eta is divided by the scalars' spread (:mod:`hiso.methods.stepnorm`)."""
-        if self.cfg.ferret is not None:  # Ferret: each block's own K directions (hiso.methods.ferret)
-            from ..methods import ferret
-            return ferret.apply_(self, record)
-        if record.round != self.round:
-            raise ValueError(f"replica is at round {self.round}, cannot apply record of round {record.round}")
-        tau, P = self.cfg.shape
-        if record.seeds.shape != (tau, P) or record.scalars.shape != (tau, P):
-            raise ValueError(f"record of shape {record.seeds.shape} does not match (tau, P) = {(tau, P)}")
-        lr, precond, mom = self.cfg.lr_at(self.round), self.cfg.precond, self.cfg.momentum
-        if self.sn is not None:  # checked above, so a refused record leaves (v, w) as they were
-            lr = lr / sn.update_(self.sn, record.scalars, self.cfg.step_norm)
-        hstep = _HStep(precond, record, self.round, tau) if precond is not None else None
-        for i, p in enumerate(self.params):
-            h = self.h_of(i)
-            m = None if self.m is None else mo.decay_(self.m[i], mom)
-            for k in range(tau):
-                ghat = step_direction(self.gen, i, p, record.seeds[k], record.scalars[k], h)
-                if m is None:
-                    exact.axpy_(p, -lr, ghat)
-                else:
-                    mo.add_(m, ghat, mom)
-                if hstep is not None and precond.updates_at(k, tau):
-                    hstep.observe(self.gen, i, k, h, ghat)
-            if m is not None:
-                exact.axpy_(p, -lr, m)
-            if hstep is not None:
-                hstep.close_tensor(i, h)
-        if hstep is not None:
-            hstep.close_round(self.h)
-        self.round += 1
+        """Advance the replica by one logged round: the method's own fold, or the chain
+        (:func:`hiso.core.chain.fold`: x_{r+1} = x_r - eta sum_k ghat_k through H_r, momentum,
+        step normalisation, then H_{r+1})."""
+        method = self.cfg.method
+        if method is None or method.apply_(self, record) is None:
+            fold(self, record)
 
     def replay(self, records) -> None:
         """Fold :meth:`apply` over consecutive records (a client's catch-up, or a rebuild)."""
@@ -119,12 +98,9 @@ class ModelState:
         else:
             model = {n: p.detach() for n, p in self.named}
         out = {"round": self.round, "model": model}
-        if self.h is not None:
-            out["h"] = {n: h for (n, _), h in zip(self.named, self.h)}
-        if self.m is not None:
-            out["momentum"] = {n: m for (n, _), m in zip(self.named, self.m)}
-        if self.sn is not None:
-            out["step_norm"] = {"vw": self.sn}
+        for name, slot in self.slots.items():  # each stage's state under its name: per tensor, or one value
+            out[name] = ({n: t for (n, _), t in zip(self.named, slot)} if isinstance(slot, list)
+                         else {"vw" if name == "step_norm" else "value": slot})
         return out
 
     @torch.no_grad()
@@ -165,52 +141,3 @@ class ModelState:
             if dst is not src:
                 dst.copy_(src)
         self.round = int(rnd)
-
-
-class _HStep:
-    """H's update for one round: per coordinate as each tensor's ghat is built, or, for a
-    blockwise H, block sums of the statistic gathered over the tensors and applied at the end."""
-
-    def __init__(self, cfg: pc.PreconditionerConfig, record: RoundRecord, round: int, tau: int):
-        self.cfg, self.tau = cfg, tau
-        self.steps = list(range(tau)) if cfg.source == "every" else [tau - 1]
-        self.t0 = round * len(self.steps)  # updates done before this round (bias correction)
-        self.P = record.scalars.shape[1]
-        self.s = [pc.scalar_power(record.scalars[k]) for k in range(tau)] if cfg.stat != "ghat2" else None
-        self.h_next = None
-        self.sums: dict[tuple[int, int], float] = {}  # (tensor, step) -> block sum of the statistic
-
-    def t(self, k: int) -> int:
-        return self.t0 + self.steps.index(k)
-
-    def observe(self, gen: DirectionGenerator, i: int, k: int, h: torch.Tensor, ghat: torch.Tensor) -> None:
-        cfg = self.cfg
-        x = None
-        if cfg.stat != "ghat2" or cfg.blockwise:
-            x = pc.statistic(ghat, h, self.s[k] if self.s else 0.0, self.P, cfg, gen.scratch("hstat", h.shape, h.device))
-        if cfg.blockwise:
-            self.sums[(i, k)] = pc.block_sum(x)
-            return
-        if self.h_next is None:
-            # only 'every' with tau > 1 needs H_r intact while later steps are built
-            self.h_next = (gen.scratch("h_next", h.shape, h.device).copy_(h)
-                           if self.tau > 1 and cfg.source == "every" else h)
-        pc.update_(self.h_next, ghat, cfg, self.t(k), x)
-
-    def close_tensor(self, i: int, h: torch.Tensor) -> None:
-        if self.h_next is not None and self.h_next is not h:
-            h.copy_(self.h_next)
-        self.h_next = None
-
-    def close_round(self, hs: list[torch.Tensor]) -> None:
-        if not self.cfg.blockwise:
-            return
-        n = [h.numel() for h in hs]
-        for k in self.steps:
-            if self.cfg.granularity == "tensor":
-                for i, h in enumerate(hs):
-                    pc.update_block_(h, self.sums[(i, k)] / n[i], self.cfg, self.t(k))
-            else:
-                mean = sum(self.sums[(i, k)] for i in range(len(hs))) / sum(n)
-                for h in hs:
-                    pc.update_block_(h, mean, self.cfg, self.t(k))

@@ -24,7 +24,14 @@ since it travels in the history the other algorithms share and may be 0 (a tie: 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from ..core.aggregate import sign_vote
+from ..core.method import Method
+# the one-bit wire format is the core's (a scalar format like int8): re-exported here
+from ..core.scalars import pack_signs as pack, packed_signs_size as packed_size, unpack_signs as unpack  # noqa: F401
 
 
 def signs(g) -> np.ndarray:
@@ -37,21 +44,15 @@ def vote(mean) -> np.ndarray:
     return np.sign(np.asarray(mean, dtype=np.float64)).astype(np.float32)
 
 
-def packed_size(n: int) -> int:
-    """Bytes of n packed signs."""
-    return (n + 7) // 8
+@dataclass(frozen=True)
+class FeedSign(Method):
+    """FeedSign's hooks: a client keeps the signs of its scalars, uploads them as bits, and the
+    server logs the (weighted) majority vote; the fold is DeComFL's with the vote as scalar."""
 
+    uplink = "signs"
 
-def pack(s) -> bytes:
-    """Signs (+1 / -1; anything > 0 counts as +1) to bytes, 8 per byte, least significant bit first."""
-    bits = (np.asarray(s, dtype=np.float32).reshape(-1) > 0).astype(np.uint8)
-    return np.packbits(bits, bitorder="little").tobytes()
+    def step_scalars(self, g):
+        return signs(g)
 
-
-def unpack(data, off: int, n: int) -> np.ndarray:
-    """n signs (float32 +1 / -1) from ``data[off:]``; set pad bits are an error (ValueError)."""
-    raw = np.frombuffer(data, np.uint8, packed_size(n), off)
-    bits = np.unpackbits(raw, bitorder="little")
-    if bits[n:].any():
-        raise ValueError("packed signs: pad bits are set")
-    return np.where(bits[:n] == 1, np.float32(1), np.float32(-1)).astype(np.float32)
+    def combine(self, g, w, rule, trim):
+        return sign_vote(g, w, rule, trim)

@@ -41,6 +41,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..core.method import Method
 from ..core.work import Work
 
 DEFAULT_K = 200  # the authors' script (scripts/ferret.sh: --K 200)
@@ -48,8 +49,9 @@ DEFAULT_BLOCKS = 8
 
 
 @dataclass(frozen=True)
-class FerretConfig:
-    """steps: local SGD steps; server_lr: the global step's scale; blocks: B (the record's tau)."""
+class FerretConfig(Method):
+    """Ferret's hooks (:mod:`hiso.core.method`). steps: local SGD steps; server_lr: the global
+    step's scale; blocks: B (the record's tau)."""
 
     steps: int = 1
     server_lr: float = 1.0
@@ -58,6 +60,16 @@ class FerretConfig:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.blocks < 1 or not self.server_lr > 0:
             raise ValueError(f"ferret needs steps >= 1, blocks >= 1 and server_lr > 0, got {self}")
+
+    def batches(self, cfg) -> int:
+        return self.steps
+
+    def local_update(self, state, perturber, loss_fn, batches, seeds):
+        return local_update(state, loss_fn, batches, seeds)
+
+    def apply_(self, state, record):
+        apply_(state, record)
+        return True
 
 
 def blocks_of(params, B: int) -> list[int]:
@@ -80,9 +92,9 @@ def apply_(state, record) -> None:
     cfg = state.cfg
     if record.seeds.shape != cfg.shape:
         raise ValueError(f"record of shape {record.seeds.shape} does not match (blocks, K) = {cfg.shape}")
-    for i, (p, b) in enumerate(zip(state.params, blocks_of(state.params, cfg.ferret.blocks))):
+    for i, (p, b) in enumerate(zip(state.params, blocks_of(state.params, cfg.method.blocks))):
         ghat = state.gen.combine(i, p.shape, record.seeds[b], record.scalars[b], None, p.device)
-        exact.axpy_(p, -cfg.ferret.server_lr, ghat)
+        exact.axpy_(p, -cfg.method.server_lr, ghat)
     state.round += 1
 
 
@@ -98,8 +110,8 @@ def local_update(state, loss_fn: Callable, batches: list[Any], seeds: np.ndarray
     """The client's SGD steps from x_r, the projections of its update ((B, K) float32);
     the model holds x_r again, bit for bit, when it returns."""
     cfg, params, model = state.cfg, state.params, state.model
-    if seeds.shape != cfg.shape or len(batches) != cfg.ferret.steps:
-        raise ValueError(f"need {cfg.ferret.steps} batches and {cfg.shape} seeds, got {len(batches)} and {seeds.shape}")
+    if seeds.shape != cfg.shape or len(batches) != cfg.method.steps:
+        raise ValueError(f"need {cfg.method.steps} batches and {cfg.shape} seeds, got {len(batches)} and {seeds.shape}")
     start = [p.detach().clone() for p in params]
     lr = cfg.lr_at(state.round)
     losses = []

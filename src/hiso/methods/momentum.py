@@ -24,15 +24,31 @@ from dataclasses import dataclass
 import torch
 
 from ..core import exact
+from ..core.chain import Stage
 
 
 @dataclass(frozen=True)
-class MomentumConfig:
+class MomentumConfig(Stage):
+    """The fold's step stage ``momentum`` (:mod:`hiso.core.chain`): its state is the buffer m."""
+
     beta: float = 0.9
+    name = "momentum"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.beta < 1.0:
             raise ValueError(f"momentum beta must be in (0, 1), got {self.beta}")
+
+    def init(self, params):
+        return init(params)
+
+    def begin_tensor(self, m, i):
+        decay_(m[i], self)
+
+    def take(self, m, i, p, lr, ghat):
+        add_(m[i], ghat, self)
+
+    def end_tensor(self, m, i, p, lr):
+        exact.axpy_(p, -lr, m[i])
 
 
 def init(params: list[torch.Tensor]) -> list[torch.Tensor]:

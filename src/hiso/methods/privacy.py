@@ -35,11 +35,12 @@ in n rounds has spent the n-fold composition of a Gaussian mechanism with multip
 from __future__ import annotations
 
 import functools
-import secrets
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
+from ..core.seeds import secret_key
 
 MODES = ("central", "local")
 _SALT_NOISE = 0x6870DB  # keys the noise streams apart from every other stream of a run
@@ -69,11 +70,15 @@ class DPConfig:
         """The noise's standard deviation per entry: z C."""
         return self.noise_multiplier * self.clip
 
+    # the hooks the core calls (the server's central wrapper, a client's local answer)
+    def private_mean(self, answers, noise_seed: int, round: int, attempt: int = 0) -> np.ndarray:
+        return private_mean(answers, self, noise_seed, round, attempt)
 
-def noise_key(key: int | None = None) -> int:
-    """The secret that keys a run's noise: ``key`` as given, else a fresh one (63 random bits
-    from the OS), which the runner keeps and never sends or logs."""
-    return secrets.randbits(63) if key is None else int(key)
+    def private_answer(self, g, noise_seed: int, round: int, attempt: int, client: int) -> np.ndarray:
+        return private_answer(g, self, noise_seed, round, attempt, client)
+
+
+noise_key = secret_key  # the secret that keys a run's noise (hiso.core.seeds.secret_key)
 
 
 def clip(g: np.ndarray, c: float) -> np.ndarray:

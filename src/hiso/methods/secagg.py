@@ -101,6 +101,14 @@ class SecAggConfig:
         """Grid levels back to values (float64, exact): what a client hands Flower's quantiser."""
         return np.asarray(q, dtype=np.int64).astype(np.float64) * self.step
 
+    # the hooks the core's server calls (the secure sum as transport)
+    def answer_levels(self, scalars, dp: DPConfig | None = None) -> np.ndarray:
+        return answer_levels(scalars, self, dp)
+
+    def secure_mean(self, total, n: int, dp: DPConfig | None = None, noise_seed: int = 0, round: int = 0,
+                    attempt: int = 0) -> np.ndarray:
+        return secure_mean(total, n, self, dp, noise_seed, round, attempt)
+
     def clipped(self, x) -> int:
         """How many of ``x``'s values lie outside [-c, c] (moved by more than a step)."""
         return int(np.count_nonzero(np.abs(np.asarray(x, dtype=np.float64)) > self.clip))

@@ -37,13 +37,24 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ..core.chain import Stage
+
 FLOOR = 1e-12  # sigma's floor: only keeps 0 / 0 away (all scalars 0 means ghat = 0 anyway)
 
 
 @dataclass(frozen=True)
-class StepNormConfig:
+class StepNormConfig(Stage):
+    """The fold's step-size stage ``step_norm`` (:mod:`hiso.core.chain`): its state is (v, w)."""
+
     kind: Literal["std"] = "std"
     beta: float = 0.9  # weight of the old value in the moving average of the scalars' mean square
+    name = "step_norm"
+
+    def init(self, params):
+        return init()
+
+    def scale_lr(self, vw, lr, record):
+        return lr / update_(vw, record.scalars, self)
 
     def __post_init__(self) -> None:
         if self.kind != "std":

@@ -436,7 +436,7 @@ def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int,
     weights = task.client_sizes() if weighted else None
     return Server(task.num_clients, clients_per_round, zo.local_steps, zo.perturbations, seed=seed, weights=weights,
                   scalar_dtype=zo.scalar_dtype, replica=replica, snapshot_after=snapshot_after, bandwidth=bandwidth,
-                  rule=rule, trim=trim, dp=zo.dp, noise_seed=noise_key(noise_seed), signs=zo.signs, secagg=secagg)
+                  rule=rule, trim=trim, dp=zo.dp, noise_seed=noise_key(noise_seed), method=zo.method, secagg=secagg)
 
 
 class _Blob:

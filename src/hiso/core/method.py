@@ -1,0 +1,84 @@
+"""The methods contract: the hooks a round of the seed-and-scalar protocol calls.
+
+The core (estimator, fold, server, wire) never imports a method. A method reaches it as one
+object, :class:`Method`, held in :class:`~hiso.core.config.ZOConfig` (``method``), whose hooks
+the core calls at fixed points of a round; each default is DeComFL's (and HiSo's) rule, so a
+method overrides only what it changes:
+
+==================  ==========================================================================
+hook                called by, and when
+==================  ==========================================================================
+``batches``         the client: how many minibatches a round's answer takes
+``local_update``    the client: its answer's scalars from x_r, the batches and the round's
+                    seeds (None: the ZO estimate of :mod:`hiso.core.estimator`)
+``step_scalars``    the ZO estimate: what a client keeps of one local step's P scalars (it
+                    steps with them and sends them; FeedSign: their signs)
+``combine``         the server: the answers (n, tau, P) to the logged aggregate, after the
+                    robust rule (FeedSign: the majority vote)
+``apply_``          every replica: fold one logged record into the state (None: the chain
+                    of :mod:`hiso.core.chain`, the default fold)
+``uplink``          the wire: ``"scalars"`` (the run's scalar dtype) or ``"signs"`` (one bit)
+==================  ==========================================================================
+
+Everything a method computes must be a pure function of what the protocol gives it (x_r, the
+round's seeds, the logged record, its batches): replicas fold the same records into the same
+state, bit for bit. Options, capabilities and the command line are the registry's
+(:mod:`hiso.methods.registry`): a method there names the :class:`Method` it runs.
+
+A method is a frozen dataclass: its class and fields are part of the configuration fingerprint
+that peers compare when they join (:func:`hiso.core.join.config_fingerprint`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from .aggregate import combine
+
+if TYPE_CHECKING:
+    from .history import RoundRecord
+    from .state import ModelState
+
+
+@dataclass(frozen=True)
+class Method:
+    """DeComFL's round: the ZO estimate on the client, the (robust) mean on the server, the
+    chain fold on every replica. Subclass it and override a hook to make another method."""
+
+    uplink: ClassVar[str] = "scalars"  # or "signs"
+
+    def batches(self, cfg) -> int:
+        """Minibatches a client's answer takes (one per local step)."""
+        return cfg.local_steps
+
+    def local_update(self, state: "ModelState", perturber, loss_fn, batches: list, seeds: np.ndarray):
+        """The client's answer (a :class:`~hiso.core.estimator.LocalResult`-like object with
+        ``scalars``, ``loss`` and ``work``), or None for the ZO estimate."""
+        return None
+
+    def step_scalars(self, g: np.ndarray) -> np.ndarray:
+        """What a client keeps of one local step's (P,) float32 scalars."""
+        return g
+
+    def combine(self, g: np.ndarray, w: np.ndarray, rule: str, trim: float) -> np.ndarray:
+        """The answers ``g`` (n, tau, P) float64 with weights ``w`` to the aggregate (float64)."""
+        return combine(g, w, rule, trim)
+
+    def apply_(self, state: "ModelState", record: "RoundRecord") -> Any:
+        """Fold ``record`` into ``state`` and return True, or return None for the chain fold."""
+        return None
+
+
+DECOMFL = Method()
+
+
+def check_method(method: Any) -> Method:
+    """``method`` if it is a :class:`Method` (one-line error otherwise)."""
+    if not isinstance(method, Method):
+        raise TypeError(f"a method must be a hiso.core.method.Method, got {type(method).__name__}")
+    if method.uplink not in ("scalars", "signs"):
+        raise ValueError(f"a method's uplink must be 'scalars' or 'signs', got {method.uplink!r}")
+    return method
