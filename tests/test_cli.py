@@ -174,7 +174,7 @@ def test_run_help_shows_choices_and_a_meaning_for_every_option(capsys, monkeypat
             if get_origin(a) is Literal:
                 assert "{" + ",".join(get_args(a)) + "}" in line, (name, line)
     assert _option_line(text, "--task").startswith("--task {" + ",".join(task_names()) + ",module:Class,file.py:Class}")
-    assert _option_line(text, "--algorithm").startswith("--algorithm {" + ",".join(ALGORITHMS) + "}")
+    assert _option_line(text, "--algorithm").startswith("--algorithm {" + ",".join(ALGORITHMS) + ",module:Class,file.py:Class}")
     assert "finite-difference step of the ZO estimate" in _option_line(text, "--mu")
     assert "weight of the new value in H's moving average" in _option_line(text, "--nu")
     assert "{iid,dirichlet,dirichlet-prior}" in _option_line(text, "--partition")

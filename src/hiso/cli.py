@@ -12,7 +12,8 @@ from .config import ALGORITHMS, ConfigError, RunConfig, load_config, read_toml, 
 
 
 # RunConfig fields whose values are checked by name (not a Literal): their choices for --help
-CHOICES = {"task": lambda: (*task_names(), "module:Class", "file.py:Class"), "algorithm": lambda: ALGORITHMS}
+CHOICES = {"task": lambda: (*task_names(), "module:Class", "file.py:Class"),
+           "algorithm": lambda: (*ALGORITHMS, "module:Class", "file.py:Class")}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -14,21 +14,18 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from .config_methods import MethodRules
 from .core.config import ZOConfig
-from .methods.momentum import MomentumConfig
 from .core.preconditioner import PreconditionerConfig
+from .methods.momentum import MomentumConfig
 from .methods.privacy import DPConfig
+from .methods.registry import MethodInfo, in_words, method_info, method_names, with_capability
 from .methods.stepnorm import StepNormConfig
 
-ZO_SCALAR = ("hiso", "decomfl", "feedsign", "ferret")  # scalar-only protocol (seeds + scalars on the wire)
-FULL_MODEL = ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad")  # d values each way
-SEED_POOL = ("fedkseed",)  # seeds from a fixed pool, (index, scalar) pairs on the wire (hiso.methods.fedkseed)
-ALGORITHMS = ZO_SCALAR + SEED_POOL + FULL_MODEL
+ALGORITHMS = method_names()  # the built-in methods (hiso.methods.registry); a user's is module:Class
 
 
 def algorithm_family(algorithm: str) -> str:
-    """ "zo" (hiso, decomfl, fedzo) or "first-order" (fedavg, fedadam, fedyogi, fedadagrad)."""
-    from .tasks.registry import algorithm_family as family
-    return family(algorithm)
+    """ "zo" or "first-order": the family a task's ``default_lr`` keys the method by."""
+    return method_info(algorithm).gradient
 
 
 def default_lr(task: str, algorithm: str, lora: bool = False, model: str | None = None) -> float:
@@ -59,7 +56,8 @@ class RunConfig(BaseModel, MethodRules):
         "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; feedsign: seeds and one sign bit "
         "per client-step, majority vote (P = 1, central differences by default); fedkseed: a fixed pool of seed_pool "
         "seeds, (index, scalar) pairs on the wire; ferret: first-order local steps, K projections per block on "
-        "the wire; the others send the model)"))
+        "the wire; the others send the model); or your own hiso.core.method.Method subclass as module:Class or "
+        "path/to/file.py:Class"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -277,14 +275,16 @@ class RunConfig(BaseModel, MethodRules):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r} (choose from {', '.join(ALGORITHMS)})")
         from .tasks.registry import absolute_task_name, task_info
+        if (name := absolute_task_name(self.algorithm)) != self.algorithm:  # a user's method, from anywhere later
+            self.algorithm = name
+        info = self.method  # an unknown method, or a user's that cannot be imported: one line
+        can = info.can
         if (name := absolute_task_name(self.task)) != self.task:  # path/to/file.py:Class, read from anywhere later
             self.task = name
-        info = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
-        self._task_option_checks(info)
-        if self.val_fraction > 0 and not info.validation:
+        task = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
+        self._task_option_checks(task)
+        if self.val_fraction > 0 and not task.validation:
             raise ValueError(f"task {self.task} has no validation split: val_fraction must be 0")
         if self.sampled > self.clients:
             raise ValueError(f"sampled ({self.sampled}) cannot exceed clients ({self.clients})")
@@ -302,22 +302,22 @@ class RunConfig(BaseModel, MethodRules):
                                 else f"clients ({self.clients})"))
         from .runners.faults import parse_attacks
         attacks = parse_attacks(self.attack)
-        if self.algorithm == "feedsign" and self.byzantine and (bad := [a for a in attacks if a in ("scale", "nan")]):
-            raise ValueError(f"feedsign's clients send signs: attack {' and '.join(bad)} cannot be sent as one "
+        if self.sends_signs and self.byzantine and (bad := [a for a in attacks if a in ("scale", "nan")]):
+            raise ValueError(f"{self.algorithm}'s clients send signs: attack {' and '.join(bad)} cannot be sent as one "
                              "(a scaled sign is the same sign, a NaN packs as -1): give --attack sign-flip or random")
-        if not self.scalar_only and (faults or self.byzantine or self.aggregate != "mean"):
+        if ((faults or self.byzantine) and "faults" not in can) or (self.aggregate != "mean" and "robust" not in can):
             raise ValueError(f"faults, attackers and robust aggregation are simulated for the seed-and-scalar "
-                             f"methods (hiso, decomfl, feedsign, ferret), not {self.algorithm}")
-        if self.lr_decay is not None and not self.scalar_only:
-            raise ValueError(f"lr_decay is for hiso and decomfl, not {self.algorithm}")
+                             f"methods ({', '.join(with_capability('faults'))}), not {self.algorithm}")
+        if self.lr_decay is not None and "lr_decay" not in can:
+            raise ValueError(f"lr_decay is for {in_words(with_capability('lr_decay'))}, not {self.algorithm}")
         if self.dp_clip is None:
             given = [n for n in ("dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_seed")
                      if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} need dp_clip (the clip norm that turns DP on)")
         else:
-            if not self.scalar_only:
-                raise ValueError(f"differential privacy is for hiso and decomfl, not {self.algorithm}")
+            if "dp" not in can:
+                raise ValueError(f"differential privacy is for {in_words(with_capability('dp'))}, not {self.algorithm}")
             if (self.dp_noise_multiplier is None) == (self.dp_epsilon is None):
                 raise ValueError("DP needs exactly one of dp_noise_multiplier and dp_epsilon")
             if self.dp_epsilon is not None and self.dp_delta is None:
@@ -331,12 +331,14 @@ class RunConfig(BaseModel, MethodRules):
         if self.batch_memory is not None:
             parse_size(self.batch_memory)
         parse_every(self.checkpoint_every)
-        if self.step_norm is not None and not self.scalar_only:
-            raise ValueError(f"step_norm is for hiso and decomfl, not {self.algorithm}")
+        if self.step_norm is not None and "step_norm" not in can:
+            raise ValueError(f"step_norm is for {in_words(with_capability('step_norm'))}, not {self.algorithm}")
         if self.step_norm is not None and self.local_steps > 1:
             raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
-        if self.scalar_dtype == "int8" and self.algorithm not in ("hiso", "decomfl"):
-            raise ValueError(f"scalar_dtype int8 is for hiso and decomfl, not {self.algorithm}")
+        if self.momentum is not None and "momentum" not in can and info.scalar_only:
+            raise ValueError(f"momentum is for {in_words(with_capability('momentum'))}, not {self.algorithm}")
+        if self.scalar_dtype == "int8" and "int8" not in can:
+            raise ValueError(f"scalar_dtype int8 is for {in_words(with_capability('int8'))}, not {self.algorithm}")
         if self.direction_density is not None and self.directions != "sparse":
             raise ValueError("direction_density is for directions sparse")
         if self.direction_rank is not None and self.directions != "lowrank":
@@ -345,28 +347,42 @@ class RunConfig(BaseModel, MethodRules):
             raise ValueError("direction_refresh is for directions lowrank")
         if self.direction_mask is not None and self.directions != "sparse":
             raise ValueError("direction_mask is for directions sparse")
-        if self.direction_refresh is not None and self.algorithm not in ("hiso", "decomfl", "feedsign"):
+        if self.direction_refresh is not None and "refresh" not in can:
             raise ValueError(f"direction_refresh reads the round from seeds derived per round: not for "
                              f"{self.algorithm}")
         if self.h_bias_correction and self.nu == 0:
             raise ValueError("h_bias_correction needs nu > 0")
-        if self.algorithm in ("feedsign", "fedkseed"):
+        if "one-seed" in can:
             self._one_seed_defaults()
-        if self.algorithm == "ferret":
+        if "ferret" in info.options:
             self._ferret_checks()
-        if self.algorithm == "fedkseed":
+        if info.family == "seed-pool":
             from .methods.fedkseed import check_pool
             check_pool(self.seed_pool)
             if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
-                raise ValueError("fedkseed runs with the plain mean only (no faults, attackers, robust or weighted "
-                                 "aggregation, lr decay)")
-            if self.directions in ("sparse", "lowrank"):  # its pool log records a dense family only
-                raise ValueError(f"fedkseed draws its pool's directions from a dense family, not {self.directions}")
+                raise ValueError(f"{self.algorithm} runs with the plain mean only (no faults, attackers, robust or "
+                                 "weighted aggregation, lr decay)")
+        if self.directions in ("sparse", "lowrank") and "structured" not in can:
+            what = "draws its pool's directions from a dense family" if info.family == "seed-pool" else \
+                "projects on a dense direction family"
+            raise ValueError(f"{self.algorithm} {what}, not {self.directions}")
+        if self.weighted and "weighted" not in can:
+            raise ValueError(f"{self.algorithm} runs with the plain mean only (no weighted aggregation)")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None,
-                                 model=self.model if info.options is None or "model" in info.options else None)
+                                 model=self.model if task.options is None or "model" in task.options else None)
             self._lr_defaulted = True  # (a RunConfig reused for another task takes that task's default)
         return self
+
+    @property
+    def sends_signs(self) -> bool:
+        """Whether the method's clients upload one sign bit per scalar (FeedSign's wire)."""
+        return self.method.scalar_only and getattr(self.method.build(self), "uplink", None) == "signs"
+
+    @property
+    def method(self) -> MethodInfo:
+        """What the registry knows of this run's method (:mod:`hiso.methods.registry`)."""
+        return method_info(self.algorithm)
 
     def changed(self, names) -> list[str]:
         """Those of ``names`` whose value is not the field's default (what was set, in effect)."""
@@ -405,32 +421,27 @@ class RunConfig(BaseModel, MethodRules):
     @property
     def scalar_only(self) -> bool:
         """Whether the algorithm runs the seed-and-scalar protocol (and can be rebuilt from its log)."""
-        return self.algorithm in ZO_SCALAR
+        return self.method.scalar_only
 
     def resolved_server_lr(self) -> float:
         if self.server_lr is not None:
             return self.server_lr
-        return 1.0 if self.algorithm in ("fedavg", "fedzo", "ferret") else 0.01
+        return self.method.server_lr if self.method.server_lr is not None else 0.01
 
     def zo(self) -> ZOConfig:
         precond = None
-        if self.algorithm == "hiso":
+        if "preconditioner" in self.method.can:
             precond = PreconditionerConfig(nu=self.nu, eps=self.eps, h_min=self.h_min,
                                            h_max=self.h_max, source=self.h_source, stat=self.h_stat,
                                            granularity=self.h_granularity,
                                            bias_correction=self.h_bias_correction)
-        if self.algorithm == "ferret":  # the record's (tau, P) is (blocks, K); tau local steps live in FerretConfig
-            from .methods.ferret import FerretConfig
+        method = self.method.build(self)  # the core's hooks (None: DeComFL's)
+        if "ferret" in self.method.options:  # the record's (tau, P) is (blocks, K); tau local steps live in the method
             return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.ferret_k, local_steps=self.ferret_blocks,
-                            directions=self.directions, scalar_dtype=self.scalar_dtype,
-                            method=FerretConfig(self.local_steps, self.resolved_server_lr(), self.ferret_blocks))
+                            directions=self.directions, scalar_dtype=self.scalar_dtype, method=method)
         momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
         dp = None if self.dp_clip is None else DPConfig(self.dp_clip, self.dp_noise, self.dp_mode)
         step_norm = None if self.step_norm is None else StepNormConfig(self.step_norm, self.step_norm_beta)
-        method = None
-        if self.algorithm == "feedsign":
-            from .methods.feedsign import FeedSign
-            method = FeedSign()
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
                         local_steps=self.local_steps, difference=self.difference, precond=precond,
                         directions=self.direction_spec, scalar_dtype=self.scalar_dtype, momentum=momentum,

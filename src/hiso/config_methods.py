@@ -20,10 +20,12 @@ class MethodRules:
             if given:
                 raise ValueError(f"{', '.join(given)}: only with secagg")
             return
-        if self.algorithm not in ("hiso", "decomfl"):
+        if "secagg" not in self.method.can:
+            from .methods.registry import in_words, with_capability
             why = ("its majority vote counts +-1 per client, which a secure sum cannot check"
-                   if self.algorithm == "feedsign" else "its server needs more than the plain sum")
-            raise ValueError(f"secure aggregation is for hiso and decomfl, not {self.algorithm}: {why}")
+                   if self.sends_signs else "its server needs more than the plain sum")
+            raise ValueError(f"secure aggregation is for {in_words(with_capability('secagg'))}, not {self.algorithm}: "
+                             f"{why}")
         if self.aggregate != "mean" or self.weighted:
             raise ValueError("secure aggregation gives the server only the sum: use aggregate mean without weighted "
                              f"(not {'weighted' if self.weighted else self.aggregate})")
@@ -56,11 +58,8 @@ class MethodRules:
         if self.ferret_k * self.ferret_blocks > MAX_PER_ROUND:
             raise ValueError(f"ferret_k x ferret_blocks = {self.ferret_k * self.ferret_blocks} seeds a round, more "
                              f"than the format allows ({MAX_PER_ROUND})")
-        for name in ("dp_clip", "momentum", "lr_decay", "step_norm"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is for hiso and decomfl, not ferret")
-        if self.directions in ("sparse", "lowrank"):
-            raise ValueError(f"ferret projects on a dense direction family, not {self.directions}")
+        if self.momentum is not None:
+            raise ValueError(f"momentum is for hiso and decomfl, not {self.algorithm}")
 
     def _one_seed_defaults(self) -> None:
         """FeedSign (arXiv 2501.17610) and FedKSeed (arXiv 2312.06353) take one seed per step and a
@@ -82,7 +81,8 @@ class MethodRules:
         """The options set to a value other than their default that this run's algorithm never
         reads (``nu`` on decomfl, ``server_lr`` on hiso), each with whose they are: a run names
         them, a comparison's variant refuses them."""
-        out = {name: whose for names, users, whose in _ALGORITHM_OPTIONS if self.algorithm not in users
+        from .methods.registry import option_groups
+        out = {name: whose for names, _, whose in option_groups() if not all(map(self.method.reads, names))
                for name in self.changed(names)}
         if self.step_norm is None and self.changed(["step_norm_beta"]):
             out["step_norm_beta"] = "with step_norm only"
@@ -92,7 +92,7 @@ class MethodRules:
                                   (("secagg_bits", "secagg_modulus_bits"), not self.secagg, "with secagg only")):
             if off:
                 out.update(dict.fromkeys(self.changed(names), whose))
-        if self.algorithm == "feedsign" and self.byzantine:  # a random lie's scale cannot change its sign
+        if self.sends_signs and self.byzantine:  # a random lie's scale cannot change its sign
             out.update(dict.fromkeys(self.changed(["attack_scale"]), "a lying sign has no scale"))
         return out
 
@@ -132,22 +132,6 @@ class MethodRules:
         from .methods.privacy import epsilon
         return epsilon(self.dp_noise, rounds, self.dp_delta, clients=self.clients, sampled=self.sampled,
                        mode=self.dp_mode, participations=participations)
-
-
-# options only some algorithms read: (names, the algorithms that read them, whose they are)
-_ALGORITHM_OPTIONS = (
-    (("nu", "eps", "h_min", "h_max", "h_source", "h_stat", "h_granularity", "h_bias_correction"),
-     ("hiso",), "HiSo's preconditioner"),
-    (("server_lr",), ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad", "ferret"),
-     "the full-model baselines' and ferret's server step"),
-    (("beta1", "beta2"), ("fedadam", "fedyogi"), "fedadam's and fedyogi's server moments"),
-    (("server_tau",), ("fedadam", "fedyogi", "fedadagrad"), "the adaptive server optimisers'"),
-    (("wire_dtype",), ("fedzo", "fedavg", "fedadam", "fedyogi", "fedadagrad"), "the full-model baselines' messages"),
-    (("seed_pool", "seed_sampling"), ("fedkseed",), "fedkseed's"),
-    (("ferret_k", "ferret_blocks"), ("ferret",), "ferret's"),
-    (("perturbations", "mu", "difference"), ("hiso", "decomfl", "feedsign", "fedkseed", "fedzo"),
-     "the zeroth-order estimate's"),
-)
 
 
 @functools.lru_cache(maxsize=64)

@@ -88,12 +88,13 @@ def fedyogi(lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: floa
 def make_server_opt(cfg) -> ServerOpt:
     """The server optimiser a :class:`~hiso.config.RunConfig` asks for."""
     lr = cfg.resolved_server_lr()
-    if cfg.algorithm in ("fedavg", "fedzo"):
+    opt = cfg.method.server_opt  # the method's registry entry names it
+    if opt == "avg":
         return fedavg(lr)
-    if cfg.algorithm == "fedadagrad":
+    if opt == "adagrad":
         return fedadagrad(lr, cfg.beta1, cfg.server_tau)
-    if cfg.algorithm == "fedadam":
+    if opt == "adam":
         return fedadam(lr, cfg.beta1, cfg.beta2, cfg.server_tau)
-    if cfg.algorithm == "fedyogi":
+    if opt == "yogi":
         return fedyogi(lr, cfg.beta1, cfg.beta2, cfg.server_tau)
     raise ValueError(f"{cfg.algorithm!r} has no server optimiser (not a full-model algorithm)")

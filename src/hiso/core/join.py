@@ -22,15 +22,23 @@ FINGERPRINT_BYTES = 16
 
 def config_fingerprint(zo) -> bytes:
     """16 bytes naming the whole algorithm configuration (every field of ZOConfig, nested ones
-    included, whatever fields it has, and the classes of its method and stages): peers with
-    different fingerprints must not mix."""
+    included, whatever fields it has, and the class of its method): peers with different
+    fingerprints must not mix. Checkpoints keep it, so a built-in method's blob is the one hiso
+    wrote before methods were plugins (its ``legacy_key``: Ferret's fields under "ferret",
+    FeedSign's as ``signs: true``); any other method adds its class and fields under "method"."""
+    return hashlib.sha256(f"hiso-protocol-{VERSION}|{config_blob(zo)}".encode()).digest()[:FINGERPRINT_BYTES]
+
+
+def config_blob(zo) -> str:
+    """The JSON text :func:`config_fingerprint` hashes (see there)."""
     fields = dataclasses.asdict(zo)
-    for name in ("method", "momentum", "step_norm", "dp"):  # two classes with the same fields differ
-        if getattr(zo, name, None) is not None:
-            fields[name] = {"class": f"{type(getattr(zo, name)).__module__}.{type(getattr(zo, name)).__qualname__}",
-                            **fields[name]}
-    blob = json.dumps(fields, sort_keys=True, default=repr)
-    return hashlib.sha256(f"hiso-protocol-{VERSION}|{blob}".encode()).digest()[:FINGERPRINT_BYTES]
+    method = fields.pop("method")
+    legacy = getattr(zo.method, "legacy_key", None)
+    fields["signs"] = zo.signs
+    fields["ferret"] = method if legacy == "ferret" else None
+    if zo.method is not None and legacy is None:
+        fields["method"] = {"class": f"{type(zo.method).__module__}.{type(zo.method).__qualname__}", **method}
+    return json.dumps(fields, sort_keys=True, default=repr)
 
 
 def tensors_fingerprint(tensors) -> bytes:
@@ -106,7 +114,7 @@ def check_welcome(msg: Welcome, zo, init: bytes) -> Wire:
     if msg.config != mine:
         raise JoinError(f"join refused: the server runs another algorithm configuration (fingerprint "
                         f"{msg.config.hex()[:12]}, this client's {mine.hex()[:12]} for "
-                        f"{json.dumps(dataclasses.asdict(zo), sort_keys=True, default=repr)}): every peer needs the "
+                        f"{config_blob(zo)}): every peer needs the "
                         f"same algorithm, hyper-parameters, direction family, scalar dtype and protocol version")
     if msg.init != init:
         raise JoinError(f"join refused: the server's initial model differs from this client's (fingerprint "

@@ -49,6 +49,9 @@ class Method:
     chain fold on every replica. Subclass it and override a hook to make another method."""
 
     uplink: ClassVar[str] = "scalars"  # or "signs"
+    # a built-in method's place in the configuration fingerprint hiso wrote before methods were
+    # plugins ("ferret", "signs"), so old checkpoints stay this run's (hiso.core.join)
+    legacy_key: ClassVar[str | None] = None
 
     def batches(self, cfg) -> int:
         """Minibatches a client's answer takes (one per local step)."""

@@ -43,7 +43,7 @@ from .server_app import FlowerFederation, serve_zo  # noqa: F401
 def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
     """The ServerApp's body: run ``cfg`` over the grid into ``settings.out_dir`` (the full-model
     baselines with models and updates in ArrayRecords, :mod:`hiso.flower.fullmodel`)."""
-    if cfg.algorithm == "fedkseed":  # seed-pool messages (hiso.flower.seedpool)
+    if cfg.method.family == "seed-pool":  # seed-pool messages (hiso.flower.seedpool)
         from .seedpool import serve_pool
         return serve_pool(grid, cfg, settings)
     if not cfg.scalar_only:
@@ -95,7 +95,7 @@ def make_apps(cfg: RunConfig | None = None, settings: Settings | None = None):
         if c.threads is not None:
             import torch
             torch.set_num_threads(c.threads)
-        if not c.scalar_only and c.algorithm != "fedkseed":
+        if not c.method.has_log:
             from .fullmodel import handle_train_full
             return handle_train_full(msg, context, c)
         if is_secagg(msg):  # --secagg: the answer goes into the secure sum (hiso.flower.secagg)

@@ -254,7 +254,7 @@ def train_full(cfg: RunConfig, pid: int, arrays, rnd: int, cfg_json: str | None 
     with torch.no_grad():
         for p, v in zip(params, received):
             p.copy_(v)
-    if cfg.algorithm == "fedzo":
+    if cfg.method.gradient == "zo":
         state = ModelState(model, fedzo_config(cfg))
         delta, loss = zo_local(state, Perturber(model, state.params, cfg.perturb_mode, cfg.batch_memory_bytes), task, pid, rnd,
                                cfg.seed, cfg.batch_size)

@@ -50,6 +50,7 @@ class FeedSign(Method):
     server logs the (weighted) majority vote; the fold is DeComFL's with the vote as scalar."""
 
     uplink = "signs"
+    legacy_key = "signs"
 
     def step_scalars(self, g):
         return signs(g)

@@ -56,6 +56,7 @@ class FerretConfig(Method):
     steps: int = 1
     server_lr: float = 1.0
     blocks: int = DEFAULT_BLOCKS
+    legacy_key = "ferret"
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.blocks < 1 or not self.server_lr > 0:

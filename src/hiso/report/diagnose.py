@@ -116,7 +116,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
 
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
-    if cfg.algorithm != "hiso":
+    if "preconditioner" not in cfg.method.can:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: it has no preconditioner H to diagnose (hiso runs only)")
     if curvature not in ("auto", "yes", "no"):
         raise ValueError(f"curvature must be auto, yes or no, got {curvature!r}")

@@ -214,7 +214,7 @@ def plot_h_hist(arms: list[ArmResult], out: str | Path, bins: int = 60, title: s
     """Histogram of the learned H per HiSo arm, bins equally spaced in log10(H); None if no HiSo arm."""
     data = []
     for i, arm in enumerate(arms):
-        if arm.algorithm != "hiso":
+        if not _has_h(arm.algorithm):
             continue
         # (a run read as it stood at an earlier round has no H of that round on disk)
         hs = [h for h in (load_h(r.dir) for r in arm.runs if not r.cut) if h is not None]
@@ -334,3 +334,12 @@ def plot_all(arms: list[ArmResult], out: str | Path, metric: str, reference: str
         if p is not None:
             paths.append(p)
     return paths
+
+
+def _has_h(algorithm: str) -> bool:
+    """Whether the method learns HiSo's preconditioner H (its registry entry)."""
+    from ..methods.registry import method_info
+    try:
+        return "preconditioner" in method_info(algorithm).can
+    except (ValueError, ImportError):
+        return False

@@ -74,14 +74,17 @@ from .reach import (REL_TOL, Reach, best_of, first_and_last, first_reach, first_
                     selected_value, speedup, val_metric)
 from .runs import ArmResult, RunResult, load_run_result  # noqa: F401
 
-DISPLAY = {"hiso": "HiSo", "decomfl": "DeComFL", "feedsign": "FeedSign", "fedkseed": "FedKSeed", "ferret": "Ferret", "fedzo": "FedZO", "fedavg": "FedAvg",
-           "fedadam": "FedAdam", "fedyogi": "FedYogi", "fedadagrad": "FedAdagrad"}
 METRIC_LABEL = {"eval_acc": "eval accuracy", "eval_loss": "eval loss", "gap": "optimality gap",
                 "val_acc": "validation accuracy", "val_loss": "validation loss"}
 
 
 def display_name(name: str) -> str:
-    return DISPLAY.get(name, name)
+    """A method's name in tables and plots (its registry entry's); a variant's name as it is."""
+    from ..methods.registry import method_info
+    try:
+        return method_info(name).display
+    except (ValueError, ImportError):
+        return name
 
 
 def metric_label(metric: str) -> str:

@@ -59,6 +59,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, one_line, read_toml
+from ..methods.registry import is_user_method
 from ..report.table import val_metric
 from ..tasks.registry import higher_is_better, task_info
 
@@ -262,18 +263,18 @@ def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: 
             raise ConfigError(f"{where}: variant names may only use letters, digits and . - _ +")
         if "algorithm" not in keys:
             raise ConfigError(f"{where}: needs an algorithm (one of {', '.join(ALGORITHMS)})")
-        if keys["algorithm"] not in ALGORITHMS:
+        if not _known(keys["algorithm"]):
             raise ConfigError(f"{where}: unknown algorithm {keys['algorithm']!r} (choose from {', '.join(ALGORITHMS)})")
         _check_keys(where, keys)
     for alg, keys in spec.overrides.items():
         where = f"compare.overrides.{alg}"
-        if alg not in ALGORITHMS:
+        if not _known(alg):
             raise ConfigError(f"{where}: unknown algorithm {alg!r} (choose from {', '.join(ALGORITHMS)})")
         if "algorithm" in keys:
             raise ConfigError(f"{where}: algorithm cannot be overridden")
         _check_keys(where, keys)
 
-    known = set(ALGORITHMS) | set(spec.variants)
+    known = set(ALGORITHMS) | set(spec.variants) | {n for n in spec.algorithms if is_user_method(n)}
     if not spec.algorithms:
         raise ConfigError("compare.algorithms: empty")
     for name in spec.algorithms:
@@ -400,3 +401,8 @@ def _select_on(asked: str | None, task: str, metric: str, val_fraction: float) -
         return "test", ("val_fraction = 0: no validation split; --val-fraction 0.5 --select-on val selects on "
                         "held-out examples apart from the reported ones")
     return "test", f"task {task} has no validation split"
+
+
+def _known(algorithm: str) -> bool:
+    """A built-in method, or a user's (module:Class; RunConfig imports and checks it)."""
+    return algorithm in ALGORITHMS or is_user_method(algorithm)

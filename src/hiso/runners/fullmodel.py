@@ -70,8 +70,8 @@ class FullModelSimulation:
         self.round = 0
         self.participants: tuple[int, ...] = ()  # the last round's clients
         self.cost = ClientCost()
-        self.work = local_work(cfg.algorithm != "fedzo", cfg.local_steps, cfg.perturbations, cfg.difference)
-        self.is_zo = cfg.algorithm == "fedzo"
+        self.work = local_work(cfg.method.gradient == "first-order", cfg.local_steps, cfg.perturbations, cfg.difference)
+        self.is_zo = cfg.method.gradient == "zo"
         shared = self.is_zo and self.dtype == "float32"
         self.worker = self.model if shared else task.build_model()
         self._worker_params = self.params if shared else [p for _, p in trainable_params(self.worker)]

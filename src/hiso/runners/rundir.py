@@ -87,7 +87,7 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
                           attackers=attackers, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth,
                           batch_memory=cfg.batch_memory_bytes, dp_seed=cfg.dp_noise_seed,
                           privacy=privacy_metrics(cfg), dp_budget=privacy_budget(cfg), secagg=cfg.secagg_config)
-    if cfg.algorithm == "fedkseed":
+    if cfg.method.family == "seed-pool":
         from .fedkseed import FedKSeedSimulation
         return FedKSeedSimulation(task, cfg, on_record)
     from .fullmodel import FullModelSimulation
@@ -151,7 +151,7 @@ def _extend(out: Path, done: int, cfg: RunConfig, info: dict) -> None:
     why = extend_refusal(cfg, done)
     if why is not None:
         raise ValueError(f"{out} cannot be continued to {cfg.rounds} rounds: {why}")
-    if cfg.scalar_only and cfg.algorithm != "fedkseed":  # its model.pt: where the continuation starts
+    if cfg.scalar_only:  # its model.pt: where the continuation starts
         keep_final(out, cfg)
     write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
     (out / "summary.json").unlink(missing_ok=True)
@@ -186,19 +186,19 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     older = made_before(out) if resume else {}
     if older:  # options added after the run began keep the values it began with
         cfg, task = cfg.model_copy(update=older), None  # (a task built for the new values is not this run's)
-    if resume and not cfg.scalar_only and cfg.algorithm != "fedkseed":
+    if resume and not cfg.method.has_log:
         raise ValueError(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          f"their state from (start again with --force)")
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     given = task is not None
     task = on_device(task, cfg.device) if given else build_task(cfg)
-    if cfg.algorithm == "ferret" and not getattr(task, "differentiable", True):
-        raise ValueError(f"ferret takes first-order local steps: task {cfg.task} has no gradients (a black box): "
+    if "backprop" in cfg.method.can and not getattr(task, "differentiable", True):
+        raise ValueError(f"{cfg.algorithm} takes first-order local steps: task {cfg.task} has no gradients (a black box): "
                          f"use a zeroth-order algorithm (hiso, decomfl, feedsign, fedkseed)")
     info = task.describe()
     out.mkdir(parents=True, exist_ok=True)
-    if resume and cfg.algorithm == "fedkseed":  # its own log (hiso.methods.fedkseed)
+    if resume and cfg.method.family == "seed-pool":  # its own log (hiso.methods.fedkseed)
         from .fedkseed import pool_resume_point
         kept, records = pool_resume_point(out, cfg, resume_point(out, None)[0])
     else:
@@ -223,7 +223,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape,
                                                      keep=len(records) if resume else None, seed=cfg.seed,
                                                      scalar_dtype=cfg.scalar_dtype, directions=cfg.direction_spec))
-        elif cfg.algorithm == "fedkseed":  # its own log: each round's (index, scalar) pairs
+        elif cfg.method.family == "seed-pool":  # its own log: each round's (index, scalar) pairs
             from ..methods.fedkseed import PoolLogWriter
             hist = stack.enter_context(PoolLogWriter(out / "history.bin", cfg.local_steps, cfg.seed_pool, cfg.seed,
                                                      cfg.scalar_dtype, keep=records))
@@ -237,7 +237,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         sim = (runner or build_simulation)(dp_secret(out, cfg, resume), task, log if hist else None)
         # the server's state every so often, so that a resume replays only the rounds after it
         ckpt = (Checkpoints(out, cfg, start=len(records))
-                if cfg.scalar_only and cfg.algorithm != "fedkseed" and hasattr(sim, "state") else None)
+                if cfg.scalar_only and hasattr(sim, "state") else None)
         if hasattr(sim, "measure_client"):  # a client's memory, on one extra answer (hiso.runners.client_cost)
             sim.measure_client()
         if getattr(sim, "unreliable", False):  # every rejected message, with its reason

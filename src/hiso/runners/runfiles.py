@@ -188,7 +188,7 @@ def extend_refusal(cfg: RunConfig, rounds: int | None = None) -> str | None:
     (the horizon it was started with) why it cannot be continued from there to ``cfg.rounds``.
     Extending is resuming with a later horizon: the rounds done are kept and the run goes on
     exactly as a run started with the larger ``rounds`` would have."""
-    if not cfg.scalar_only and cfg.algorithm != "fedkseed":
+    if not cfg.method.has_log:
         return f"{cfg.algorithm} runs keep no log to rebuild their state from"
     if rounds is not None and rounds != cfg.rounds and cfg.dp_epsilon is not None:
         return (f"its DP noise was solved for epsilon {cfg.dp_epsilon:g} over {rounds} rounds: more rounds "

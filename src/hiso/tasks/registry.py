@@ -138,42 +138,8 @@ def absolute_task_name(name: str) -> str:
 
 
 def _import_user_object(spec: str) -> Any:
-    where, _, attr = spec.rpartition(":")
-    if not where or not attr:
-        raise ValueError(f"task {spec!r}: expected module:Class or path/to/file.py:Class")
-    if where.endswith(".py"):
-        path = Path(where).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"task {spec!r}: file {path} not found")
-        # one module per file content: a changed file is imported again, an unchanged one is reused
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-        modname = f"hiso_user_task_{path.stem}_{digest}"
-        module = sys.modules.get(modname)
-        if module is None:
-            ispec = importlib.util.spec_from_file_location(modname, path)
-            module = importlib.util.module_from_spec(ispec)
-            sys.modules[modname] = module  # dataclasses and pickling look modules up here
-            try:
-                ispec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[modname]
-                raise
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as e:
-            if e.name != where.split(".")[0] or os.getcwd() in sys.path:
-                raise ValueError(f"task {spec!r}: cannot import {where} ({e})") from None
-            sys.path.append(os.getcwd())  # `hiso` run from the module's directory
-            try:
-                module = importlib.import_module(where)
-            except ModuleNotFoundError as e2:
-                raise ValueError(f"task {spec!r}: cannot import {where} ({e2}; put its directory on "
-                                 "PYTHONPATH or give path/to/file.py:Class)") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"task {spec!r}: {where} has no {attr!r}") from None
+    from ..plugins import import_object
+    return import_object(spec, "task")
 
 
 def _user_task_info(spec: str) -> TaskInfo:
@@ -245,8 +211,9 @@ def build_task(cfg: "RunConfig") -> "Task":
 
 
 def algorithm_family(algorithm: str) -> str:
-    """ "zo" (hiso, decomfl, fedzo) or "first-order" (fedavg, fedadam, fedyogi, fedadagrad)."""
-    return "zo" if algorithm in ("hiso", "decomfl", "fedzo", "feedsign", "fedkseed") else "first-order"
+    """ "zo" or "first-order": the family a task's ``default_lr`` keys the method by (its registry entry)."""
+    from ..methods.registry import method_info
+    return method_info(algorithm).gradient
 
 
 def default_lr(task: str, algorithm: str, lora: bool = False, model: str | None = None) -> float:

@@ -1,0 +1,209 @@
+"""Method names -> what hiso knows of each method: the one table the rest asks.
+
+Configuration (``--algorithm`` choices, which options a method reads, what it can be combined
+with), ``hiso compare``, the reports, the runners, rebuild, export, resume and the Flower apps ask
+:func:`method_info` about a run's ``algorithm`` and never compare its name. A method declares:
+
+* ``family``: ``"scalar"`` (seeds and scalars on the wire, one log every replica folds:
+  rebuild, resume, snapshots, the Flower scalar apps), ``"seed-pool"`` (FedKSeed: a fixed pool
+  of seeds, its own log) or ``"full-model"`` (d values each way; no log to rebuild from);
+* ``gradient``: ``"zo"`` or ``"first-order"`` (the family a task's ``default_lr`` is keyed by);
+* ``options``: the method-specific options it reads (:data:`METHOD_OPTIONS`); one it does not
+  read, set to another value than its default, is refused or reported as unused;
+* ``can``: its capabilities (:data:`CAPABILITIES`); an option that needs one it lacks is refused;
+* ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls (None: DeComFL's).
+
+A user's method needs no registration: ``--algorithm module:Class`` (or
+``path/to/file.py:Class``) names a :class:`hiso.core.method.Method` subclass; its class
+attributes ``display``, ``gradient``, ``can`` and ``options`` play the roles above (family
+``scalar``), and ``from_config(cfg)`` builds it (default: ``Class()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# what a method may declare it supports
+CAPABILITIES = frozenset({
+    "preconditioner",  # HiSo's H (the h_* options, nu, eps)
+    "dp",  # client-level differential privacy of the scalars
+    "secagg",  # secure aggregation (the server learns the sum only)
+    "faults",  # simulated drops, late, duplicate and damaged answers, Byzantine clients
+    "robust",  # aggregate median / trimmed-mean
+    "weighted",  # clients weighted by their data size
+    "int8",  # scalar_dtype int8
+    "lr_decay", "momentum", "step_norm",  # stages of the fold
+    "refresh",  # direction_refresh (lowrank V from the round)
+    "structured",  # sparse and lowrank direction families
+    "one-seed",  # one seed per step: P = 1 and central differences by default
+    "backprop",  # its clients backpropagate (a task without gradients cannot run it)
+})
+
+# options that only some methods read (the rest of RunConfig is every method's)
+METHOD_OPTIONS = {
+    "preconditioner": ("nu", "eps", "h_min", "h_max", "h_source", "h_stat", "h_granularity", "h_bias_correction"),
+    "server_lr": ("server_lr",),
+    "server_moments": ("beta1", "beta2"),
+    "server_tau": ("server_tau",),
+    "wire_dtype": ("wire_dtype",),
+    "seed_pool": ("seed_pool", "seed_sampling"),
+    "ferret": ("ferret_k", "ferret_blocks"),
+    "zo_estimate": ("perturbations", "mu", "difference"),
+}
+_WHOSE = {"preconditioner": "HiSo's preconditioner", "server_lr": "the full-model baselines' and ferret's server step",
+          "server_moments": "fedadam's and fedyogi's server moments", "server_tau": "the adaptive server optimisers'",
+          "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's", "ferret": "ferret's",
+          "zo_estimate": "the zeroth-order estimate's"}
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """What hiso knows about a method before running it (see the module's docstring)."""
+
+    name: str
+    display: str
+    family: str = "scalar"
+    gradient: str = "zo"
+    options: frozenset[str] = frozenset({"zo_estimate"})
+    can: frozenset[str] = frozenset()
+    build: Callable[[Any], Any] = field(default=lambda cfg: None, compare=False)
+    server_lr: float | None = None  # the server step's default (full-model baselines, ferret)
+    server_opt: str | None = None  # the full-model server optimiser (hiso.baselines.server_opt)
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.family not in ("scalar", "seed-pool", "full-model"):
+            raise ValueError(f"method {self.name}: family must be scalar, seed-pool or full-model, got {self.family!r}")
+        if self.gradient not in ("zo", "first-order"):
+            raise ValueError(f"method {self.name}: gradient must be zo or first-order, got {self.gradient!r}")
+        if bad := set(self.can) - CAPABILITIES:
+            raise ValueError(f"method {self.name}: unknown capabilities {sorted(bad)} (see {__name__}.CAPABILITIES)")
+        if bad := set(self.options) - set(METHOD_OPTIONS):
+            raise ValueError(f"method {self.name}: unknown option groups {sorted(bad)} (see {__name__}.METHOD_OPTIONS)")
+
+    @property
+    def scalar_only(self) -> bool:
+        """Seeds and scalars on the wire and one log every replica folds (rebuild, resume)."""
+        return self.family == "scalar"
+
+    @property
+    def has_log(self) -> bool:
+        """Whether a run keeps a log its model is rebuilt and resumed from (scalar or seed pool)."""
+        return self.family != "full-model"
+
+    def reads(self, option: str) -> bool:
+        return any(option in METHOD_OPTIONS[g] for g in self.options)
+
+
+_REGISTRY: dict[str, MethodInfo] = {}
+_USER: dict[str, MethodInfo] = {}
+
+
+def register_method(info: MethodInfo) -> MethodInfo:
+    if info.name in _REGISTRY and _REGISTRY[info.name] != info:
+        raise ValueError(f"method {info.name!r} is registered twice")
+    _REGISTRY[info.name] = info
+    return info
+
+
+def _load_builtins() -> None:
+    """The built-in methods are registered at the end of this module (nothing to load)."""
+
+
+def method_names() -> tuple[str, ...]:
+    """The built-in methods' names, in the order --help and errors list them."""
+    _load_builtins()
+    return tuple(_REGISTRY)
+
+
+def is_user_method(name: str) -> bool:
+    return ":" in name
+
+
+def method_info(name: str) -> MethodInfo:
+    """The built-in method ``name``, or the user's method it names (``module:Class``, ``file.py:Class``)."""
+    _load_builtins()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if is_user_method(name):
+        if name not in _USER:
+            _USER[name] = _user_method_info(name)
+        return _USER[name]
+    raise ValueError(f"unknown algorithm {name!r} (choose from {', '.join(_REGISTRY)}, or module:Class / "
+                     "path/to/file.py:Class for your own)")
+
+
+def _user_method_info(spec: str) -> MethodInfo:
+    from ..core.method import Method
+    from ..plugins import import_object
+
+    obj = import_object(spec, "algorithm")
+    if not (isinstance(obj, type) and issubclass(obj, Method)):
+        raise ValueError(f"algorithm {spec!r}: {obj!r} is not a subclass of hiso.core.method.Method")
+    build = getattr(obj, "from_config", None) or (lambda cfg: obj())
+    return MethodInfo(spec, getattr(obj, "display", obj.__name__), "scalar", getattr(obj, "gradient", "zo"),
+                      frozenset(getattr(obj, "options", {"zo_estimate"})), frozenset(getattr(obj, "can", ())),
+                      build, doc=(obj.__doc__ or "").strip().split("\n")[0])
+
+
+def with_capability(cap: str) -> list[str]:
+    """The built-in methods that declare ``cap`` (for a refusal that says where it belongs)."""
+    _load_builtins()
+    return [n for n, info in _REGISTRY.items() if cap in info.can]
+
+
+def in_words(names) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
+    """(option names, the methods that read them, whose they are), for unused-option reports."""
+    _load_builtins()
+    return [(names, tuple(n for n, info in _REGISTRY.items() if group in info.options), _WHOSE[group])
+            for group, names in METHOD_OPTIONS.items()]
+
+
+# the built-in methods, in the order --help and errors list them
+_ZO = frozenset({"zo_estimate"})
+_FULL = frozenset({"server_lr", "wire_dtype"})
+_SCALAR = frozenset({"dp", "secagg", "faults", "robust", "weighted", "int8", "lr_decay", "momentum", "step_norm",
+                     "refresh", "structured"})
+
+
+def _feedsign(cfg):
+    from .feedsign import FeedSign
+    return FeedSign()
+
+
+def _ferret(cfg):
+    from .ferret import FerretConfig
+    return FerretConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks)
+
+
+register_method(MethodInfo("hiso", "HiSo", options=_ZO | {"preconditioner"}, can=_SCALAR | {"preconditioner"},
+                           doc="seeds and scalars on the wire, HiSo's Hessian-informed preconditioner"))
+register_method(MethodInfo("decomfl", "DeComFL", options=_ZO, can=_SCALAR, doc="seeds and scalars on the wire"))
+register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
+                           can=frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",
+                                          "structured", "one-seed"}),
+                           doc="seeds and one sign bit per client-step, majority vote"))
+register_method(MethodInfo("ferret", "Ferret", options=frozenset({"server_lr", "ferret"}), build=_ferret,
+                           can=frozenset({"faults", "robust", "weighted", "backprop"}), server_lr=1.0,
+                           doc="first-order local steps, K projections per block on the wire"))
+register_method(MethodInfo("fedkseed", "FedKSeed", "seed-pool", options=_ZO | {"seed_pool"},
+                           can=frozenset({"one-seed"}), doc="a fixed pool of seeds, (index, scalar) pairs on the wire"))
+register_method(MethodInfo("fedzo", "FedZO", "full-model", options=_FULL | _ZO, can=frozenset({"weighted"}),
+                           server_lr=1.0, server_opt="avg", doc="ZO local steps, the model on the wire"))
+register_method(MethodInfo("fedavg", "FedAvg", "full-model", "first-order", _FULL, frozenset({"weighted"}),
+                           server_lr=1.0, server_opt="avg"))
+register_method(MethodInfo("fedadam", "FedAdam", "full-model", "first-order",
+                           _FULL | {"server_moments", "server_tau"}, frozenset({"weighted"}), server_lr=0.01,
+                           server_opt="adam"))
+register_method(MethodInfo("fedyogi", "FedYogi", "full-model", "first-order",
+                           _FULL | {"server_moments", "server_tau"}, frozenset({"weighted"}), server_lr=0.01,
+                           server_opt="yogi"))
+register_method(MethodInfo("fedadagrad", "FedAdagrad", "full-model", "first-order", _FULL | {"server_tau"},
+                           frozenset({"weighted"}), server_lr=0.01, server_opt="adagrad"))
