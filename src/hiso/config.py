@@ -13,11 +13,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from .config_methods import MethodRules
+from .config_parse import parse_every, parse_size  # noqa: F401  (hiso.config.parse_* as ever)
 from .core.config import ZOConfig
 from .core.preconditioner import PreconditionerConfig
 from .methods.momentum import MomentumConfig
 from .methods.privacy import DPConfig
-from .methods.registry import MethodInfo, in_words, method_info, method_names, with_capability
+from .methods.registry import MethodInfo, method_info, method_names
 from .methods.stepnorm import StepNormConfig
 
 ALGORITHMS = method_names()  # the built-in methods (hiso.methods.registry); a user's is module:Class
@@ -300,45 +301,10 @@ class RunConfig(BaseModel, MethodRules):
             raise ValueError(f"byzantine ({self.byzantine}) cannot exceed "
                              + (f"sampled ({self.sampled})" if self.byzantine_per_round
                                 else f"clients ({self.clients})"))
-        from .runners.faults import parse_attacks
-        attacks = parse_attacks(self.attack)
-        if self.sends_signs and self.byzantine and (bad := [a for a in attacks if a in ("scale", "nan")]):
-            raise ValueError(f"{self.algorithm}'s clients send signs: attack {' and '.join(bad)} cannot be sent as one "
-                             "(a scaled sign is the same sign, a NaN packs as -1): give --attack sign-flip or random")
-        if ((faults or self.byzantine) and "faults" not in can) or (self.aggregate != "mean" and "robust" not in can):
-            raise ValueError(f"faults, attackers and robust aggregation are simulated for the seed-and-scalar "
-                             f"methods ({', '.join(with_capability('faults'))}), not {self.algorithm}")
-        if self.lr_decay is not None and "lr_decay" not in can:
-            raise ValueError(f"lr_decay is for {in_words(with_capability('lr_decay'))}, not {self.algorithm}")
-        if self.dp_clip is None:
-            given = [n for n in ("dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_seed")
-                     if getattr(self, n) is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)} need dp_clip (the clip norm that turns DP on)")
-        else:
-            if "dp" not in can:
-                raise ValueError(f"differential privacy is for {in_words(with_capability('dp'))}, not {self.algorithm}")
-            if (self.dp_noise_multiplier is None) == (self.dp_epsilon is None):
-                raise ValueError("DP needs exactly one of dp_noise_multiplier and dp_epsilon")
-            if self.dp_epsilon is not None and self.dp_delta is None:
-                raise ValueError("dp_epsilon needs dp_delta (e.g. 1e-5, below 1 / clients)")
-            if self.dp_noise_multiplier == 0 and self.dp_delta is not None:  # its epsilon: inf, not JSON
-                raise ValueError("dp_noise_multiplier 0 adds no noise, so no finite epsilon is spent: drop dp_delta "
-                                 "(clipping only) or give a noise multiplier > 0")
-            if self.aggregate != "mean" or self.weighted:
-                raise ValueError("DP is accounted for the plain mean: use aggregate mean without weighted")
-        self._secagg_checks()
+        self._method_checks(faults)
         if self.batch_memory is not None:
             parse_size(self.batch_memory)
         parse_every(self.checkpoint_every)
-        if self.step_norm is not None and "step_norm" not in can:
-            raise ValueError(f"step_norm is for {in_words(with_capability('step_norm'))}, not {self.algorithm}")
-        if self.step_norm is not None and self.local_steps > 1:
-            raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
-        if self.momentum is not None and "momentum" not in can and info.scalar_only:
-            raise ValueError(f"momentum is for {in_words(with_capability('momentum'))}, not {self.algorithm}")
-        if self.scalar_dtype == "int8" and "int8" not in can:
-            raise ValueError(f"scalar_dtype int8 is for {in_words(with_capability('int8'))}, not {self.algorithm}")
         if self.direction_density is not None and self.directions != "sparse":
             raise ValueError("direction_density is for directions sparse")
         if self.direction_rank is not None and self.directions != "lowrank":
@@ -347,27 +313,8 @@ class RunConfig(BaseModel, MethodRules):
             raise ValueError("direction_refresh is for directions lowrank")
         if self.direction_mask is not None and self.directions != "sparse":
             raise ValueError("direction_mask is for directions sparse")
-        if self.direction_refresh is not None and "refresh" not in can:
-            raise ValueError(f"direction_refresh reads the round from seeds derived per round: not for "
-                             f"{self.algorithm}")
         if self.h_bias_correction and self.nu == 0:
             raise ValueError("h_bias_correction needs nu > 0")
-        if "one-seed" in can:
-            self._one_seed_defaults()
-        if "ferret" in info.options:
-            self._ferret_checks()
-        if info.family == "seed-pool":
-            from .methods.fedkseed import check_pool
-            check_pool(self.seed_pool)
-            if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
-                raise ValueError(f"{self.algorithm} runs with the plain mean only (no faults, attackers, robust or "
-                                 "weighted aggregation, lr decay)")
-        if self.directions in ("sparse", "lowrank") and "structured" not in can:
-            what = "draws its pool's directions from a dense family" if info.family == "seed-pool" else \
-                "projects on a dense direction family"
-            raise ValueError(f"{self.algorithm} {what}, not {self.directions}")
-        if self.weighted and "weighted" not in can:
-            raise ValueError(f"{self.algorithm} runs with the plain mean only (no weighted aggregation)")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None,
                                  model=self.model if task.options is None or "model" in task.options else None)
@@ -465,38 +412,6 @@ def _kind(annotation: Any) -> str:
 
 # options that change how a run is carried out, never its results: a resumed run may take others
 RUNTIME_ONLY = ("checkpoint_every",)
-
-
-def parse_every(spec: str | int) -> tuple[str, float] | None:
-    """``checkpoint_every`` as ("rounds", n) or ("seconds", s); None for never (0). Raises
-    ValueError (one line) for anything else."""
-    import re
-
-    if isinstance(spec, bool):
-        raise ValueError(f"checkpoint_every must be rounds (an integer) or a time such as 5m, got {spec!r}")
-    text = str(spec).strip()
-    if re.fullmatch(r"[0-9]+", text):
-        n = int(text)
-        return None if n == 0 else ("rounds", n)
-    m = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?)\s*([smh])", text)
-    if m is None:
-        raise ValueError(f"checkpoint_every must be rounds (an integer, 0 for never) or a time such as 90s, 5m or "
-                         f"1h, got {spec!r}")
-    s = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
-    return None if s == 0 else ("seconds", s)
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size like ``512M``, ``4G``, ``1.5GiB`` or ``1000`` (powers of 1024)."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)([iI]?[bB])?\s*", str(text))
-    if m is None or (not m.group(2) and (m.group(3) or "").lower() == "ib"):
-        raise ValueError(f"not a size: {text!r} (e.g. 512M, 4G)")
-    n = float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " ")
-    if n < 1:
-        raise ValueError(f"size must be at least one byte: {text!r}")
-    return int(n)
 
 
 def one_line(err: ValidationError, prefix: str | None = None) -> str:

@@ -11,6 +11,69 @@ import math
 class MethodRules:
     """Checks and derived values of the methods' options (mixed into ``RunConfig``)."""
 
+    def _method_checks(self, faults: float) -> None:
+        """What the run's method can be combined with, asked of its registry entry
+        (:mod:`hiso.methods.registry`): each option that needs a capability it lacks is refused."""
+        from .methods.registry import in_words, with_capability
+        from .runners.faults import parse_attacks
+        info = self.method
+        can = info.can
+        from .runners.faults import parse_attacks
+        attacks = parse_attacks(self.attack)
+        if self.sends_signs and self.byzantine and (bad := [a for a in attacks if a in ("scale", "nan")]):
+            raise ValueError(f"{self.algorithm}'s clients send signs: attack {' and '.join(bad)} cannot be sent as one "
+                             "(a scaled sign is the same sign, a NaN packs as -1): give --attack sign-flip or random")
+        if ((faults or self.byzantine) and "faults" not in can) or (self.aggregate != "mean" and "robust" not in can):
+            raise ValueError(f"faults, attackers and robust aggregation are simulated for the seed-and-scalar "
+                             f"methods ({', '.join(with_capability('faults'))}), not {self.algorithm}")
+        if self.lr_decay is not None and "lr_decay" not in can:
+            raise ValueError(f"lr_decay is for {in_words(with_capability('lr_decay'))}, not {self.algorithm}")
+        if self.dp_clip is None:
+            given = [n for n in ("dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_seed")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need dp_clip (the clip norm that turns DP on)")
+        else:
+            if "dp" not in can:
+                raise ValueError(f"differential privacy is for {in_words(with_capability('dp'))}, not {self.algorithm}")
+            if (self.dp_noise_multiplier is None) == (self.dp_epsilon is None):
+                raise ValueError("DP needs exactly one of dp_noise_multiplier and dp_epsilon")
+            if self.dp_epsilon is not None and self.dp_delta is None:
+                raise ValueError("dp_epsilon needs dp_delta (e.g. 1e-5, below 1 / clients)")
+            if self.dp_noise_multiplier == 0 and self.dp_delta is not None:  # its epsilon: inf, not JSON
+                raise ValueError("dp_noise_multiplier 0 adds no noise, so no finite epsilon is spent: drop dp_delta "
+                                 "(clipping only) or give a noise multiplier > 0")
+            if self.aggregate != "mean" or self.weighted:
+                raise ValueError("DP is accounted for the plain mean: use aggregate mean without weighted")
+        self._secagg_checks()
+        if self.step_norm is not None and "step_norm" not in can:
+            raise ValueError(f"step_norm is for {in_words(with_capability('step_norm'))}, not {self.algorithm}")
+        if self.step_norm is not None and self.local_steps > 1:
+            raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
+        if self.momentum is not None and "momentum" not in can and info.scalar_only:
+            raise ValueError(f"momentum is for {in_words(with_capability('momentum'))}, not {self.algorithm}")
+        if self.scalar_dtype == "int8" and "int8" not in can:
+            raise ValueError(f"scalar_dtype int8 is for {in_words(with_capability('int8'))}, not {self.algorithm}")
+        if self.direction_refresh is not None and "refresh" not in can:
+            raise ValueError(f"direction_refresh reads the round from seeds derived per round: not for "
+                             f"{self.algorithm}")
+        if "one-seed" in can:
+            self._one_seed_defaults()
+        if "ferret" in info.options:
+            self._ferret_checks()
+        if info.family == "seed-pool":
+            from .methods.fedkseed import check_pool
+            check_pool(self.seed_pool)
+            if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
+                raise ValueError(f"{self.algorithm} runs with the plain mean only (no faults, attackers, robust or "
+                                 "weighted aggregation, lr decay)")
+        if self.directions in ("sparse", "lowrank") and "structured" not in can:
+            what = "draws its pool's directions from a dense family" if info.family == "seed-pool" else \
+                "projects on a dense direction family"
+            raise ValueError(f"{self.algorithm} {what}, not {self.directions}")
+        if self.weighted and "weighted" not in can:
+            raise ValueError(f"{self.algorithm} runs with the plain mean only (no weighted aggregation)")
+
     def _secagg_checks(self) -> None:
         """Secure aggregation gives the server the sum of the answers and nothing else: only the
         plain (unweighted) mean of hiso and decomfl can use it; its defaults are resolved here

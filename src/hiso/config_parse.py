@@ -1,0 +1,35 @@
+"""The units of a run's options: ``checkpoint_every`` (rounds or a time) and sizes (``512M``)."""
+
+from __future__ import annotations
+
+
+def parse_every(spec: str | int) -> tuple[str, float] | None:
+    """``checkpoint_every`` as ("rounds", n) or ("seconds", s); None for never (0). Raises
+    ValueError (one line) for anything else."""
+    import re
+
+    if isinstance(spec, bool):
+        raise ValueError(f"checkpoint_every must be rounds (an integer) or a time such as 5m, got {spec!r}")
+    text = str(spec).strip()
+    if re.fullmatch(r"[0-9]+", text):
+        n = int(text)
+        return None if n == 0 else ("rounds", n)
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]*)?)\s*([smh])", text)
+    if m is None:
+        raise ValueError(f"checkpoint_every must be rounds (an integer, 0 for never) or a time such as 90s, 5m or "
+                         f"1h, got {spec!r}")
+    s = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
+    return None if s == 0 else ("seconds", s)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size like ``512M``, ``4G``, ``1.5GiB`` or ``1000`` (powers of 1024)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)([iI]?[bB])?\s*", str(text))
+    if m is None or (not m.group(2) and (m.group(3) or "").lower() == "ib"):
+        raise ValueError(f"not a size: {text!r} (e.g. 512M, 4G)")
+    n = float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " ")
+    if n < 1:
+        raise ValueError(f"size must be at least one byte: {text!r}")
+    return int(n)
