@@ -38,7 +38,6 @@ from ..core.messages import (Downlink, Hello, MessageError, Uplink, decode_downl
                              encode_hello, encode_uplink, encode_welcome, welcome_for)
 from ..core.perturb import Mode, Perturber
 from ..methods.secagg import SecAggConfig, loss_level, mean_loss
-from ..core.server import Server
 from ..core.state import ModelState
 from ..methods.privacy import noise_key
 from ..tasks.base import Task
@@ -46,7 +45,7 @@ from .checkpoint import start_from
 from .client_cost import ClientCost, Timer, replica_bytes
 from .common import Comm, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
-
+from .protocol import _Blob, protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
 
 
 class PrivacyBudgetSpent(RuntimeError):
@@ -422,57 +421,3 @@ class Simulation:
                 load_state(c.state, encode_state(self.state), self.state.round)
             else:
                 c.state.replay(self.server.records_since(c.state.round))
-
-
-def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int, weighted: bool,
-                    replica: ModelState, snapshot_after: int | None = None, bandwidth: float | None = None,
-                    rule: str = "mean", trim: float = 0.25, noise_seed: int | None = None,
-                    secagg: SecAggConfig | None = None) -> Server:
-    """The core Server a runner (this simulator, the Flower ServerApp) drives for ``zo``: the
-    task's clients, the run seed, the scalar dtype, and snapshots of ``replica`` (the runner's
-    x_r) for clients more than ``snapshot_after`` rounds behind (None: when cheaper). Under
-    DP, ``noise_seed`` keys the server's noise (None: a fresh secret); ``secagg``: the mean from
-    the sum of the answers on secure aggregation's grid."""
-    weights = task.client_sizes() if weighted else None
-    return Server(task.num_clients, clients_per_round, zo.local_steps, zo.perturbations, seed=seed, weights=weights,
-                  scalar_dtype=zo.scalar_dtype, replica=replica, snapshot_after=snapshot_after, bandwidth=bandwidth,
-                  rule=rule, trim=trim, dp=zo.dp, noise_seed=noise_key(noise_seed), method=zo.method, secagg=secagg)
-
-
-class _Blob:
-    """A stand-in replica of ``n`` float32 values (sizes snapshots without a model)."""
-
-    def __init__(self, n: int):
-        import torch
-        self.params, self.h, self.round = [torch.zeros(n)], None, 0
-
-
-def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int, perturbations: int, rounds: int,
-                     *, scalar_dtype: str = "float32", seed: int = 0, state_values: int | None = None,
-                     snapshot_after: int | None = None, bandwidth: float | None = None) -> Comm:
-    """Bytes per client of a schedule, from the encoded messages, without a model: joins, each
-    round's downlinks (history or snapshot) and uplinks with their loss. The bytes of a run do
-    not depend on what it learns, so this is what a run of the schedule counts (with the same
-    ``seed``: the same sampling). ``state_values``: the trainable values plus H's (HiSo) of the
-    model, for the snapshot choice (None: no snapshots, e.g. a model too large to ever send)."""
-    blob = None if state_values is None else _Blob(state_values)
-    server = Server(num_clients, clients_per_round, local_steps, perturbations, seed=seed, scalar_dtype=scalar_dtype,
-                    replica=blob, snapshot_after=snapshot_after, bandwidth=bandwidth)
-    wire, comm = server.wire, Comm.zeros(num_clients)
-    welcome = encode_welcome(welcome_for(ZOConfig(lr=1.0, perturbations=perturbations, local_steps=local_steps,
-                                                  scalar_dtype=scalar_dtype), seed, []))
-    for c in range(num_clients):
-        comm.join(c, encode_hello(Hello(c, 0)), welcome)
-    zeros = np.zeros(wire.shape, np.float32)
-    for _ in range(rounds):
-        plan = server.plan()
-        ups = []
-        for c in plan.participants:
-            comm.down[c] += len(encode_downlink(server.downlink(c), wire))
-            up = encode_uplink(Uplink(c, plan.round, zeros, 0.0, plan.attempt), wire)
-            comm.up[c] += len(up)
-            ups.append(decode_uplink(up, wire))
-        server.aggregate(ups)
-        if blob is not None:
-            blob.round += 1
-    return comm
