@@ -190,6 +190,7 @@ class SecAggFederation(FlowerFederation):
             self.refresh_nodes()
             t1 = time.perf_counter()
             plan = self.server.plan()
+            self.check_budget(plan)
             fitins = {}
             for pid in plan.participants:
                 nid = self.node_of.get(pid)

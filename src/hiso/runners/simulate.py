@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Callable, Iterator, Literal
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from .checkpoint import start_from
 from .client_cost import ClientCost, Timer, replica_bytes
 from .common import Comm, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
+
+if TYPE_CHECKING:
+    from .accounting import PrivacyLedger
 
 
 
@@ -69,8 +72,8 @@ class Simulation:
     perturb_mode: Mode = "hooks"
     batch_memory: int | None = None  # batched perturb mode: bytes of stacked tensors per forward
     dp_seed: int | None = None  # DP: the secret key of the noise (None: a fresh secret)
-    privacy: Callable[[int], dict] | None = None  # DP: round -> {"dp_epsilon": ...} for the metrics rows
-    dp_budget: Callable[[int], str | None] | None = None  # DP: why round r may not run (budget spent), or None
+    # DP: the run's ledger (hiso.runners.accounting.PrivacyLedger): participations, epsilon, budget
+    privacy: PrivacyLedger | None = None
     weighted: bool = False
     eval_every: int = 10
     on_record: Callable[[RoundRecord], None] | None = None
@@ -153,15 +156,25 @@ class Simulation:
                                               dp_seed=self.dp_seed),
                           replica_bytes(self.state), self.state.params[0].device if self.state.params else "cpu")
 
+    def _check_budget(self, plan) -> None:
+        """Under a DP budget: stop before the planned round if it would take a participant past it."""
+        if self.privacy is not None and (why := self.privacy.refusal(plan.participants)) is not None:
+            raise PrivacyBudgetSpent(why)
+
+    def _logged(self, rec: RoundRecord) -> None:
+        """A closed round: applied to the server's model, logged, counted in the DP ledger."""
+        self.state.apply(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+        if self.privacy is not None:
+            self.privacy.record(rec)
+
     def step(self) -> tuple[RoundRecord, float]:
         """One round; returns its record and the participants' mean training loss."""
-        if self.dp_budget is not None:
-            why = self.dp_budget(self.server.round + 1)
-            if why is not None:
-                raise PrivacyBudgetSpent(why)
         if self.unreliable:
             return self._step_unreliable()
         plan = self.server.plan()
+        self._check_budget(plan)
         wire = self.server.wire
         uplinks: list[Uplink] = []
         for cid in plan.participants:
@@ -177,9 +190,7 @@ class Simulation:
             self.comm.up[cid] += len(up)
             uplinks.append(decode_uplink(up, wire, expect_round=plan.round))
         rec = self.server.aggregate(uplinks)
-        self.state.apply(rec)
-        if self.on_record is not None:
-            self.on_record(rec)
+        self._logged(rec)
         return rec, self._mean_loss([u.loss for u in uplinks])
 
     def _mean_loss(self, losses: list) -> float:
@@ -279,6 +290,7 @@ class Simulation:
         decodable, self.round_out_of_sync = self.totals["corrupt_decodable"], 0
         while True:
             plan = self.server.plan()
+            self._check_budget(plan)
             # late answers arrive once their round has closed. (Not in a re-planned attempt of the
             # same round: an uplink names its round by number only, so an answer to the earlier
             # attempt's seeds would pass for a valid one; Flower matches replies to messages.)
@@ -294,9 +306,7 @@ class Simulation:
             log.info("row %d (round %d): no valid answer (or fewer than secure aggregation's threshold), planned again", plan.round + 1, plan.round)
             if replanned >= 1000:
                 raise RuntimeError(f"round {plan.round}: no valid answer in 1000 attempts")
-        self.state.apply(rec)
-        if self.on_record is not None:
-            self.on_record(rec)
+        self._logged(rec)
         for code, n in rejected.items():
             self.totals["rejected_" + code] += n
         self.round_stats = {"participants": len(rec.participants), "rejected": dict(sorted(rejected.items())),
@@ -341,7 +351,7 @@ class Simulation:
             r = self.server.round
             row = dict(self.round_stats) if self.unreliable else {}
             if self.privacy is not None and (r % self.eval_every == 0 or r == rounds):
-                row.update(self.privacy(r))
+                row.update(self.privacy.row())
             return row
 
         return metric_rows(self.task, self.state.model, self.comm, lambda: self.step()[1], rounds, self.eval_every,
@@ -406,6 +416,8 @@ class Simulation:
                     if last.get(cid) == rec.round:  # the replica at rec.round
                         self.client(cid).state.load_state_dict(self.state.state_dict())
             self.server.close_logged(rec)
+            if self.privacy is not None:
+                self.privacy.record(rec)
             if rec.round >= first:
                 self.state.apply(rec)
 
