@@ -173,6 +173,38 @@ def test_dp_run_replicas_are_bit_identical_and_apply_only_the_noised_record(mode
     assert np.array_equal(ra.scalars, rec.scalars) and not np.array_equal(rb.scalars, rec.scalars)
 
 
+@pytest.mark.parametrize("sim_mode", ["fast", "faithful"])
+@pytest.mark.parametrize("mode", ["central", "local", None])
+def test_under_dp_no_uplink_carries_the_clients_loss(monkeypatch, mode, sim_mode):
+    """Every uplink the simulator's clients encode (what a transport would carry), decoded again:
+    under DP in either mode it has no loss field (the bytes are those of the same answer encoded
+    without a loss: no loss flag, no loss value), so nothing unnoised of a client's data leaves
+    it; the round reports no mean loss. Without DP (None) the loss is there, as before."""
+    import hiso.runners.simulate as simulate
+    from hiso.core.messages import Uplink, decode_uplink, encode_uplink
+    sent = []
+
+    def spy(data, *a, **k):
+        sent.append(bytes(data))
+        return decode_uplink(data, *a, **k)
+
+    monkeypatch.setattr(simulate, "decode_uplink", spy)
+    dp = None if mode is None else DPConfig(clip=0.5, noise_multiplier=1.0, mode=mode)
+    sim = Simulation(TinyTask(num_clients=8), hiso(lr=0.02, perturbations=3, local_steps=2, dp=dp),
+                     clients_per_round=3, seed=1, batch_size=8, mode=sim_mode, dp_seed=5)
+    losses = [sim.step()[1] for _ in range(3)]
+    assert len(sent) == 9
+    wire = sim.server.wire
+    for data in sent:
+        up = decode_uplink(data, wire)
+        bare = encode_uplink(Uplink(up.client, up.round, up.scalars, None, up.attempt), wire)
+        if dp is None:
+            assert up.loss is not None and len(data) > len(bare)
+        else:
+            assert up.loss is None and data == bare
+    assert all((x is None) == (dp is not None) for x in losses)
+
+
 def test_central_noise_is_added_after_clipping_the_answers():
     dp = DPConfig(clip=1e-3, noise_multiplier=0.0)  # clip hard, no noise: every answer has norm <= C
     zo = hiso(lr=0.02, perturbations=3, local_steps=1, dp=dp)
@@ -213,6 +245,9 @@ def test_dp_run_reports_epsilon_keeps_its_secret_and_rebuilds(tmp_path, capsys):
     p = summary["privacy"]
     assert (p["threat_model"], p["epsilon"], p["participations_max"]) == ("public-sample", eps[1], most[5])
     assert counts[p["worst_client"]] == most[5] and "not the server" in p["holds_against"]
+    # nothing unnoised of a client in the metrics: no training loss in any row (none was sent)
+    assert [r["train_loss"] for r in rows] == [None] * 7 and summary["final_train_loss"] is None
+    assert p["train_loss"].startswith("withheld")
     code, _, err = run_cli(["rebuild", str(out), "--out", str(tmp_path / "rb.pt")], capsys)
     assert code == 0, err
     a, b = torch.load(out / "model.pt"), torch.load(tmp_path / "rb.pt")
@@ -224,6 +259,15 @@ def test_dp_run_reports_epsilon_keeps_its_secret_and_rebuilds(tmp_path, capsys):
     assert meta["privacy"] == {"mode": "central", "clip": 10.0, "noise_multiplier": 1.0, "delta": 1e-5,
                                "threat_model": "public-sample", "epsilon": eps[0], "participations_max": most[2]}
     assert f"({eps[0]:.3g}, 1e-05)-DP at round 3" in (tmp_path / "exp" / "README.md").read_text()
+
+
+def test_without_dp_the_rows_keep_the_training_loss(tmp_path, capsys):
+    """(What a user sees outside DP is unchanged: the participants' mean loss in every row.)"""
+    code, _, err = run_cli(_quad(tmp_path, "plain"), capsys)
+    assert code == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["train_loss"] is None and all(isinstance(r["train_loss"], float) for r in rows[1:])
+    assert not any(k.startswith("dp_") for r in rows for k in r)
 
 
 def test_the_budget_refuses_the_round_that_would_take_a_client_past_it():

@@ -275,7 +275,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             bar.write(f"hiso: {note}", file=sys.stderr)
         if bar.n == 0 and row["round"] > 1:  # a resumed run
             bar.update(row["round"] - 1)
-        post = {"loss": f"{row['train_loss']:.4g}"}
+        post = {"loss": f"{row['train_loss']:.4g}"} if row["train_loss"] is not None else {}  # (None under DP)
         for k in ("eval_acc", "gap"):
             if k in row:
                 post[k] = f"{row[k]:.4g}"

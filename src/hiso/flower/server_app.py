@@ -16,6 +16,7 @@ from ..config import RunConfig
 from ..core.history import RoundRecord
 from ..core.messages import MessageError, decode_hello, decode_uplink, encode_downlink, encode_welcome, welcome_for
 from ..core.state import ModelState
+from ..methods.privacy import reports_loss
 from ..runners.accounting import privacy_ledger
 from ..runners.common import Comm, metric_rows
 from ..runners.simulate import protocol_server
@@ -48,6 +49,7 @@ class FlowerFederation:
                                       secagg=self.cfg.secagg_config)
         self.welcome = encode_welcome(welcome_for(self.zo, self.cfg.seed, self.state.params))
         self.privacy = privacy_ledger(self.cfg)  # DP: participations, the epsilon reported, the budget
+        self._loss_slot = 0.0 if reports_loss(self.zo.dp) else None  # an answer's loss, for its size only
         self.comm = Comm.zeros(M)
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
@@ -207,8 +209,9 @@ class FlowerFederation:
             from ..runners.simulate import PrivacyBudgetSpent
             raise PrivacyBudgetSpent(why)
 
-    def step(self) -> float:
-        """One round over the grid; the answers' mean training loss."""
+    def step(self) -> float | None:
+        """One round over the grid; the answers' mean training loss (None under DP: no answer
+        carries one)."""
         for _ in range(self.settings.max_replans + 1):
             t0 = time.perf_counter()
             self.refresh_nodes()
@@ -244,6 +247,8 @@ class FlowerFederation:
                 log.warning("round %d: no valid answer from %s; planning it again", plan.round, list(plan.participants))
                 continue
             self._apply(rec, plan, (t0, t1, t2))
+            if self._loss_slot is None:
+                return None
             return float(np.mean([u.loss for u in ups if u.loss is not None] or [np.nan]))
         raise RuntimeError(f"round {self.server.round}: no client answered in {self.settings.max_replans + 1} attempts")
 
@@ -280,8 +285,8 @@ class FlowerFederation:
                 self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
                 if cid in rec.participants:
                     # its size only (FeedSign: the logged vote may be 0, which no client sends)
-                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire,
-                                                           check=False))
+                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, self._loss_slot,
+                                                                  rec.attempt), wire, check=False))
             self.server.close_logged(rec)
             if self.privacy is not None:
                 self.privacy.record(rec)

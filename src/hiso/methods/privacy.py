@@ -15,6 +15,10 @@ and Gaussian noise of standard deviation ``z C`` per entry is added:
 * ``local``: each client clips and adds its own draw of N(0, (z C)^2) before it sends, and the
   server averages what it gets (the server itself learns only noised answers).
 
+Under either mode nothing else of a client's data leaves it: its answer carries no training
+loss (the runners ask for none, :func:`reports_loss`), so ``metrics.jsonl``'s ``train_loss`` is
+null; the server's evaluation (on data of its own) is reported as always.
+
 What every replica applies is the noised aggregate the server logs: H, momentum and the lr
 read only that record (post-processing), and replicas and ``hiso rebuild`` replay it bit for
 bit. The noise comes from a generator keyed by a secret (``noise_seed``) that is never sent
@@ -143,6 +147,12 @@ HOLDS_AGAINST = {
                 "not the server, which sees each answer before its noise"),
     "local": ("everybody, the server included, all of whom may know which clients took part in each round"),
 }
+
+
+def reports_loss(dp: DPConfig | None) -> bool:
+    """Whether a client's answer may carry its training loss: not under DP (in any mode), where
+    the loss would leave the client neither clipped, noised nor accounted for."""
+    return dp is None
 
 
 def _check_delta(delta: float) -> None:

@@ -23,6 +23,8 @@ import numpy as np
 from ..methods.privacy import HOLDS_AGAINST
 
 THREAT_MODEL = "public-sample"
+TRAIN_LOSS_WITHHELD = ("withheld: under DP no client sends its training loss (it would leave the client neither "
+                       "clipped, noised nor accounted for), so train_loss is null in every row")
 
 
 class PrivacyLedger:
@@ -71,13 +73,13 @@ class PrivacyLedger:
 
     def summary(self, stopped: str | None = None) -> dict:
         """summary.json's ``privacy``: the settings, the threat model and what it holds against,
-        the worst client's epsilon and participations."""
+        the worst client's epsilon and participations, and what is withheld."""
         cfg = self.cfg
         client, n = self.worst()
         return {"mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise, "delta": cfg.dp_delta,
                 "epsilon_budget": cfg.dp_epsilon, "stopped": stopped, "threat_model": THREAT_MODEL,
                 "holds_against": HOLDS_AGAINST[cfg.dp_mode], "epsilon": self.epsilon(),
-                "participations_max": n, "worst_client": client}
+                "participations_max": n, "worst_client": client, "train_loss": TRAIN_LOSS_WITHHELD}
 
 
 def privacy_ledger(cfg) -> PrivacyLedger | None:
