@@ -127,7 +127,8 @@ def test_secagg_run_equals_the_simulator_bit_for_bit(tmp_path, task_identity, ex
     """The ServerApp's body over Flower's SecAgg+ (loopback) writes the simulator's run
     directory bit for bit: history, model, metrics rows (train loss included: it is a secure
     mean too; with central DP the epsilon too, the noise added to the secure sum, and no loss),
-    and hiso rebuild reproduces it."""
+    and hiso rebuild reproduces it. (The server is given the noise's key here; the nodes of the
+    loopback never are.)"""
     from hiso.flower.app import serve
     cfg = RunConfig(**{**CFG, **extra})
     grid = LoopbackGrid(cfg, tmp_path / "replicas", {100 + p: p for p in range(cfg.clients)})
@@ -207,6 +208,40 @@ def test_secagg_with_central_dp_reports_no_loss_rather_than_a_clipped_one(tmp_pa
     up = encode_uplink(Uplink(1, 0, np.full(wire.shape, 0.1, np.float32), 3.47, 0), Wire.of(plain.zo(), plain.seed))
     arrays = parameters_to_ndarrays(answer_fitres(plain, up).parameters)
     assert len(arrays) == 2 and arrays[1][0] == pytest.approx(3.47, abs=plain.secagg_config.step)
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_flower_refuses_an_explicit_dp_noise_seed_before_it_starts(tmp_path, capsys, monkeypatch, mode):
+    """On Flower the run config reaches every ClientApp: an explicit --dp-noise-seed would let a
+    client subtract the central noise (in local mode it would key nothing), so hiso flower refuses
+    it in one line, exit 2, before anything starts; so do the library's entry points and the
+    ServerApp itself. Without it a run goes on (the ServerApp draws the key)."""
+    import hiso.flower.launch as launch
+    from hiso.flower.app import Settings, make_apps
+    from hiso.flower.records import noise_seed_refusal
+    from hiso.flower.sim import run_simulation
+    from cli_helpers import run_cli
+
+    def started(*a, **k):
+        raise AssertionError("Flower was started")
+
+    monkeypatch.setattr(launch.LocalFederation, "start", started)
+    monkeypatch.setattr("flwr.simulation.run_simulation", started)
+    out = tmp_path / "f"
+    for extra in ([], ["--simulation"]):
+        code, _, err = run_cli(["flower", "--out", str(out), "--rounds", "2", "--dp-clip", "1", "--dp-noise-multiplier",
+                                "1", "--dp-noise-seed", "5", "--dp-mode", mode, *extra], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "--dp-noise-seed is not for Flower" in err, err
+        assert ("subtract the central noise" if mode == "central" else "key nothing") in err
+    assert not out.exists()
+    cfg = RunConfig(**{**CFG, "secagg": False, "dp_clip": 1.0, "dp_noise_multiplier": 1.0, "dp_noise_seed": 5,
+                       "dp_mode": mode})
+    for call in (lambda: launch.run_local(cfg, out, 3), lambda: run_simulation(cfg, out),
+                 lambda: make_apps(cfg, Settings(out_dir=str(out)))[0]._main(None, None)):
+        with pytest.raises(ValueError, match="dp-noise-seed is not for Flower"):
+            call()
+    assert not out.exists()
+    assert noise_seed_refusal(cfg.model_copy(update={"dp_noise_seed": None})) is None
 
 
 def test_secagg_quantisation_changes_little(tmp_path):

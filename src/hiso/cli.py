@@ -491,6 +491,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
                      "not --byzantine-per-round or random")
     if cfg.secagg and args.worker:
         return _fail("--secagg runs without --worker: SecAgg+ needs the ClientApp itself to answer")
+    from .flower.records import noise_seed_refusal
+    if why := noise_seed_refusal(cfg):
+        return _fail(why)
     nodes = cfg.clients if args.nodes is None else args.nodes
     if not args.simulation and not 1 <= nodes <= cfg.clients:
         return _fail(f"--nodes must be 1 to --clients ({cfg.clients}): node i serves partition i; got {nodes}")
