@@ -334,7 +334,11 @@ class LocalFederation:
     def submit(self, cfg: RunConfig, out_dir: str | Path, *, round_timeout: float = 30.0,
                min_nodes: int | None = None, wait_nodes_s: float = 60.0, resume: bool = False) -> str:
         """``flwr run`` the app with ``cfg``; returns the run id (the run goes on in the federation).
-        ``resume``: ``out_dir`` holds an interrupted run of ``cfg`` (its ServerApp died): continue it."""
+        ``resume``: ``out_dir`` holds an interrupted run of ``cfg`` (its ServerApp died): continue it.
+        A DP noise key in ``cfg`` is refused (the run config reaches every ClientApp)."""
+        from .records import noise_seed_refusal
+        if why := noise_seed_refusal(cfg):
+            raise ValueError(why)
         over = self.workdir / f"run-{time.time_ns()}.toml"
         import tomli_w
         over.write_text(tomli_w.dumps({
@@ -419,6 +423,9 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
     round logged)."""
     if not 1 <= nodes <= cfg.clients:
         raise ValueError(f"need 1 to {cfg.clients} nodes (node i serves partition i), got {nodes}")
+    from .records import noise_seed_refusal
+    if why := noise_seed_refusal(cfg):
+        raise ValueError(why)
     if worker and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm}: per-node workers serve the scalar-only algorithms (hiso, decomfl)")
     if cfg.clients != nodes:
