@@ -276,6 +276,26 @@ def test_a_run_with_faults_and_attackers_resumes_bit_for_bit(tmp_path, capsys, m
         assert (d / "rejections.log").read_bytes() == (full / "rejections.log").read_bytes(), name
 
 
+@pytest.mark.parametrize("extra", [["--dp-mode", "central"], ["--dp-mode", "local", "--drop-rate", "0.2"]],
+                         ids=["central", "local-faults"])
+def test_a_dp_run_resumes_bit_for_bit_bytes_and_epsilon_included(tmp_path, capsys, extra):
+    """Under DP no answer carries a loss, so the bytes a resumed run counts for the logged rounds
+    are those of answers without one, as the run sent them; its ledger counts the logged
+    participants again: metrics (bytes, dp_epsilon, dp_participations_max) and summary (the
+    worst client's epsilon) end as the uninterrupted run's."""
+    pytest.importorskip("dp_accounting")
+    args = [*QUAD, "--rounds", "8", "--dp-clip", "5", "--dp-noise-multiplier", "1", "--dp-delta", "1e-5", *extra]
+    full = tmp_path / "full"
+    assert _cli(["run", "--out", str(full), *args, "--quiet"], capsys)[0] == 0
+    assert json.loads((full / "summary.json").read_text())["privacy"]["participations_max"] > 1
+    for r in (2, 5):
+        d = tmp_path / f"cut{r}"
+        _cut(full, d, r + 1, r)
+        code, _, err = _cli(["run", "--resume", str(d), "--quiet"], capsys)
+        assert code == 0, err
+        assert_same_run(full, d)
+
+
 def test_resume_in_faithful_mode_rebuilds_the_clients(tmp_path, capsys):
     """Faithful clients are real replicas: each is rebuilt at the round it last took part in,
     so downlinks (and bytes) after the resume are the uninterrupted run's."""

@@ -126,8 +126,9 @@ def _model(path: Path) -> dict:
 def test_secagg_run_equals_the_simulator_bit_for_bit(tmp_path, task_identity, extra):
     """The ServerApp's body over Flower's SecAgg+ (loopback) writes the simulator's run
     directory bit for bit: history, model, metrics rows (train loss included: it is a secure
-    mean too; with central DP the epsilon too, the noise added to the secure sum), and hiso
-    rebuild reproduces it."""
+    mean too; with central DP the epsilon too, the noise added to the secure sum, and no loss),
+    and hiso rebuild reproduces it. (The server is given the noise's key here; the nodes of the
+    loopback never are.)"""
     from hiso.flower.app import serve
     cfg = RunConfig(**{**CFG, **extra})
     grid = LoopbackGrid(cfg, tmp_path / "replicas", {100 + p: p for p in range(cfg.clients)})
@@ -139,8 +140,9 @@ def test_secagg_run_equals_the_simulator_bit_for_bit(tmp_path, task_identity, ex
     assert a["round"] == 4 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     state, _ = rebuild(tmp_path / "flower")
     assert all(torch.equal(p, a["model"][n]) for n, p in state.named)
-    if "dp_clip" in extra:
+    if "dp_clip" in extra:  # its epsilon, and no loss (none left a node)
         assert "dp_epsilon" in _rows(tmp_path / "flower")[-1]
+        assert all(r["train_loss"] is None for r in _rows(tmp_path / "flower"))
     flower = json.loads((tmp_path / "flower" / "flower.json").read_text())["flower"]
     assert [len(t["secagg_stages"]) for t in flower["timings"]] == [4] * 4  # setup, share keys, collect, unmask
 
@@ -155,6 +157,91 @@ def test_flower_dp_rows_carry_the_epsilon_as_the_simulators(tmp_path, task_ident
     run_to_dir(cfg, tmp_path / "sim")
     rows = _rows(tmp_path / "flower")
     assert rows == _rows(tmp_path / "sim") and [("dp_epsilon" in r) for r in rows] == [False, False, True, False, True]
+
+
+def _bare(data: bytes, wire) -> bytes:
+    """An encoded uplink's answer encoded again without a loss (no loss flag, no loss value)."""
+    from hiso.core.messages import Uplink, decode_uplink, encode_uplink
+    up = decode_uplink(data, wire)
+    return encode_uplink(Uplink(up.client, up.round, up.scalars, None, up.attempt), wire)
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_under_dp_no_flower_answer_carries_the_loss(tmp_path, task_identity, mode):
+    """Every answer a Flower node sent under DP (the uplink bytes in its reply, as the ServerApp
+    pulled them) has no loss field, and no metrics row a mean loss; the nodes were never given
+    the noise's key (the ServerApp drew it into its run directory)."""
+    from hiso.core.messages import Wire
+    from hiso.flower.app import serve
+    cfg = RunConfig(**{**CFG, "secagg": False, "dp_clip": 2.0, "dp_noise_multiplier": 0.5, "dp_delta": 1e-3,
+                       "dp_mode": mode})
+    grid = LoopbackGrid(cfg, tmp_path / "replicas", {100: 0, 101: 1, 102: 2})
+    serve(grid, cfg, _settings(tmp_path / "flower"))
+    wire = Wire.of(cfg.zo(), cfg.seed)
+    ups = [r.content["hiso"]["up"] for r in grid.pulled if not r.has_error() and "up" in r.content["hiso"]]
+    assert len(ups) == 3 * cfg.rounds and all(data == _bare(data, wire) for data in ups)
+    rows = _rows(tmp_path / "flower")
+    assert [r["train_loss"] for r in rows] == [None] * (cfg.rounds + 1) and "dp_epsilon" in rows[-1]
+    assert (tmp_path / "flower" / "dp_secret.json").exists()
+
+
+def test_secagg_with_central_dp_reports_no_loss_rather_than_a_clipped_one(tmp_path, task_identity):
+    """With secure aggregation and central DP the grid is +-1 here (the power of two at or above
+    the DP clip), far below the quadratic's loss: a secure mean of the losses would say 1.0. Under
+    DP no loss goes into the sum at all (a node's answer is its scalars alone) and the rows say
+    none, on Flower as in the simulator."""
+    from hiso.flower.app import serve
+    from hiso.flower.secagg_client import answer_fitres
+    from hiso.core.messages import Uplink, Wire, encode_uplink
+    from flwr.common import parameters_to_ndarrays
+    cfg = RunConfig(**{**CFG, "dp_clip": 1.0, "dp_noise_multiplier": 0.5, "dp_delta": 1e-3})
+    assert cfg.secagg_clip == 1.0
+    serve(LoopbackGrid(cfg, tmp_path / "replicas", {100: 0, 101: 1, 102: 2}), cfg, _settings(tmp_path / "flower"))
+    run_to_dir(cfg, tmp_path / "sim")
+    for d in ("flower", "sim"):
+        assert [r["train_loss"] for r in _rows(tmp_path / d)] == [None] * (cfg.rounds + 1), d
+    # a node's SecAgg+ answer: one array (its scalars), no loss array
+    wire = Wire.of(cfg.zo(), cfg.seed)
+    up = encode_uplink(Uplink(1, 0, np.full(wire.shape, 0.1, np.float32), None, 0), wire)
+    assert len(parameters_to_ndarrays(answer_fitres(cfg, up).parameters)) == 1
+    plain = RunConfig(**CFG)  # without DP: the loss goes into the sum beside the scalars, as before
+    up = encode_uplink(Uplink(1, 0, np.full(wire.shape, 0.1, np.float32), 3.47, 0), Wire.of(plain.zo(), plain.seed))
+    arrays = parameters_to_ndarrays(answer_fitres(plain, up).parameters)
+    assert len(arrays) == 2 and arrays[1][0] == pytest.approx(3.47, abs=plain.secagg_config.step)
+
+
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_flower_refuses_an_explicit_dp_noise_seed_before_it_starts(tmp_path, capsys, monkeypatch, mode):
+    """On Flower the run config reaches every ClientApp: an explicit --dp-noise-seed would let a
+    client subtract the central noise (in local mode it would key nothing), so hiso flower refuses
+    it in one line, exit 2, before anything starts; so do the library's entry points and the
+    ServerApp itself. Without it a run goes on (the ServerApp draws the key)."""
+    import hiso.flower.launch as launch
+    from hiso.flower.app import Settings, make_apps
+    from hiso.flower.records import noise_seed_refusal
+    from hiso.flower.sim import run_simulation
+    from cli_helpers import run_cli
+
+    def started(*a, **k):
+        raise AssertionError("Flower was started")
+
+    monkeypatch.setattr(launch.LocalFederation, "start", started)
+    monkeypatch.setattr("flwr.simulation.run_simulation", started)
+    out = tmp_path / "f"
+    for extra in ([], ["--simulation"]):
+        code, _, err = run_cli(["flower", "--out", str(out), "--rounds", "2", "--dp-clip", "1", "--dp-noise-multiplier",
+                                "1", "--dp-noise-seed", "5", "--dp-mode", mode, *extra], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "--dp-noise-seed is not for Flower" in err, err
+        assert ("subtract the central noise" if mode == "central" else "key nothing") in err
+    assert not out.exists()
+    cfg = RunConfig(**{**CFG, "secagg": False, "dp_clip": 1.0, "dp_noise_multiplier": 1.0, "dp_noise_seed": 5,
+                       "dp_mode": mode})
+    for call in (lambda: launch.run_local(cfg, out, 3), lambda: run_simulation(cfg, out),
+                 lambda: make_apps(cfg, Settings(out_dir=str(out)))[0]._main(None, None)):
+        with pytest.raises(ValueError, match="dp-noise-seed is not for Flower"):
+            call()
+    assert not out.exists()
+    assert noise_seed_refusal(cfg.model_copy(update={"dp_noise_seed": None})) is None
 
 
 def test_secagg_quantisation_changes_little(tmp_path):

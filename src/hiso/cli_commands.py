@@ -92,7 +92,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             bar.write(f"hiso: {note}", file=sys.stderr)
         if bar.n == 0 and row["round"] > 1:  # a resumed run
             bar.update(row["round"] - 1)
-        post = {"loss": f"{row['train_loss']:.4g}"}
+        post = {"loss": f"{row['train_loss']:.4g}"} if row["train_loss"] is not None else {}  # (None under DP)
         for k in ("eval_acc", "gap"):
             if k in row:
                 post[k] = f"{row[k]:.4g}"
@@ -308,6 +308,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
                      "not --byzantine-per-round or random")
     if cfg.secagg and args.worker:
         return _fail("--secagg runs without --worker: SecAgg+ needs the ClientApp itself to answer")
+    from .flower.records import noise_seed_refusal
+    if why := noise_seed_refusal(cfg):
+        return _fail(why)
     nodes = cfg.clients if args.nodes is None else args.nodes
     if not args.simulation and not 1 <= nodes <= cfg.clients:
         return _fail(f"--nodes must be 1 to --clients ({cfg.clients}): node i serves partition i; got {nodes}")

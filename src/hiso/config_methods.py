@@ -181,23 +181,26 @@ class MethodRules:
 
     @property
     def dp_noise(self) -> float | None:
-        """The DP noise multiplier: as given, or solved from dp_epsilon (None without DP)."""
+        """The DP noise multiplier: as given, or solved from dp_epsilon (None without DP): the
+        smallest z at which the client sampled most often in the run's own sample (drawn from
+        the run seed as the server will draw it) spends at most dp_epsilon, without amplification
+        by sampling (the sample is public: :mod:`hiso.methods.privacy`, "Planning")."""
         if self.dp_clip is None:
             return None
         if self.dp_noise_multiplier is not None:
             return self.dp_noise_multiplier
-        return _solved_noise(self.dp_epsilon, self.rounds, self.dp_delta, self.clients, self.sampled, self.dp_mode)
+        return _solved_noise(self.dp_epsilon, self.rounds, self.dp_delta, self.clients, self.sampled, self.seed)
 
-    def dp_spent(self, rounds: int, participations: int | None = None) -> float | None:
-        """Epsilon at dp_delta after ``rounds`` rounds (None without DP or without a delta)."""
+    def dp_spent(self, participations: int) -> float | None:
+        """Epsilon at dp_delta of a client that took part in ``participations`` rounds, against a
+        reader who knows the sample (None without DP or without a delta)."""
         if self.dp_clip is None or self.dp_delta is None:
             return None
-        from .methods.privacy import epsilon
-        return epsilon(self.dp_noise, rounds, self.dp_delta, clients=self.clients, sampled=self.sampled,
-                       mode=self.dp_mode, participations=participations)
+        from .methods.privacy import epsilon_spent
+        return epsilon_spent(self.dp_noise, participations, self.dp_delta)
 
 
 @functools.lru_cache(maxsize=64)
-def _solved_noise(eps: float, rounds: int, delta: float, clients: int, sampled: int, mode: str) -> float:
-    from .methods.privacy import noise_for
-    return noise_for(eps, rounds, delta, clients=clients, sampled=sampled, mode=mode)
+def _solved_noise(eps: float, rounds: int, delta: float, clients: int, sampled: int, seed: int) -> float:
+    from .methods.privacy import noise_for, planned_participations
+    return noise_for(eps, planned_participations(seed, clients, sampled, rounds), delta)

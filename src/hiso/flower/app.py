@@ -37,6 +37,7 @@ from ..config import RunConfig
 from .client_app import (_note_timing, _trajectory, _wire, accept_welcome, attacked, handle_query, handle_train,  # noqa: F401
                          open_replica, query_fields, train_fields)
 from .records import DEFAULT_STATE_DIR, REC, Settings, _cfg_json, _partition, _task_for  # noqa: F401
+from .records import noise_seed_refusal
 from .server_app import FlowerFederation, serve_zo  # noqa: F401
 
 
@@ -80,6 +81,8 @@ def make_apps(cfg: RunConfig | None = None, settings: Settings | None = None):
     @server_app.main()
     def _main(grid, context) -> None:
         c = cfg_of(context)
+        if why := noise_seed_refusal(c):  # the ClientApps read the same configuration
+            raise ValueError(why)
         if c.threads is not None:
             import torch
             torch.set_num_threads(c.threads)

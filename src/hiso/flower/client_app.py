@@ -14,6 +14,7 @@ from ..core.client import Client
 from ..core.messages import (Hello, MessageError, Wire, check_welcome, decode_uplink, decode_welcome, encode_hello,
                              tensors_fingerprint)
 from ..core.state import ModelState
+from ..methods.privacy import reports_loss
 
 from .records import REC, _cfg_json, _partition, _records, _state_dir, _task_for, log
 
@@ -112,6 +113,7 @@ def answer_open(cfg: RunConfig, task, rep, pid: int, down: bytes) -> bytes | Non
     has one), or None when the history starts after the round it holds (nothing changed).
     The ClientApp (:func:`train_fields`) and the node's worker (:mod:`hiso.flower.worker`) share it."""
     client = Client(pid, rep.state, task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.perturb_mode,
+                    report_loss=reports_loss(cfg.zo().dp),  # under DP no loss leaves the node
                     wire=_wire(cfg, rep), batch_memory=cfg.batch_memory_bytes)
     rep.begin()
     try:

@@ -283,7 +283,11 @@ class LocalFederation:
     def submit(self, cfg: RunConfig, out_dir: str | Path, *, round_timeout: float = 30.0,
                min_nodes: int | None = None, wait_nodes_s: float = 60.0, resume: bool = False) -> str:
         """``flwr run`` the app with ``cfg``; returns the run id (the run goes on in the federation).
-        ``resume``: ``out_dir`` holds an interrupted run of ``cfg`` (its ServerApp died): continue it."""
+        ``resume``: ``out_dir`` holds an interrupted run of ``cfg`` (its ServerApp died): continue it.
+        A DP noise key in ``cfg`` is refused (the run config reaches every ClientApp)."""
+        from .records import noise_seed_refusal
+        if why := noise_seed_refusal(cfg):
+            raise ValueError(why)
         over = self.workdir / f"run-{time.time_ns()}.toml"
         import tomli_w
         over.write_text(tomli_w.dumps({

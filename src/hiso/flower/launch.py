@@ -25,6 +25,9 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
     round logged)."""
     if not 1 <= nodes <= cfg.clients:
         raise ValueError(f"need 1 to {cfg.clients} nodes (node i serves partition i), got {nodes}")
+    from .records import noise_seed_refusal
+    if why := noise_seed_refusal(cfg):
+        raise ValueError(why)
     if worker and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm}: per-node workers serve the scalar-only algorithms (hiso, decomfl)")
     if cfg.clients != nodes:

@@ -38,7 +38,8 @@ class LoopbackGrid:
     def __init__(self, cfg: RunConfig, state_dir: Path, nodes: dict[int, int]):
         from flwr.app import Context, RecordDict
         from .app import make_apps
-        _, self.app = make_apps(cfg)
+        # the nodes never get the DP noise key (hiso.flower.records.noise_seed_refusal): the server keeps it
+        _, self.app = make_apps(cfg.model_copy(update={"dp_noise_seed": None}))
         self.nodes = dict(nodes)  # node id -> partition
         self.contexts = {nid: Context(run_id=1, node_id=nid, node_config={"partition-id": pid,
                                                                          "state-dir": str(state_dir)},

@@ -33,6 +33,20 @@ class Settings:
     poll_s: float = 0.1  # how often replies are pulled from the SuperLink
     resume: bool = False  # out_dir holds an interrupted run of this config: continue it
 
+def noise_seed_refusal(cfg: RunConfig) -> str | None:
+    """Why ``cfg`` cannot run on Flower (None: it can): an explicit DP noise key travels in the run
+    config, which every ClientApp reads, so a client could subtract the central noise (in local
+    mode it would key nothing: each node draws its own secret). Without it the ServerApp draws
+    the key and keeps it in its run directory (DIR/dp_secret.json), never sent."""
+    if cfg.dp_clip is None or cfg.dp_noise_seed is None:
+        return None
+    why = ("the run config carries it to every ClientApp, which could then subtract the central noise"
+           if cfg.dp_mode == "central" else "in local mode each node keys its own noise with a secret it draws, "
+           "so it would key nothing")
+    return (f"--dp-noise-seed is not for Flower: {why}; leave it out (the ServerApp draws the key and keeps it in "
+            "DIR/dp_secret.json; hiso run --dp-noise-seed KEY replays a run's noise)")
+
+
 def _records(content):
     from flwr.app import ConfigRecord, RecordDict
     return RecordDict({REC: ConfigRecord(content)})

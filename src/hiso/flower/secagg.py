@@ -13,9 +13,10 @@ whose ``step`` goes through the workflow):
    pulls as hiso's ServerApp does (0.1 s polls, the round timeout per stage, suspects),
    instead of ``Grid.send_and_receive``'s 3 s polls.
 3. The ClientApp (:mod:`hiso.flower.secagg_client`: ``handle_train_secagg``, behind ``secagg_mod``) answers the
-   ``FitIns`` as a legacy ``FitRes`` whose parameters are its tau x P scalars and its loss on
-   secure aggregation's grid (:mod:`hiso.methods.secagg`: float64 multiples of the step, so
-   Flower's quantiser lands on integers exactly); the mod masks them and clears the arrays.
+   ``FitIns`` as a legacy ``FitRes`` whose parameters are its tau x P scalars and its loss
+   (not under DP: no loss leaves a client there) on secure aggregation's grid
+   (:mod:`hiso.methods.secagg`: float64 multiples of the step, so Flower's quantiser lands on
+   integers exactly); the mod masks them and clears the arrays.
 4. The workflow unmasks the sum of the survivors' answers (dropped clients' masks rebuilt from
    ``threshold`` shares) and passes its dequantised mean to the strategy's ``aggregate_fit``;
    the server recovers the exact integer sum from it (:func:`hiso.methods.secagg.sum_from_mean`)
@@ -141,7 +142,7 @@ class SecureSum:
 
     answered: tuple[int, ...]
     total: np.ndarray
-    loss_total: int
+    loss_total: int | None  # None under DP: no answer carries a loss
 
 
 class SecAggFederation(FlowerFederation):
@@ -181,15 +182,17 @@ class SecAggFederation(FlowerFederation):
         arrays = parameters_to_ndarrays(strategy.results[0][1].parameters)
         n = len(answered)
         total = sum_from_mean(arrays[0], n, g).reshape(self.server.shape)
-        return SecureSum(tuple(answered), total, int(sum_from_mean(arrays[1], n, g)[0]))
+        loss = int(sum_from_mean(arrays[1], n, g)[0]) if len(arrays) > 1 else None
+        return SecureSum(tuple(answered), total, loss)
 
-    def step(self) -> float:
+    def step(self) -> float | None:
         wire = self.server.wire
         for _ in range(self.settings.max_replans + 1):
             t0 = time.perf_counter()
             self.refresh_nodes()
             t1 = time.perf_counter()
             plan = self.server.plan()
+            self.check_budget(plan)
             fitins = {}
             for pid in plan.participants:
                 nid = self.node_of.get(pid)
@@ -207,9 +210,11 @@ class SecAggFederation(FlowerFederation):
                 continue
             for pid in got.answered:  # the bytes of the answer as the protocol counts it (hiso run's)
                 self.comm.up[pid] += len(encode_uplink(Uplink(pid, plan.round, np.zeros(wire.shape, np.float32),
-                                                              0.0, plan.attempt), wire))
+                                                              self._loss_slot, plan.attempt), wire))
             rec = self.server.close_secure(got.answered, got.total)
             self._apply(rec, plan, (t0, t1, t2), secagg_stages=self._stages)
+            if got.loss_total is None:  # DP: no client sent its loss
+                return None
             return mean_loss(got.loss_total, len(got.answered), self.grid_cfg)
         raise RuntimeError(f"round {self.server.round}: no secure sum closed in "
                            f"{self.settings.max_replans + 1} attempts")

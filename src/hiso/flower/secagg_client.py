@@ -46,14 +46,17 @@ def secagg_mod(msg, ctxt, call_next):
 
 def answer_fitres(cfg: RunConfig, up: bytes) -> FitRes:
     """A node's encoded uplink as the ``FitRes`` SecAgg+ masks: its scalars (clipped to the DP
-    norm first, central DP) and its loss on the grid, float64, one array each."""
+    norm first, central DP) and its loss on the grid, float64, one array each; under DP the
+    uplink carries no loss, and the answer no loss array."""
     grid = cfg.secagg_config
     u = decode_uplink(up, Wire.of(cfg.zo(), cfg.seed))
     if grid.clipped(u.scalars):
         log.warning("partition %d, round %d: %d scalars outside +-%g were clipped (raise secagg_clip)",
                     u.client, u.round, grid.clipped(u.scalars), grid.clip)
     levels = answer_levels(u.scalars, grid, cfg.zo().dp)  # raises on a non-finite scalar: the node drops out
-    arrays = [grid.values(levels).ravel(), grid.values([loss_level(u.loss, grid)])]
+    arrays = [grid.values(levels).ravel()]
+    if u.loss is not None:  # (never under DP: hiso.methods.privacy.reports_loss)
+        arrays.append(grid.values([loss_level(u.loss, grid)]))
     return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), 1,
                   {"client": u.client, "round": u.round, "attempt": u.attempt})
 

@@ -16,6 +16,8 @@ from ..config import RunConfig
 from ..core.history import RoundRecord
 from ..core.messages import MessageError, decode_hello, decode_uplink, encode_downlink, encode_welcome, welcome_for
 from ..core.state import ModelState
+from ..methods.privacy import reports_loss
+from ..runners.accounting import privacy_ledger
 from ..runners.common import Comm, metric_rows
 from ..runners.simulate import protocol_server
 from ..tasks.base import Task
@@ -46,6 +48,8 @@ class FlowerFederation:
                                       self.cfg.aggregate, self.cfg.trim, noise_seed=self.cfg.dp_noise_seed,
                                       secagg=self.cfg.secagg_config)
         self.welcome = encode_welcome(welcome_for(self.zo, self.cfg.seed, self.state.params))
+        self.privacy = privacy_ledger(self.cfg)  # DP: participations, the epsilon reported, the budget
+        self._loss_slot = 0.0 if reports_loss(self.zo.dp) else None  # an answer's loss, for its size only
         self.comm = Comm.zeros(M)
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
@@ -127,6 +131,8 @@ class FlowerFederation:
         self.state.apply(rec)
         if self.on_record is not None:
             self.on_record(rec)
+        if self.privacy is not None:
+            self.privacy.record(rec)
         t0, t1, t2 = times
         self.timings.append({"round": rec.round, "nodes_s": t1 - t0, "send_and_receive_s": t2 - t1,
                              "aggregate_apply_s": time.perf_counter() - t2, "participants": list(rec.participants),
@@ -197,12 +203,21 @@ class FlowerFederation:
             self._suspects.discard(rep.metadata.src_node_id)
         return out
 
-    def step(self) -> float:
+    def check_budget(self, plan) -> None:
+        """Under a DP budget: stop before the planned round if it would take a participant past it."""
+        if self.privacy is not None and (why := self.privacy.refusal(plan.participants)) is not None:
+            from ..runners.simulate import PrivacyBudgetSpent
+            raise PrivacyBudgetSpent(why)
+
+    def step(self) -> float | None:
+        """One round over the grid; the answers' mean training loss (None under DP: no answer
+        carries one)."""
         for _ in range(self.settings.max_replans + 1):
             t0 = time.perf_counter()
             self.refresh_nodes()
             t1 = time.perf_counter()
             plan = self.server.plan()
+            self.check_budget(plan)
             replies = self._send(plan.round, plan.participants)
             behind = [pid for pid, r in replies.items() if "behind" in r]
             for pid in behind:  # its replica is older than we thought: resend from its round
@@ -232,27 +247,21 @@ class FlowerFederation:
                 log.warning("round %d: no valid answer from %s; planning it again", plan.round, list(plan.participants))
                 continue
             self._apply(rec, plan, (t0, t1, t2))
+            if self._loss_slot is None:
+                return None
             return float(np.mean([u.loss for u in ups if u.loss is not None] or [np.nan]))
         raise RuntimeError(f"round {self.server.round}: no client answered in {self.settings.max_replans + 1} attempts")
 
     # -- the simulator's interface
     def run(self, rounds: int, start: int = 0, wall: float = 0.0):
         self.wait_for_nodes()
-        from ..runners.rundir import privacy_budget, privacy_metrics
-        from ..runners.simulate import PrivacyBudgetSpent
-        privacy, budget, every = privacy_metrics(self.cfg), privacy_budget(self.cfg), self.cfg.eval_every
-
-        def step() -> float:  # under DP, as the simulator: stop before a round past the budget
-            why = budget(self.server.round + 1) if budget is not None else None
-            if why is not None:
-                raise PrivacyBudgetSpent(why)
-            return self.step()
+        every = self.cfg.eval_every
 
         def extra() -> dict:  # the DP figures of an evaluated row, as the simulator's
             r = self.server.round
-            return privacy(r) if privacy is not None and (r % every == 0 or r == rounds) else {}
+            return self.privacy.row() if self.privacy is not None and (r % every == 0 or r == rounds) else {}
 
-        return metric_rows(self.task, self.state.model, self.comm, step, rounds, every, start=start, wall=wall,
+        return metric_rows(self.task, self.state.model, self.comm, self.step, rounds, every, start=start, wall=wall,
                            extra=extra)
 
     def resume(self, records: list[RoundRecord], start: dict | None = None) -> None:
@@ -276,9 +285,11 @@ class FlowerFederation:
                 self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
                 if cid in rec.participants:
                     # its size only (FeedSign: the logged vote may be 0, which no client sends)
-                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt), wire,
-                                                           check=False))
+                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, self._loss_slot,
+                                                                  rec.attempt), wire, check=False))
             self.server.close_logged(rec)
+            if self.privacy is not None:
+                self.privacy.record(rec)
             if rec.round >= first:
                 self.state.apply(rec)
 

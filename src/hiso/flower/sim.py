@@ -29,6 +29,9 @@ def run_simulation(cfg: RunConfig, out: str | Path, *, num_nodes: int | None = N
     """Run ``cfg`` on ``num_nodes`` (default ``cfg.clients``) virtual nodes into ``out``."""
     from flwr.simulation import run_simulation as flwr_run_simulation
 
+    from .records import noise_seed_refusal
+    if why := noise_seed_refusal(cfg):  # every virtual ClientApp gets cfg
+        raise ValueError(why)
 
     for k, v in {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
                  "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}.items():

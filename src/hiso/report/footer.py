@@ -21,8 +21,11 @@ def _privacy_of(runs) -> dict | None:
     priv = [r.summary.get("privacy") for r in runs if r.summary.get("privacy")]
     if not priv:
         return None
-    spent = [p["epsilon"] for p in priv if p.get("epsilon") is not None]
-    return {**priv[0], "epsilon": max(spent) if spent else None}
+    spent = [p for p in priv if p.get("epsilon") is not None]
+    most = max(spent, key=lambda p: p["epsilon"]) if spent else {**priv[0], "epsilon": None}
+    # a noise solved from dp_epsilon is each seed's own (solved for its sample): name the range
+    z = [p["noise_multiplier"] for p in priv if p.get("noise_multiplier") is not None]
+    return {**most, "noise_multipliers": (min(z), max(z)) if z else None}
 
 
 _FAULTS = (("drop_rate", "lost"), ("late_rate", "late"), ("duplicate_rate", "duplicated"), ("corrupt_rate", "damaged"))
@@ -65,10 +68,16 @@ def privacy_lines(table: Table) -> list[str]:
         p = r.privacy
         if not p:
             continue
-        spent = (f"({p['epsilon']:.3g}, {p['delta']:g})-DP over the run" if p.get("epsilon") is not None
-                 else "no epsilon (no delta given)")
+        spent = "no epsilon (no delta given)"
+        if p.get("epsilon") is not None:
+            spent = f"({p['epsilon']:.3g}, {p['delta']:g})-DP over the run"
+            if p.get("participations_max") is not None:  # (summaries before the public-sample accounting: none)
+                spent += (f" for its most-sampled client ({p['participations_max']} rounds), against a reader who "
+                          "knows who took part")
+        lo, hi = p.get("noise_multipliers") or (p["noise_multiplier"],) * 2
+        z = f"{lo:.4g}" if lo == hi else f"{lo:.4g}-{hi:.4g} (solved per seed)"
         lines.append(f"- privacy: {display_name(r.name)} ran with {p['mode']} differential privacy: scalars clipped "
-                     f"at {p['clip']:g}, noise multiplier {p['noise_multiplier']:.4g}; {spent}.")
+                     f"at {p['clip']:g}, noise multiplier {z}; {spent}.")
     return lines
 
 

@@ -119,7 +119,10 @@ def summary_at(run_dir: Path, config: dict, rows: list[dict], summary: dict | No
                          "s_per_round": row.get("client_s", 0.0) / n, **mem}
     if config.get("dp_clip") is not None:
         from ..runners.runfiles import saved_config
+        from ..runners.accounting import ledger_of_run
         cfg = saved_config(run_dir)[0]
-        out["privacy"] = {"mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise,
-                          "delta": cfg.dp_delta, "epsilon_budget": cfg.dp_epsilon, "epsilon": cfg.dp_spent(rnd)}
+        ledger = ledger_of_run(run_dir, cfg, rnd)  # participations of the rounds logged so far
+        out["privacy"] = (ledger.summary() if ledger is not None else  # (an unreadable log: no epsilon)
+                          {"mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise,
+                           "delta": cfg.dp_delta, "epsilon_budget": cfg.dp_epsilon, "epsilon": None})
     return out

@@ -103,8 +103,12 @@ def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
         meta["metrics_logged_at_round"] = logged
     cfg = rm.cfg
     if cfg.dp_clip is not None:  # a released model says what privacy it was trained under, at its round
+        from .accounting import THREAT_MODEL, ledger_of_run
+        ledger = ledger_of_run(rm.run_dir, cfg, rm.round)  # the worst client of the rounds it holds
         meta["privacy"] = {"mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise,
-                           "delta": cfg.dp_delta, "epsilon": cfg.dp_spent(rm.round)}
+                           "delta": cfg.dp_delta, "threat_model": THREAT_MODEL,
+                           "epsilon": ledger.epsilon() if ledger is not None else None,
+                           "participations_max": ledger.worst()[1] if ledger is not None else None}
     return meta
 
 
@@ -132,8 +136,9 @@ def model_card(meta: dict, info: dict) -> str:
         lo = meta["lora"]
         lines.append(f"- LoRA r = {lo['r']}, alpha = {lo['alpha']:g}, targets {', '.join(lo['targets'])}")
     if dp := meta.get("privacy"):
-        spent = (f"({dp['epsilon']:.3g}, {dp['delta']:g})-DP at round {meta['round']}" if dp["epsilon"] is not None
-                 else "no epsilon reported (no delta given)")
+        spent = (f"({dp['epsilon']:.3g}, {dp['delta']:g})-DP at round {meta['round']} for the client that took part "
+                 f"in the most rounds ({dp['participations_max']}), against a reader who knows who took part"
+                 if dp["epsilon"] is not None else "no epsilon reported (no delta given)")
         lines.append(f"- differential privacy ({dp['mode']}): scalars clipped at {dp['clip']:g}, noise multiplier "
                      f"{dp['noise_multiplier']:.4g}; {spent}")
     for k, v in meta.get("metrics_logged_at_round", {}).items():

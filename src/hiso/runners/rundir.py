@@ -3,7 +3,7 @@
 DIR/config.json     the resolved configuration
 DIR/metrics.jsonl   one row per round (row 0: the initial evaluation), flushed as it goes
 DIR/history.bin     the server's log (aggregated scalars, attempt and participants per round)
-DIR/summary.json    final and best metrics, communication per client, time and memory
+DIR/summary.json    final and best metrics, communication per client, time and memory (DP: privacy)
 DIR/model.pt        the final server model (state dict) and, for HiSo, H
 DIR/rejections.log  every message a run with faults or attackers rejected, and why
 DIR/dp_secret.json  the DP noise key a run with --dp-clip drew (not in config.json: it undoes the noise)
@@ -60,6 +60,7 @@ from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp
                        same_run, saved_config, write_atomic)
 from .checkpoint import FILE as CHECKPOINT
 from .checkpoint import Checkpoints, CheckpointUnusable, final_marker, keep_final, load_start
+from .accounting import ledger_of_run, privacy_ledger
 from .simulate import PrivacyBudgetSpent, Simulation
 
 
@@ -86,41 +87,12 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
                           rule=cfg.aggregate, trim=cfg.trim, faults=faults if faults.active else None,
                           attackers=attackers, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth,
                           batch_memory=cfg.batch_memory_bytes, dp_seed=cfg.dp_noise_seed,
-                          privacy=privacy_metrics(cfg), dp_budget=privacy_budget(cfg), secagg=cfg.secagg_config)
+                          privacy=privacy_ledger(cfg), secagg=cfg.secagg_config)
     if cfg.method.family == "seed-pool":
         from .fedkseed import FedKSeedSimulation
         return FedKSeedSimulation(task, cfg, on_record)
     from .fullmodel import FullModelSimulation
     return FullModelSimulation(task, cfg)
-
-
-def privacy_metrics(cfg: RunConfig) -> Callable[[int], dict] | None:
-    """round -> the DP figures of a metrics row (epsilon spent at dp_delta, the noise multiplier)."""
-    if cfg.dp_clip is None:
-        return None
-
-    def row(r: int) -> dict:
-        out = {"dp_noise_multiplier": cfg.dp_noise}
-        if cfg.dp_delta is not None:
-            out["dp_epsilon"] = cfg.dp_spent(r)
-        return out
-
-    return row
-
-
-def privacy_budget(cfg: RunConfig) -> Callable[[int], str | None] | None:
-    """round -> why the round may not run under the run's dp_epsilon (None: it may)."""
-    if cfg.dp_epsilon is None:
-        return None
-
-    def check(r: int) -> str | None:
-        spent = cfg.dp_spent(r)
-        if spent > cfg.dp_epsilon * (1 + 1e-9):
-            return (f"privacy budget spent: round {r} would reach epsilon {spent:.3g} > dp_epsilon {cfg.dp_epsilon:g} "
-                    f"at delta {cfg.dp_delta:g} (the run stops with its state saved)")
-        return None
-
-    return check
 
 
 def finite(tensors) -> bool:
@@ -346,9 +318,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                                   "model_pt": final_marker(out, cfg, state["round"])}
     if getattr(sim, "unreliable", False):
         summary["reliability"] = sim.reliability()
-    if cfg.dp_clip is not None:
-        summary["privacy"] = {"mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise,
-                              "delta": cfg.dp_delta, "epsilon_budget": cfg.dp_epsilon, "stopped": stopped,
-                              "epsilon": cfg.dp_spent(row.get("round", 0))}
+    if cfg.dp_clip is not None:  # the epsilon of the worst client, against a reader who knows the sample
+        ledger = getattr(sim, "privacy", None) or ledger_of_run(out, cfg, row.get("round", 0))
+        summary["privacy"] = ledger.summary(stopped)
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     return summary

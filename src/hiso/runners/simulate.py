@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal
+from typing import TYPE_CHECKING, Callable, Iterator, Literal
 
 import numpy as np
 import torch
@@ -39,13 +39,17 @@ from ..core.messages import (Downlink, Hello, MessageError, Uplink, decode_downl
 from ..core.perturb import Mode, Perturber
 from ..methods.secagg import SecAggConfig, loss_level, mean_loss
 from ..core.state import ModelState
-from ..methods.privacy import noise_key
+from ..methods.privacy import noise_key, reports_loss
 from ..tasks.base import Task
 from .checkpoint import start_from
 from .client_cost import ClientCost, Timer, replica_bytes
 from .common import Comm, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
 from .protocol import _Blob, protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
+
+if TYPE_CHECKING:
+    from .accounting import PrivacyLedger
+
 
 
 class PrivacyBudgetSpent(RuntimeError):
@@ -68,8 +72,8 @@ class Simulation:
     perturb_mode: Mode = "hooks"
     batch_memory: int | None = None  # batched perturb mode: bytes of stacked tensors per forward
     dp_seed: int | None = None  # DP: the secret key of the noise (None: a fresh secret)
-    privacy: Callable[[int], dict] | None = None  # DP: round -> {"dp_epsilon": ...} for the metrics rows
-    dp_budget: Callable[[int], str | None] | None = None  # DP: why round r may not run (budget spent), or None
+    # DP: the run's ledger (hiso.runners.accounting.PrivacyLedger): participations, epsilon, budget
+    privacy: PrivacyLedger | None = None
     weighted: bool = False
     eval_every: int = 10
     on_record: Callable[[RoundRecord], None] | None = None
@@ -87,6 +91,8 @@ class Simulation:
             raise ValueError(f"mode must be 'fast' or 'faithful', got {self.mode!r}")
         M = self.task.num_clients
         self.dp_seed = noise_key(self.dp_seed)
+        self.report_loss = reports_loss(self.zo.dp)  # under DP no answer carries its loss
+        self._loss_slot = 0.0 if self.report_loss else None  # the loss of an answer counted for its size only
         self.state = ModelState(self.task.build_model(), self.zo, run_seed=self.seed)  # the server's x_r, for evaluation
         self.server = protocol_server(self.task, self.zo, self.clients_per_round, self.seed, self.weighted,
                                       self.state, self.snapshot_after, self.bandwidth, self.rule, self.trim,
@@ -121,7 +127,8 @@ class Simulation:
         if cid not in self.clients:
             st = ModelState(self.task.build_model(), self.zo, run_seed=self.seed)
             self.clients[cid] = Client(cid, st, self.task.loss, self._batch_fn(cid), self.perturb_mode,
-                                      batch_memory=self.batch_memory, dp_seed=self.dp_seed)
+                                      report_loss=self.report_loss, batch_memory=self.batch_memory,
+                                      dp_seed=self.dp_seed)
             self.clients[cid].join(self.welcome)
         return self.clients[cid]
 
@@ -130,7 +137,7 @@ class Simulation:
         as the client would after catching up), by the same function as :meth:`Client.train`."""
         with Timer() as t:
             up, work = answer_work(cid, self.state, self.perturber, self.task.loss, self._batch_fn(cid), msg,
-                                   dp_seed=self.dp_seed)
+                                   self.report_loss, dp_seed=self.dp_seed)
         self.cost.add(work, t.s)
         return up
 
@@ -149,18 +156,29 @@ class Simulation:
         r, shape = self.state.round, self.zo.shape
         msg = Downlink(r, np.arange(1, shape[0] * shape[1] + 1, dtype=np.uint64).reshape(shape), r)
         self.cost.measure(lambda: answer_work(0, self.state, self.perturber, self.task.loss, self._batch_fn(0), msg,
-                                              dp_seed=self.dp_seed),
+                                              self.report_loss, dp_seed=self.dp_seed),
                           replica_bytes(self.state), self.state.params[0].device if self.state.params else "cpu")
 
-    def step(self) -> tuple[RoundRecord, float]:
-        """One round; returns its record and the participants' mean training loss."""
-        if self.dp_budget is not None:
-            why = self.dp_budget(self.server.round + 1)
-            if why is not None:
-                raise PrivacyBudgetSpent(why)
+    def _check_budget(self, plan) -> None:
+        """Under a DP budget: stop before the planned round if it would take a participant past it."""
+        if self.privacy is not None and (why := self.privacy.refusal(plan.participants)) is not None:
+            raise PrivacyBudgetSpent(why)
+
+    def _logged(self, rec: RoundRecord) -> None:
+        """A closed round: applied to the server's model, logged, counted in the DP ledger."""
+        self.state.apply(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+        if self.privacy is not None:
+            self.privacy.record(rec)
+
+    def step(self) -> tuple[RoundRecord, float | None]:
+        """One round; returns its record and the participants' mean training loss (None under DP:
+        no answer carries one)."""
         if self.unreliable:
             return self._step_unreliable()
         plan = self.server.plan()
+        self._check_budget(plan)
         wire = self.server.wire
         uplinks: list[Uplink] = []
         for cid in plan.participants:
@@ -176,14 +194,14 @@ class Simulation:
             self.comm.up[cid] += len(up)
             uplinks.append(decode_uplink(up, wire, expect_round=plan.round))
         rec = self.server.aggregate(uplinks)
-        self.state.apply(rec)
-        if self.on_record is not None:
-            self.on_record(rec)
+        self._logged(rec)
         return rec, self._mean_loss([u.loss for u in uplinks])
 
-    def _mean_loss(self, losses: list) -> float:
+    def _mean_loss(self, losses: list) -> float | None:
         """The participants' mean training loss; under secure aggregation the mean of their grid
-        levels, as a secure sum gives it (:mod:`hiso.methods.secagg`)."""
+        levels, as a secure sum gives it (:mod:`hiso.methods.secagg`); None under DP."""
+        if not self.report_loss:
+            return None
         if self.secagg is not None:
             return mean_loss(sum(loss_level(x, self.secagg) for x in losses), len(losses), self.secagg)
         return float(np.mean(losses))
@@ -238,7 +256,7 @@ class Simulation:
             if fate != "ok":
                 self.totals[fate] += 1
             if fate == "drop" and self.mode == "fast":  # lost anyway; a faithful client computes it
-                lost = Uplink(cid, plan.round, np.zeros(wire.shape, np.float32), 0.0, plan.attempt)
+                lost = Uplink(cid, plan.round, np.zeros(wire.shape, np.float32), self._loss_slot, plan.attempt)
                 # its size only (FeedSign's wire refuses zeros as signs when checked)
                 self.comm.up[cid] += len(encode_uplink(lost, wire, check=False)) + (4 if self.sealed else 0)
                 continue
@@ -278,6 +296,7 @@ class Simulation:
         decodable, self.round_out_of_sync = self.totals["corrupt_decodable"], 0
         while True:
             plan = self.server.plan()
+            self._check_budget(plan)
             # late answers arrive once their round has closed. (Not in a re-planned attempt of the
             # same round: an uplink names its round by number only, so an answer to the earlier
             # attempt's seeds would pass for a valid one; Flower matches replies to messages.)
@@ -293,9 +312,7 @@ class Simulation:
             log.info("row %d (round %d): no valid answer (or fewer than secure aggregation's threshold), planned again", plan.round + 1, plan.round)
             if replanned >= 1000:
                 raise RuntimeError(f"round {plan.round}: no valid answer in 1000 attempts")
-        self.state.apply(rec)
-        if self.on_record is not None:
-            self.on_record(rec)
+        self._logged(rec)
         for code, n in rejected.items():
             self.totals["rejected_" + code] += n
         self.round_stats = {"participants": len(rec.participants), "rejected": dict(sorted(rejected.items())),
@@ -340,7 +357,7 @@ class Simulation:
             r = self.server.round
             row = dict(self.round_stats) if self.unreliable else {}
             if self.privacy is not None and (r % self.eval_every == 0 or r == rounds):
-                row.update(self.privacy(r))
+                row.update(self.privacy.row())
             return row
 
         return metric_rows(self.task, self.state.model, self.comm, lambda: self.step()[1], rounds, self.eval_every,
@@ -389,8 +406,8 @@ class Simulation:
                         return self._live_answer(cid, down, attack, fate)
                     if self.mode == "faithful":  # it computed (and was checked) in the run
                         self.sync_checks += 1
-                    return encode_uplink(Uplink(cid, self.server.round, np.zeros(wire.shape, np.float32), 0.0,
-                                                self.server.planned.attempt), wire, check=False)
+                    return encode_uplink(Uplink(cid, self.server.round, np.zeros(wire.shape, np.float32),
+                                                self._loss_slot, self.server.planned.attempt), wire, check=False)
 
                 plan = self.server.plan_logged(rec, on_plan=lambda p: self._send(p, replayed))
             else:
@@ -398,13 +415,15 @@ class Simulation:
                 for cid in plan.participants:
                     self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
                     if cid in rec.participants:  # its size only (FeedSign: the logged vote may be 0, no sign)
-                        self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, 0.0, rec.attempt),
-                                                               wire, check=False))
+                        self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, self._loss_slot,
+                                                                      rec.attempt), wire, check=False))
             if self.mode == "faithful":
                 for cid in plan.participants:
                     if last.get(cid) == rec.round:  # the replica at rec.round
                         self.client(cid).state.load_state_dict(self.state.state_dict())
             self.server.close_logged(rec)
+            if self.privacy is not None:
+                self.privacy.record(rec)
             if rec.round >= first:
                 self.state.apply(rec)
 
