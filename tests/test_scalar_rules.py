@@ -146,10 +146,9 @@ def test_float16_overflow_past_the_last_tie_is_refused():
         encode_scalars(np.array([65520.0], np.float32), "float16")
 
 
-@pytest.mark.xfail(strict=True, reason="bfloat16 rounding adds 0x7FFF + lsb to the float32 bits: a NaN "
-                   "whose low 16 bits are >= 0x8000 - lsb carries into the sign bit (0x7FFFFFFF -> -0.0, "
-                   "0xFFFFFFFF -> +0.0), so it is sent as a zero instead of raising as scalars.py documents")
 def test_bfloat16_refuses_every_nan_payload():
+    """A NaN whose low 16 bits would carry into the sign under rounding (0x7FFFFFFF -> -0.0 once)
+    is still refused, not sent as a zero."""
     for bits in (0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000):
         with pytest.raises(FloatingPointError):
             encode_scalars(np.array([bits], np.uint32).view(np.float32), "bfloat16")

@@ -71,8 +71,14 @@ def _int8_encode(x32: np.ndarray) -> bytes:
 
 
 def _bf16_bits(x32: np.ndarray) -> np.ndarray:
+    """float32 to bfloat16 bits, rounded to nearest even; a NaN stays a (quiet) NaN: rounding its
+    payload could carry into the exponent and sign and make it a zero."""
     u = x32.view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+    out = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+    nan = np.isnan(x32)
+    if nan.any():
+        out[nan] = ((u[nan] >> 16) & 0x8000 | 0x7FC0).astype(np.uint16)
+    return out
 
 
 def encode_scalars(x, dtype: str, check: bool = True) -> bytes:
