@@ -25,9 +25,6 @@ STOPPED = [n for n, f in FIXTURES.items() if "stopped" in f["parts"]]
 LOGGED = [n for n in FIXTURES if n in SHORT or n in STOPPED]  # the others are full-model baselines
 BASELINES = [n for n in FIXTURES if n not in LOGGED]
 
-# what a rebuild of the run leaves out of its model.pt today: FedKSeed's rebuild writes the model,
-# not the seed pool's sums (issue 40, "one visible cost"); it may start giving them, never others
-REBUILD_GAPS = {"fedkseed": {"seed_pool"}}
 DP_CHANGED = {"train_loss", "bytes_up", "dp_participations_max", "dp_epsilon"}  # what a DP run reports otherwise since issue 41 (see below)
 DP_CHANGED_SUMMARY = {"privacy", "communication_per_client", "final_train_loss", "train_loss"}
 WALL = {"wall_s", "client_s"}  # metrics keys a resumed run may change (measured time)
@@ -129,10 +126,8 @@ def test_rebuild_gives_what_the_run_saved(tmp_path, capsys, name):
     for args, want in cases:
         out = tmp_path / "rebuilt.pt"
         _hiso(capsys, "rebuild", full, "--out", out, *args)
-        got, saved = _load(out), _load(want)
-        gap = REBUILD_GAPS.get(name, set())
-        assert gap <= saved.keys()
-        assert _differences(got, {k: v for k, v in saved.items() if k not in gap or k in got}) == []
+        got, saved = _load(out), _load(want)  # FedKSeed's seed-pool sums included
+        assert _differences(got, saved) == []
 
 
 @pytest.mark.parametrize("name", BASELINES)

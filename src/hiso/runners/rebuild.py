@@ -60,7 +60,7 @@ def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu",
     if cfg.method.family == "seed-pool":  # fold the log, then one materialisation (at most K draws)
         from .fedkseed import rebuild_pool
         rep = rebuild_pool(run_dir, cfg, _run_task_on(run_dir, cfg, info, task, device), round)
-        return rep.state, checkpoint(rep.state.state_dict(), info)
+        return rep.state, checkpoint(rep.state_dict(), info)  # the pool state too, as the run's model.pt
     state, _, _, info, records = start_replica(run_dir, task, device)
     state.replay(logged_rounds(records, round, run_dir))
     return state, checkpoint(state.state_dict(), info)
