@@ -40,7 +40,9 @@ INTRO = """\
 by hand; tests/test_docs.py fails when this page differs from what the code generates. -->
 
 Every `hiso` command with its own flags, then the [run options](#run-options) that `hiso run`,
-`hiso compare` and `hiso flower` share. `hiso COMMAND --help` prints the same meanings.
+`hiso compare` and `hiso flower` share. `hiso COMMAND --help` prints the same meanings: a run
+option's is the `Field(description=...)` of `RunConfig` in `hiso/config.py`, so flag, TOML key,
+`--help` and this page share one source.
 
 Options take effect or are refused: a task option the task does not read (`--lora-r` on MNIST,
 `--data-dir` without `--task`, `--eval-max` on the quadratic) is refused in one line, and a new
