@@ -1,7 +1,13 @@
-"""The documentation stays true: docs/cli.md is what the code generates."""
+"""The documentation stays true: docs/cli.md is what the code generates, and the site builds
+with --strict (a broken link, anchor or API reference fails)."""
 
+import importlib.util
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 
 from hiso import docgen
 
@@ -30,3 +36,17 @@ def test_check_flag_reports_a_stale_page(tmp_path):
     assert docgen.main(["--check", "--out", str(page)]) == 1
     assert docgen.main(["--out", str(page)]) == 0
     assert docgen.main(["--check", "--out", str(page)]) == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
+                    reason="the docs extra is not installed (pip install -e '.[docs]')")
+def test_site_builds_strict(tmp_path):
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                        "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "site" / "index.html").is_file()
+    assert (tmp_path / "site" / "api" / "index.html").is_file()
+    assert time.monotonic() - start < 120
+

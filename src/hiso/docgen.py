@@ -208,3 +208,21 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
+
+# MkDocs hook (mkdocs.yml: hooks): the site's home page is README.md and its changelog is
+# CHANGELOG.md, each read from the repository root, so neither is copied into docs/. Their links
+# are written for GitHub (docs/x.md); on the site they are rewritten to the pages' own paths, and
+# links to files outside docs/ (examples/...) become their text.
+SITE_PAGES = {"index.md": "README.md", "changelog.md": "CHANGELOG.md"}
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    import re
+
+    source = SITE_PAGES.get(page.file.src_uri)
+    if source is None:
+        return markdown
+    text = (Path(config["config_file_path"]).parent / source).read_text()
+    text = re.sub(r"\]\(docs/", "](", text)
+    text = text.replace("](CHANGELOG.md)", "](changelog.md)")
+    return re.sub(r"\[([^\]]+)\]\((?:examples|src|configs|bench|tests)/[^)]*\)", r"\1", text)
