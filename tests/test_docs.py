@@ -38,6 +38,10 @@ def test_check_flag_reports_a_stale_page(tmp_path):
     assert docgen.main(["--check", "--out", str(page)]) == 0
 
 
+def test_readme_stays_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 220
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
                     reason="the docs extra is not installed (pip install -e '.[docs]')")
 def test_site_builds_strict(tmp_path):
@@ -50,3 +54,9 @@ def test_site_builds_strict(tmp_path):
     assert (tmp_path / "site" / "api" / "index.html").is_file()
     assert time.monotonic() - start < 120
 
+
+def test_ci_runs_the_readme_tests_command():
+    """.ci/run runs the README's tests command verbatim (the one that installs the docs extra)."""
+    ci = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.startswith("python3 -m venv")]
+    assert len(ci) == 1 and ci[0] in (ROOT / "README.md").read_text()
+    assert "docs" in ci[0]
