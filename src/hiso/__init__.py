@@ -1,6 +1,6 @@
 """hiso: federated zeroth-order fine-tuning with scalar-only communication (HiSo, DeComFL).
 
-The Python API (see :mod:`hiso.api` and the README's "Python API"): subclass :class:`Task`
+The Python API (see :mod:`hiso.api` and docs/api.md): subclass :class:`Task`
 (model factory, per-client batches, loss, evaluation), then :func:`run` it into a directory,
 read its :class:`Run` (metrics, summary, model) and :func:`rebuild` the model from the log;
 :func:`federation` gives the in-process runner without files. Names are imported on first

@@ -10,9 +10,8 @@ Two sources, giving identical examples:
 
 The eval split is GLUE's / SQuAD's dev set (``validation`` on the Hub), the split papers
 report as "test" because GLUE's test labels are hidden. Text is returned exactly as stored
-(SST-2 sentences keep their tokenised spacing and trailing space, as on the Hub; the SST-2
-prompt inserts the sentence as it is, so the README lists that among the differences from
-the authors' code, which strips it).
+(SST-2 sentences keep their tokenised spacing and trailing space, as on the Hub); the language
+tasks strip each field before the template (``strip_text``, docs/llm.md), as the authors' code does.
 """
 
 from __future__ import annotations
