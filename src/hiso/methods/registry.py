@@ -190,7 +190,7 @@ register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
                            can=frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",
                                           "structured", "one-seed"}),
                            doc="seeds and one sign bit per client-step, majority vote"))
-register_method(MethodInfo("ferret", "Ferret", options=frozenset({"server_lr", "ferret"}), build=_ferret,
+register_method(MethodInfo("ferret", "Ferret", gradient="first-order", options=frozenset({"server_lr", "ferret"}), build=_ferret,
                            can=frozenset({"faults", "robust", "weighted", "backprop"}), server_lr=1.0,
                            doc="first-order local steps, K projections per block on the wire"))
 register_method(MethodInfo("fedkseed", "FedKSeed", "seed-pool", options=_ZO | {"seed_pool"},
