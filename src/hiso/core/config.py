@@ -67,6 +67,11 @@ class ZOConfig:
         return self.method is not None and self.method.uplink == "signs"
 
     @property
+    def code_bits(self) -> int:
+        """b when clients upload b-bit codes with a scale per row (a quantised sketch), else 0."""
+        return int(self.method.bits) if self.method is not None and self.method.uplink == "codes" else 0
+
+    @property
     def shape(self) -> tuple[int, int]:
         """(tau, P): the shape of a round's seeds and scalars."""
         return (self.local_steps, self.perturbations)

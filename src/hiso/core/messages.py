@@ -24,6 +24,9 @@ kind       direction  fields after ``version, kind``
 
 FeedSign (``Wire.signs``): an uplink's tau*P scalars are signs, packed 8 to a byte
 (:func:`hiso.core.scalars.pack_signs`: ceil(tau*P / 8) bytes); everything else is unchanged.
+A quantised sketch (``Wire.code_bits`` = b): an uplink's (tau, P) values are b-bit codes with
+one float32 scale per row (:func:`hiso.core.scalars.encode_codes`: 4 tau + ceil(tau*P*b / 8)
+bytes); the loss follows in the scalar dtype's loss format, the downlink is unchanged.
 
 ``n_retried`` lists the missed rounds that were planned more than once (record j of the
 history has attempt_j > 0; almost never), so a record costs its scalars and nothing else.
@@ -55,8 +58,8 @@ from .history import RoundRecord
 from .join import (FINGERPRINT_BYTES, Hello, Welcome, check_welcome, config_fingerprint, decode_hello,  # noqa: F401
                    decode_welcome, encode_hello, encode_welcome, tensors_fingerprint, welcome_for)
 from .scalars import (SCALAR_BYTES, SCALAR_DTYPES, _check_dtype, block_size, decode_blocks,  # noqa: F401
-                      decode_scalars, encode_blocks, encode_scalars, loss_dtype, pack_signs, packed_signs_size,
-                      quantize, unpack_signs)
+                      decode_codes, decode_scalars, encode_blocks, encode_codes, encode_scalars, loss_dtype,
+                      pack_signs, packed_signs_size, quantize, unpack_signs)
 from .seeds import MAX_ATTEMPT, MAX_ROUND, round_seeds, seeds_of  # noqa: F401
 from .snapshot import encode_state, load_state, state_size  # noqa: F401
 from .wire import (DOWN, HELLO, KINDS, SNAPSHOT, UP, VERSION, WELCOME, JoinError, MessageError, Wire,  # noqa: F401
@@ -198,6 +201,11 @@ def encode_uplink(msg: Uplink, wire: Wire | None = None, *, check: bool = True) 
         if check and not np.all(np.abs(msg.scalars) == 1):
             raise ValueError(f"uplink from client {msg.client}: FeedSign sends signs (+1 / -1), got other values")
         out += pack_signs(msg.scalars)
+    elif wire is not None and wire.code_bits:
+        try:
+            out += encode_codes(msg.scalars, wire.code_bits, check)
+        except ValueError as e:  # values off their grid (FloatingPointError passes through)
+            raise ValueError(f"uplink from client {msg.client}: {e}") from None
     else:
         out += encode_scalars(msg.scalars, dtype, check)
     if msg.loss is not None:  # in the scalar dtype too (monitoring only; bfloat16 beside int8)
@@ -228,6 +236,15 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
         _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
         try:
             scalars = unpack_signs(data, off, wire.n).reshape(wire.shape)
+        except ValueError as e:
+            raise MessageError(f"uplink from client {client}: {e}") from None
+        vals = decode_scalars(data, off + nb, 1, loss_dtype(wire.dtype)) if has_loss else None
+        return Uplink(client, rnd, scalars, float(vals[0]) if has_loss else None, att)
+    if wire.code_bits:  # a quantised sketch: scales and packed codes, then the loss
+        nb = wire.uplink_bytes
+        _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
+        try:
+            scalars = decode_codes(data, off, wire.tau, wire.P, wire.code_bits)
         except ValueError as e:
             raise MessageError(f"uplink from client {client}: {e}") from None
         vals = decode_scalars(data, off + nb, 1, loss_dtype(wire.dtype)) if has_loss else None
