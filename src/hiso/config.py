@@ -57,7 +57,7 @@ class RunConfig(BaseModel, MethodRules):
         "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; feedsign: seeds and one sign bit "
         "per client-step, majority vote (P = 1, central differences by default); fedkseed: a fixed pool of seed_pool "
         "seeds, (index, scalar) pairs on the wire; ferret: first-order local steps, K projections per block on "
-        "the wire; the others send the model); or your own hiso.core.method.Method subclass as module:Class or "
+        "the wire; sketch: ferret's projections as b-bit codes; the others send the model); or your own hiso.core.method.Method subclass as module:Class or "
         "path/to/file.py:Class"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
@@ -182,6 +182,9 @@ class RunConfig(BaseModel, MethodRules):
     ferret_blocks: int = Field(8, description=(
         "ferret: B, contiguous blocks of trainable tensors of about equal size, each with its own K directions (a "
         "tensor is never split: with fewer or very unequal tensors some blocks stay empty and send K zeros)"))
+    sketch_bits: int = Field(1, description=(
+        "sketch: b, the bits of each of Ferret's projections on the uplink, one scale per block (1: the scaled "
+        "sign; 2, 4, 8: a symmetric uniform grid; K and B are ferret_k and ferret_blocks)"))
     step_norm: Literal["std"] | None = Field(None, description=(
         "std: divide the global step by a moving RMS of the round's aggregated scalars, from the log alone "
         "(hiso.methods.stepnorm; hiso, decomfl, local_steps 1; default: none)"))

@@ -61,6 +61,10 @@ class MethodRules:
             self._one_seed_defaults()
         if "ferret" in info.options:
             self._ferret_checks()
+        if "sketch" in info.options:
+            from .core.scalars import CODE_BITS
+            if self.sketch_bits not in CODE_BITS:
+                raise ValueError(f"sketch_bits must be one of {', '.join(map(str, CODE_BITS))}, got {self.sketch_bits}")
         if info.family == "seed-pool":
             from .methods.fedkseed import check_pool
             check_pool(self.seed_pool)

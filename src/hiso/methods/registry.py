@@ -49,11 +49,12 @@ METHOD_OPTIONS = {
     "wire_dtype": ("wire_dtype",),
     "seed_pool": ("seed_pool", "seed_sampling"),
     "ferret": ("ferret_k", "ferret_blocks"),
+    "sketch": ("sketch_bits",),
     "zo_estimate": ("perturbations", "mu", "difference"),
 }
 _WHOSE = {"preconditioner": "HiSo's preconditioner", "server_lr": "the full-model baselines' and ferret's server step",
           "server_moments": "fedadam's and fedyogi's server moments", "server_tau": "the adaptive server optimisers'",
-          "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's", "ferret": "ferret's",
+          "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's", "ferret": "ferret's and sketch's", "sketch": "sketch's",
           "zo_estimate": "the zeroth-order estimate's"}
 
 
@@ -183,6 +184,11 @@ def _ferret(cfg):
     return FerretConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks)
 
 
+def _sketch(cfg):
+    from .sketch import SketchConfig
+    return SketchConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, cfg.sketch_bits)
+
+
 register_method(MethodInfo("hiso", "HiSo", options=_ZO | {"preconditioner"}, can=_SCALAR | {"preconditioner"},
                            doc="seeds and scalars on the wire, HiSo's Hessian-informed preconditioner"))
 register_method(MethodInfo("decomfl", "DeComFL", options=_ZO, can=_SCALAR, doc="seeds and scalars on the wire"))
@@ -190,7 +196,8 @@ register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
                            can=frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",
                                           "structured", "one-seed"}),
                            doc="seeds and one sign bit per client-step, majority vote"))
-register_method(MethodInfo("ferret", "Ferret", gradient="first-order", options=frozenset({"server_lr", "ferret"}), build=_ferret,
+register_method(MethodInfo("ferret", "Ferret", gradient="first-order", options=frozenset({"server_lr", "ferret"}),
+                           build=_ferret,
                            can=frozenset({"faults", "robust", "weighted", "backprop"}), server_lr=1.0,
                            doc="first-order local steps, K projections per block on the wire"))
 register_method(MethodInfo("fedkseed", "FedKSeed", "seed-pool", options=_ZO | {"seed_pool"},
@@ -207,3 +214,8 @@ register_method(MethodInfo("fedyogi", "FedYogi", "full-model", "first-order",
                            server_opt="yogi"))
 register_method(MethodInfo("fedadagrad", "FedAdagrad", "full-model", "first-order", _FULL | {"server_tau"},
                            frozenset({"weighted"}), server_lr=0.01, server_opt="adagrad"))
+# methods added since the table above was fixed (its order is --help's)
+register_method(MethodInfo("sketch", "Sketch", gradient="first-order",
+                           options=frozenset({"server_lr", "ferret", "sketch"}), build=_sketch,
+                           can=frozenset({"robust", "weighted", "backprop", "int8"}), server_lr=1.0,
+                           doc="first-order local steps, b-bit codes of K projections per block on the wire"))
