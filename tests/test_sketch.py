@@ -25,22 +25,25 @@ def _zo(**kw):
 # ------------------------------------------------------------------ the update, by hand
 
 
-@pytest.mark.parametrize("bits, r1, x2", [
+@pytest.mark.parametrize("bits, dtype, r1, x2", [
     # client 1's round-1 projections (0.5, -1.5): 1 bit: s = mean |p| = 1, codes (+, -) -> (1, -1);
     # client 0's (0.5, 0.5) stay (0.5, 0.5); mean (0.75, -0.25)
     # x_2 = (0.5, 0.5) - (1/2)(0.75 (1, -1) - 0.25 (1, 1)) = (0.25, 1.0)
-    (1, [[0.75, -0.25]], [[0.25, 1.0]]),
+    (1, "float32", [[0.75, -0.25]], [[0.25, 1.0]]),
+    # the same, the server's mean logged as a scaled sign (scalar_dtype sign): scale mean |.| = 0.5
+    # -> (0.5, -0.5); x_2 = (0.5, 0.5) - (1/2)(0.5 (1, -1) - 0.5 (1, 1)) = (0.5, 1.0)
+    (1, "sign", [[0.5, -0.5]], [[0.5, 1.0]]),
     # 2 bits (ternary): s = max |p| / 1 = 1.5, codes rint(1/3) = 0 and -1 -> (0, -1.5); mean (0.25, -0.5)
     # x_2 = (0.5, 0.5) - (1/2)(0.25 (1, -1) - 0.5 (1, 1)) = (0.625, 0.875)
-    (2, [[0.25, -0.5]], [[0.625, 0.875]]),
+    (2, "float32", [[0.25, -0.5]], [[0.625, 0.875]]),
     # 8 bits: a grid's scale is max |p| / 127 rounded *up* to 17 bits, so even equal values move
     # (by < 2^-17 of themselves): worked below with the scales s_a (of 0.5) and s_b (of 1.5)
-    (8, None, None),
+    (8, "float32", None, None),
 ])
-def test_two_rounds_worked_by_hand(bits, r1, x2):
+def test_two_rounds_worked_by_hand(bits, dtype, r1, x2):
     # run seed 0, B = 1, K = 2 (tests/test_ferret.py): round 0's directions are (-1, -1) twice,
     # round 1's (1, -1) and (1, 1)
-    zo = _zo(clients=2, sampled=2, lr=0.5, ferret_k=2, ferret_blocks=1, sketch_bits=bits)
+    zo = _zo(clients=2, sampled=2, lr=0.5, ferret_k=2, ferret_blocks=1, sketch_bits=bits, scalar_dtype=dtype)
     assert zo.shape == (1, 2) and zo.code_bits == bits and zo.method.server_lr == 1.0
     sim = Simulation(LinearTask(_C), zo, clients_per_round=2, seed=0, mode="faithful", eval_every=100)
     # round 0: client 0's projections are (-0.5, -0.5), client 1's (1.5, 1.5): equal values are
@@ -121,6 +124,23 @@ def test_two_bit_codes_and_what_a_decoder_refuses():
         decode_uplink(up[:-1] + bytes([0x06]), wire)
 
 
+def test_a_downlink_of_sign_records_byte_for_byte():
+    from hiso.core.history import RoundRecord
+    from hiso.core.messages import Downlink, decode_downlink, encode_downlink
+    wire = Wire(1, 2, "sign", seed=0)
+    recs = tuple(RoundRecord(r, wire.seeds(r), np.array([v], np.float32), (0, 1)) for r, v in
+                 enumerate([(0.5, 0.5), (0.5, -0.5)]))
+    data = encode_downlink(Downlink(2, wire.seeds(2), 0, recs), wire)
+    # version 2, kind 3 (down), round 2, attempt 0, 2 missed, 0 re-planned; then per record the
+    # scale 0.5 and one byte of signs (+, + -> 0b11; +, - -> 0b01): 5 bytes a record, float32's 8
+    half = struct.pack("<f", 0.5)
+    assert data == bytes([2, 3, 2, 0, 2, 0]) + half + bytes([0b11]) + half + bytes([0b01])
+    back = decode_downlink(data, wire, expect_since=0)
+    assert [r.scalars.tolist() for r in back.missed] == [[[0.5, 0.5]], [[0.5, -0.5]]]
+    with pytest.raises(MessageError, match="pad bits"):
+        decode_downlink(data[:-1] + bytes([0b101]), wire)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_quantised_values_survive_the_wire_and_a_second_quantisation(bits):
     rng = np.random.default_rng(bits)
@@ -135,10 +155,10 @@ def test_quantised_values_survive_the_wire_and_a_second_quantisation(bits):
 # ------------------------------------------------------------------ replicas and front ends
 
 
-@pytest.mark.parametrize("bits, dtype", [(1, "float32"), (4, "int8")])
+@pytest.mark.parametrize("bits, dtype", [(1, "float32"), (4, "int8"), (1, "sign"), (2, "int2"), (4, "int4")])
 def test_replicas_and_clients_that_skipped_many_rounds_match_bit_for_bit(bits, dtype):
-    # int8: the logged sketch is re-quantised once by the server (one scale a record), the same
-    # numbers in the log, the downlink and every replica
+    # int8, int4, int2, sign: the logged sketch is re-quantised once by the server (one scale a
+    # record), the same numbers in the log, the downlink and every replica
     zo = _zo(local_steps=2, ferret_k=4, ferret_blocks=3, lr=0.05, sketch_bits=bits, scalar_dtype=dtype)
     task = TinyTask(num_clients=20)
     sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,
@@ -227,6 +247,7 @@ def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatc
 @pytest.mark.parametrize("flags, msg", [
     (["--sketch-bits", "3"], "bits must be one of 1, 2, 4, 8"),
     (["--dp-clip", "1", "--dp-noise-multiplier", "1"], "differential privacy is for"),
+    (["--algorithm", "decomfl", "--scalar-dtype", "sign"], "scalar_dtype sign is for sketch, not decomfl"),
 ])
 def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):
     args = ["--task", "quadratic", "--algorithm", "sketch", *flags]

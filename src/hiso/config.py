@@ -97,9 +97,12 @@ class RunConfig(BaseModel, MethodRules):
     direction_mask: Literal["magnitude"] | None = Field(None, description=(
         "directions sparse: perturb a fixed mask, each tensor's direction_density share of largest |x_0|, "
         "chosen at round 0 from the initial model (default: a fresh random subset per direction)"))
-    scalar_dtype: Literal["float32", "float16", "bfloat16", "int8"] = Field("float32", description=(
-        "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
-        "float16/bfloat16; int8: one byte a scalar plus a float32 scale per message and per history record)"))
+    scalar_dtype: Literal["float32", "float16", "bfloat16", "int8", "int4", "int2", "sign"] = Field(
+        "float32", description=(
+            "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
+            "float16/bfloat16; int8: one byte a scalar plus a float32 scale per message and per history record; "
+            "int4, int2 (ternary), sign (1 bit, the scaled sign): that many bits a scalar plus a float32 scale per "
+            "record, sketch only: its logged sketch re-quantised by the server, a compact downlink)"))
     snapshot_after: int | None = Field(None, ge=0, description=(
         "send a client that missed more than this many rounds the server's model (and H) instead of the history "
         "(default: automatic, when the snapshot is fewer bytes, or with --bandwidth faster)"))

@@ -54,6 +54,9 @@ class MethodRules:
             raise ValueError(f"momentum is for {in_words(with_capability('momentum'))}, not {self.algorithm}")
         if self.scalar_dtype == "int8" and "int8" not in can:
             raise ValueError(f"scalar_dtype int8 is for {in_words(with_capability('int8'))}, not {self.algorithm}")
+        if self.scalar_dtype in ("int4", "int2", "sign") and "lowbit" not in can:
+            raise ValueError(f"scalar_dtype {self.scalar_dtype} is for {in_words(with_capability('lowbit'))}, not "
+                             f"{self.algorithm}")
         if self.direction_refresh is not None and "refresh" not in can:
             raise ValueError(f"direction_refresh reads the round from seeds derived per round: not for "
                              f"{self.algorithm}")

@@ -174,7 +174,10 @@ def decode_downlink(data, wire: Wire, *, expect_since: int | None = None) -> Dow
         attempts[j], prev = a, j
     k = wire.n
     _end(data, off + n * wire.record_bytes, what)
-    scal = decode_blocks(data, off, n, k, wire.dtype).reshape(n, *wire.shape)
+    try:
+        scal = decode_blocks(data, off, n, k, wire.dtype).reshape(n, *wire.shape)
+    except ValueError as e:  # a low-bit block's bad scale, code or pad bits
+        raise MessageError(f"downlink for round {rnd}: {e}") from None
     if not np.all(np.isfinite(scal)):
         raise MessageError(f"downlink for round {rnd}: non-finite scalar in its history")
     seeds = seeds_of(wire.seed, np.arange(since, rnd), attempts, *wire.shape) if n else ()

@@ -17,13 +17,22 @@ significant bits (its low 7 mantissa bits cleared), so that
 
 A block whose largest |x| is below 2^-100 is encoded as zeros (scale 0). The uplink's
 monitoring loss travels beside the int8 block as a bfloat16 (:func:`loss_dtype`).
+
+``int4``, ``int2`` and ``sign`` are the same idea at 4, 2 and 1 bits (:data:`LOWBIT_DTYPES`): a
+block is one row of the b-bit codes below (a float32 scale, then ceil(n b / 8) bytes); int4 and
+int2 a symmetric grid (L = 7 and 1: int2 is ternary), sign the scaled sign with the block's mean
+|x| as scale. Exact by construction too: encoding decoded values is the identity. They are for a
+method whose server re-quantises its aggregate (the sketch's compact downlink).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-SCALAR_DTYPES = ("float32", "float16", "bfloat16", "int8")
+SCALAR_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "int2", "sign")
+# the low-bit formats: a block is one row of b-bit codes (see "b-bit codes" below): a float32
+# scale, then the codes packed; int4 and int2 a symmetric grid (int2: ternary), sign the scaled sign
+LOWBIT_DTYPES = {"int4": 4, "int2": 2, "sign": 1}
 SCALAR_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # the fixed-width formats
 INT8_SCALE_BYTES = 4  # an int8 block's float32 scale
 _TINY = np.float32(2.0 ** -100)  # an int8 block below this everywhere is zeros
@@ -39,13 +48,15 @@ def block_size(n: int, dtype: str) -> int:
     """Bytes of a block of ``n`` scalars in ``dtype`` (int8: the scale and n codes)."""
     if _check_dtype(dtype) == "int8":
         return INT8_SCALE_BYTES + n
+    if dtype in LOWBIT_DTYPES:
+        return codes_size(1, n, LOWBIT_DTYPES[dtype])
     return n * SCALAR_BYTES[dtype]
 
 
 def loss_dtype(dtype: str) -> str:
     """The format of an uplink's monitoring loss: the scalars' own, bfloat16 beside int8 codes
     (2 bytes, float32's range: a monitoring value needs no scale of its own)."""
-    return "bfloat16" if _check_dtype(dtype) == "int8" else dtype
+    return "bfloat16" if _check_dtype(dtype) == "int8" or dtype in LOWBIT_DTYPES else dtype
 
 
 def int8_scale(x32: np.ndarray) -> np.float32:
@@ -85,6 +96,10 @@ def encode_scalars(x, dtype: str, check: bool = True) -> bytes:
         if check and not (np.all(np.isfinite(x32)) and np.isfinite(int8_scale(x32))):
             raise FloatingPointError(f"a scalar is not finite (max |g| = {float(np.max(np.abs(x32))):.4g}): diverged")
         return data
+    if dtype in LOWBIT_DTYPES:
+        if check and not np.all(np.isfinite(x32)):
+            raise FloatingPointError(f"a scalar is not finite (max |g| = {float(np.max(np.abs(x32))):.4g}): diverged")
+        return encode_codes(x32.reshape(1, -1), LOWBIT_DTYPES[dtype], check=False)
     if dtype == "float32":
         raw = x32.astype("<f4")
     elif dtype == "float16":
@@ -105,6 +120,8 @@ def decode_scalars(data, off: int, n: int, dtype: str) -> np.ndarray:
     if dtype == "int8":
         s = np.frombuffer(data, "<f4", 1, off).astype(np.float32)[0]
         return np.frombuffer(data, np.int8, n, off + INT8_SCALE_BYTES).astype(np.float32) * s
+    if dtype in LOWBIT_DTYPES:
+        return decode_codes(data, off, 1, n, LOWBIT_DTYPES[dtype]).reshape(-1)
     if dtype == "float32":
         return np.frombuffer(data, "<f4", n, off).astype(np.float32)
     if dtype == "float16":
@@ -129,7 +146,7 @@ def encode_blocks(rows, dtype: str) -> bytes:
 
 def decode_blocks(data, off: int, count: int, n: int, dtype: str) -> np.ndarray:
     """``count`` blocks of ``n`` scalars from ``data[off:]``: a (count, n) float32 array."""
-    if dtype != "int8":
+    if dtype in SCALAR_BYTES:
         return decode_scalars(data, off, count * n, dtype).reshape(count, n)
     step = block_size(n, dtype)
     out = np.empty((count, n), np.float32)

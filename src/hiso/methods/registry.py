@@ -33,6 +33,7 @@ CAPABILITIES = frozenset({
     "robust",  # aggregate median / trimmed-mean
     "weighted",  # clients weighted by their data size
     "int8",  # scalar_dtype int8
+    "lowbit",  # scalar_dtype int4, int2 and sign (the log and downlink in 4, 2 or 1 bits a scalar)
     "lr_decay", "momentum", "step_norm",  # stages of the fold
     "refresh",  # direction_refresh (lowrank V from the round)
     "structured",  # sparse and lowrank direction families
@@ -217,5 +218,5 @@ register_method(MethodInfo("fedadagrad", "FedAdagrad", "full-model", "first-orde
 # methods added since the table above was fixed (its order is --help's)
 register_method(MethodInfo("sketch", "Sketch", gradient="first-order",
                            options=frozenset({"server_lr", "ferret", "sketch"}), build=_sketch,
-                           can=frozenset({"robust", "weighted", "backprop", "int8"}), server_lr=1.0,
+                           can=frozenset({"robust", "weighted", "backprop", "int8", "lowbit"}), server_lr=1.0,
                            doc="first-order local steps, b-bit codes of K projections per block on the wire"))
