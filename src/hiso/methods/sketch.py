@@ -22,8 +22,11 @@ Round r, client i, from x_r (everything as :mod:`hiso.methods.ferret` up to step
    mean; weighted, median or trimmed mean where asked), rounds the result to the run's scalar
    dtype once and logs it; every replica folds it with Ferret's step,
    x <- x - server_lr (1/K) sum_k qbar_{b,k} v_{b,k}, so a replica that missed any number of
-   rounds rebuilds bit for bit from the log (the downlink is the history in the scalar dtype,
-   as for every scalar method: B K scalars a missed round; int8 makes it 4 + B K bytes).
+   rounds rebuilds bit for bit from the log. The downlink is that log (B K scalars a missed
+   round): float32 costs 4 B K bytes a record, int8 4 + B K, and the low-bit dtypes
+   (``--scalar-dtype int4 | int2 | sign``, :data:`hiso.core.scalars.LOWBIT_DTYPES`) 4 +
+   ceil(B K b / 8): the server re-quantises its mean with one scale a record (``sign``: the
+   scaled sign of the mean, signSGD with majority vote's server step with an l1 scale).
 
 Where the pieces come from: Ferret (Shu et al., ICML 2025, arXiv 2409.06277) projects a
 first-order local update on K seeded directions per block and sends K floats; FeedSign (Cai et
@@ -34,21 +37,28 @@ majority vote: each client's bit is weighted by its own block scale (a client wi
 update counts more), which keeps the step's size without a server learning rate to tune; FZOO's
 normalised estimator (Dang et al., 2025) is the zeroth-order counterpart of the same idea.
 
-No error feedback. EF-SGD keeps the compression residual e_i on the client and adds it to its
-next update. Here the compressor is a random projection on K << d directions followed by the
-quantiser; the projection's error is not contractive (E||(1/K) V V^T x - x||^2 = (d/K - 1)
-||x||^2 > ||x||^2), so feeding it back diverges, and the quantiser's error alone lives on this
-round's directions and must be lifted back to d values to be added later. Under client
-sampling (m of M each round) a client's residual would also be M/m rounds stale on average when
-it is used, computed at a model the run has since left; and a residual is client state outside
-the log, so rebuild, resume after SIGKILL and a restarted Flower client would lose it. We
-therefore keep the client stateless (its whole state is the replica, as every scalar method's)
-and leave error feedback for a measurement with full participation.
+No error feedback (yet). EF-SGD (Karimireddy et al. 2019) keeps the compression residual e_i
+on the client and adds it to its next update; it needs a contractive compressor. The whole
+compressor here is not: the random projection's error alone is E||(1/K) V V^T x - x||^2 =
+(d/K - 1) ||x||^2 (d/K ~ 200 on the MNIST CNN at K = 128), so feeding it back grows without
+bound. Only the quantiser's error e = (1/K) sum_k (p_k - q_k) v_k could be fed back, as d values
+a client keeps (a model's worth of memory per client). Under client sampling (m of M a round) a
+client's residual waits M/m rounds on average (8 on MNIST's 64 / 8) before it is added, at a
+model the run has since left, and the delayed-compensation results (EF21-PP and its kin) need
+more than that to converge; a client never sampled again carries it away. And a residual is
+state outside the log: it must stay the client's own (never in the replicated state, so the
+server and ``hiso rebuild`` are unchanged), yet resume after SIGKILL and a restarted Flower
+node would lose it unless each client checkpoints it. We keep the client stateless here (its
+whole state is its replica, as every scalar method's). The quantiser rounds to nearest (no
+stochastic rounding: the codes are a pure function of the update), so its error is biased, at 1
+bit most (the scaled sign); the server's mean over m clients dilutes that bias but does not
+remove it, and the measurement says what it costs.
 
-Bytes a round (MNIST's default P = 5 DeComFL, float32: 20 bytes of scalars an uplink): B = 1,
-K = 128, b = 1 is 4 + 16 = 20 bytes; the downlink's history costs K scalars a missed round
-(512 bytes in float32, 132 in int8) against DeComFL's 20, so count both (``hiso compare``'s
-byte columns are the encoded messages' lengths).
+Bytes a round against DeComFL at P = 5 in float32 (20 bytes of scalars an uplink and a record):
+B = 1, K = 128, b = 1 with ``--scalar-dtype sign`` is 4 + 16 = 20 bytes each way (K = 32, b = 4
+with int4 too); with the log in float32 a record costs 512 bytes, and a client sampled one
+round in eight downloads about eight records per answer, so the downlink, not the uplink, sets
+the bytes (``hiso compare``'s byte columns are the encoded messages' lengths).
 """
 
 from __future__ import annotations
