@@ -130,4 +130,4 @@ def test_int8_only_for_hiso_and_decomfl():
         with pytest.raises(ConfigError, match="int8 is for hiso, decomfl and sketch"):
             load_config(None, task="quadratic", algorithm=algo, scalar_dtype="int8")
     with pytest.raises(ConfigError, match="scalar_dtype"):
-        load_config(None, task="quadratic", scalar_dtype="int4")
+        load_config(None, task="quadratic", scalar_dtype="int3")  # (int4, int2 and sign are low-bit formats)

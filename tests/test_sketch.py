@@ -171,6 +171,34 @@ def test_replicas_and_clients_that_skipped_many_rounds_match_bit_for_bit(bits, d
     assert_same_model(sim.state, [c.state for c in sim.clients.values()] + [late_client(sim, task, zo).state])
 
 
+@pytest.mark.parametrize("dtype", ["int4", "int2", "sign"])
+def test_decomfl_with_low_bit_scalars_rebuilds_bit_for_bit(dtype):
+    # the zeroth-order arm at few bytes: P scalars a client quantised with one scale an uplink, the
+    # server's mean re-quantised once; a client that skipped every round replays the same numbers
+    zo = load_config(None, algorithm="decomfl", task="quadratic", perturbations=16, lr=0.01,
+                     scalar_dtype=dtype).zo()
+    task = TinyTask(num_clients=12)
+    sim = Simulation(task, zo, clients_per_round=3, seed=2, batch_size=8, mode="faithful", eval_every=1000,
+                     snapshot_after=1000)
+    rows = list(sim.run(30))
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    levels = {"int4": 15, "int2": 3, "sign": 2}[dtype]  # distinct values a record can hold
+    assert all(len(np.unique(r.scalars)) <= levels for r in sim.server.history)
+    sim.sync_all()
+    assert_same_model(sim.state, [c.state for c in sim.clients.values()] + [late_client(sim, task, zo).state])
+    # an uplink of P = 16 scalars in this dtype: a float32 scale and 16 b-bit codes, nothing rounded
+    # on the way (the decoded values are the quantised ones); a damaged scale is refused
+    wire = Wire(1, 16, dtype, seed=2)
+    g = np.linspace(-1, 1, 16, dtype=np.float32)
+    data = encode_uplink(Uplink(3, 7, g.reshape(1, 16)), wire)
+    bits = {"int4": 4, "int2": 2, "sign": 1}[dtype]
+    assert len(data) == 6 + 4 + 16 * bits // 8
+    from hiso.core.scalars import quantize
+    assert np.array_equal(decode_uplink(data, wire).scalars.reshape(-1), quantize(g, dtype))
+    with pytest.raises(MessageError, match="negative or not finite"):
+        decode_uplink(data[:6] + struct.pack("<f", -1.0) + data[10:], wire)
+
+
 RUN = ["--task", "quadratic", "--dim", "30", "--clients", "5", "--sampled", "2", "--lr", "0.05",
        "--eval-every", "2", "--threads", "1", "--algorithm", "sketch", "--ferret-k", "16", "--ferret-blocks", "2"]
 
@@ -247,7 +275,8 @@ def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatc
 @pytest.mark.parametrize("flags, msg", [
     (["--sketch-bits", "3"], "bits must be one of 1, 2, 4, 8"),
     (["--dp-clip", "1", "--dp-noise-multiplier", "1"], "differential privacy is for"),
-    (["--algorithm", "decomfl", "--scalar-dtype", "sign"], "scalar_dtype sign is for sketch, not decomfl"),
+    (["--algorithm", "feedsign", "--scalar-dtype", "sign"], "scalar_dtype sign is for hiso, decomfl and sketch"),
+    (["--algorithm", "decomfl", "--scalar-dtype", "int4", "--secagg"], "secure aggregation sums answers"),
 ])
 def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):
     args = ["--task", "quadratic", "--algorithm", "sketch", *flags]

@@ -102,7 +102,7 @@ class RunConfig(BaseModel, MethodRules):
             "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
             "float16/bfloat16; int8: one byte a scalar plus a float32 scale per message and per history record; "
             "int4, int2 (ternary), sign (1 bit, the scaled sign): that many bits a scalar plus a float32 scale per "
-            "record, sketch only: its logged sketch re-quantised by the server, a compact downlink)"))
+            "message and per record (hiso, decomfl: more perturbations per byte; sketch: its downlink))"))
     snapshot_after: int | None = Field(None, ge=0, description=(
         "send a client that missed more than this many rounds the server's model (and H) instead of the history "
         "(default: automatic, when the snapshot is fewer bytes, or with --bandwidth faster)"))

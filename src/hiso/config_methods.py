@@ -57,6 +57,9 @@ class MethodRules:
         if self.scalar_dtype in ("int4", "int2", "sign") and "lowbit" not in can:
             raise ValueError(f"scalar_dtype {self.scalar_dtype} is for {in_words(with_capability('lowbit'))}, not "
                              f"{self.algorithm}")
+        if self.scalar_dtype in ("int4", "int2", "sign") and self.secagg:
+            raise ValueError(f"scalar_dtype {self.scalar_dtype}: secure aggregation sums answers on its own grid; use "
+                             "float32, float16, bfloat16 or int8 with it")
         if self.direction_refresh is not None and "refresh" not in can:
             raise ValueError(f"direction_refresh reads the round from seeds derived per round: not for "
                              f"{self.algorithm}")

@@ -253,7 +253,10 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
         vals = decode_scalars(data, off + nb, 1, loss_dtype(wire.dtype)) if has_loss else None
         return Uplink(client, rnd, scalars, float(vals[0]) if has_loss else None, att)
     _end(data, off + wire.record_bytes + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
-    scalars = decode_scalars(data, off, wire.n, wire.dtype).reshape(wire.shape)
+    try:
+        scalars = decode_scalars(data, off, wire.n, wire.dtype).reshape(wire.shape)
+    except ValueError as e:  # a low-bit block's bad scale, code or pad bits
+        raise MessageError(f"uplink from client {client}: {e}") from None
     if not np.all(np.isfinite(scalars)):
         raise MessageError(f"uplink from client {client}: non-finite scalar (diverged? lower lr or mu)")
     loss = float(decode_scalars(data, off + wire.record_bytes, 1, loss_dtype(wire.dtype))[0]) if has_loss else None

@@ -171,8 +171,8 @@ def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
 # the built-in methods, in the order --help and errors list them
 _ZO = frozenset({"zo_estimate"})
 _FULL = frozenset({"server_lr", "wire_dtype"})
-_SCALAR = frozenset({"dp", "secagg", "faults", "robust", "weighted", "int8", "lr_decay", "momentum", "step_norm",
-                     "refresh", "structured"})
+_SCALAR = frozenset({"dp", "secagg", "faults", "robust", "weighted", "int8", "lowbit", "lr_decay", "momentum",
+                     "step_norm", "refresh", "structured"})
 
 
 def _feedsign(cfg):
