@@ -1,5 +1,6 @@
 """The ZO scalars' number formats: the bytes a scalar takes on the wire and in ``history.bin``,
-and the rounding both apply (float32, float16, bfloat16, int8). Below both the message codec
+and the rounding both apply (float32, float16, bfloat16, int8, int4, int2, sign; and the b-bit
+codes of a quantised sketch's uplink). Below both the message codec
 (:mod:`hiso.core.messages`) and the log (:mod:`hiso.core.history`), which each encode scalars.
 
 A *block* is the scalars one call encodes: one message's (an uplink's tau*P), or one history
