@@ -37,22 +37,25 @@ majority vote: each client's bit is weighted by its own block scale (a client wi
 update counts more), which keeps the step's size without a server learning rate to tune; FZOO's
 normalised estimator (Dang et al., 2025) is the zeroth-order counterpart of the same idea.
 
-No error feedback (yet). EF-SGD (Karimireddy et al. 2019) keeps the compression residual e_i
-on the client and adds it to its next update; it needs a contractive compressor. The whole
-compressor here is not: the random projection's error alone is E||(1/K) V V^T x - x||^2 =
-(d/K - 1) ||x||^2 (d/K ~ 200 on the MNIST CNN at K = 128), so feeding it back grows without
-bound. Only the quantiser's error e = (1/K) sum_k (p_k - q_k) v_k could be fed back, as d values
-a client keeps (a model's worth of memory per client). Under client sampling (m of M a round) a
-client's residual waits M/m rounds on average (8 on MNIST's 64 / 8) before it is added, at a
-model the run has since left, and the delayed-compensation results (EF21-PP and its kin) need
-more than that to converge; a client never sampled again carries it away. And a residual is
+No error feedback. EF-SGD (Karimireddy et al. 2019) keeps the compression residual e_i on the
+client and adds it to its next update; it needs a contractive compressor. The whole compressor
+here is not: the random projection's error alone is E||(1/K) V V^T x - x||^2 = (d/K - 1) ||x||^2
+(d/K ~ 226 on the MNIST CNN at K = 128), so feeding it back grows without bound. Feeding back the
+quantiser's error alone, e = (1/K) sum_k (p_k - q_k) v_k (d values a client keeps), fails the
+same way: next round's directions are fresh, so e re-enters through a projection whose error is
+d/K times its size. Measured (``bench/sketch_ef.py``, MNIST, 20 rounds, lr 0.01): eval loss 2.18
+without EF, 69.7 with it. EF would need directions that persist between a client's rounds (a
+fixed pool of seeds, as FedKSeed's), where the residual stays K numbers in sketch space.
+
+Even then, two costs remain. Under client sampling (m of M a round) a client's residual waits
+M/m rounds on average (8 on MNIST's 64 / 8) before it is added, at a model the run has since
+left (stale compensation), and a client never sampled again carries it away. And a residual is
 state outside the log: it must stay the client's own (never in the replicated state, so the
-server and ``hiso rebuild`` are unchanged), yet resume after SIGKILL and a restarted Flower
-node would lose it unless each client checkpoints it. We keep the client stateless here (its
-whole state is its replica, as every scalar method's). The quantiser rounds to nearest (no
-stochastic rounding: the codes are a pure function of the update), so its error is biased, at 1
-bit most (the scaled sign); the server's mean over m clients dilutes that bias but does not
-remove it, and the measurement says what it costs.
+server and ``hiso rebuild`` are unchanged), yet resume after SIGKILL and a restarted Flower node
+would lose it unless each client checkpoints it. So the client stays stateless here (its whole
+state is its replica, as every scalar method's). The quantiser rounds to nearest (no stochastic
+rounding: the codes are a pure function of the update), so its error is biased, at 1 bit most
+(the scaled sign); the server's mean over m clients dilutes that bias but does not remove it.
 
 Bytes a round against DeComFL at P = 5 in float32 (20 bytes of scalars an uplink and a record):
 B = 1, K = 128, b = 1 with ``--scalar-dtype sign`` is 4 + 16 = 20 bytes each way (K = 32, b = 4
