@@ -227,7 +227,7 @@ class Comparison:
     """A comparison's directory (``hiso compare`` / :func:`compare`): its table and selection."""
 
     dir: Path
-    table: str  # the markdown table printed by hiso compare (also table.md)
+    table: str  # what hiso compare prints: table.md, then the frontier (frontier.md)
 
     @property
     def selection(self) -> dict:
@@ -251,13 +251,14 @@ def compare(task: str, out: str | Path, config: str | Path | None = None, algori
             seeds: list[int] | None = None, lr_grid: dict[str, list[float]] | None = None,
             reference: str | None = None, metric: str | None = None, select_on: str | None = None,
             jobs: int = 1, force: bool = False, quiet: bool = True, plots: bool = True,
-            **options: Any) -> Comparison:
+            target: float | None = None, **options: Any) -> Comparison:
     """``hiso compare``: each algorithm (or variant) over its lr grid and the seeds, the lr chosen
     per arm on validation (or the reported examples), the table, plots and ``selection.json``
     in ``out``. Finished runs there are kept and reused (run it again to resume), unless
     ``force``. ``task``: a built-in task's name or ``module:Class`` / ``path/file.py:Class``
     (each seed builds its own task, so not an object); ``config``: a TOML file with a
-    ``[compare]`` table; ``options``: shared :class:`RunConfig` fields (``rounds=40``, ...)."""
+    ``[compare]`` table; ``options``: shared :class:`RunConfig` fields (``rounds=40``, ...);
+    ``target``: the frontier's second target (``--target``; :mod:`hiso.report.frontier`)."""
     from .runners.compare import build_plan, compare as compare_runs
 
     if not isinstance(task, str):
@@ -268,5 +269,5 @@ def compare(task: str, out: str | Path, config: str | Path | None = None, algori
     flags = {k: v for k, v in dict(algorithms=algorithms, seeds=seeds, lr_grid=lr_grid, reference=reference,
                                     metric=metric, select_on=select_on).items() if v is not None}
     plan = build_plan(config, {**options, "task": task}, flags)
-    table = compare_runs(plan, out, force=force, quiet=quiet, plots=plots, jobs=jobs)
+    table = compare_runs(plan, out, force=force, quiet=quiet, plots=plots, jobs=jobs, target=target)
     return Comparison(Path(out), table)

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="lrs to try for an algorithm or variant among those compared (repeatable)")
     cmp.add_argument("--reference", help="the algorithm the others are measured against (default: decomfl)")
     cmp.add_argument("--metric", help="eval metric to select and compare on (default: eval_acc, or gap)")
+    cmp.add_argument("--target", type=float, help=(
+        "a second target for the frontier (frontier.md, .csv, .png), in the metric's units (0.80: 80 %% "
+        "accuracy): each arm's rounds, bytes, client compute and memory to reach it, Pareto-optimal arms marked"))
     cmp.add_argument("--select-on", choices=("val", "test"), help=(
         "choose each lr and each run's reported round on the validation split (val: the runs need "
         "--val-fraction > 0, which keeps that share of the held-out examples apart; the table reports the "

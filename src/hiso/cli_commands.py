@@ -184,7 +184,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs,
                        tracking=None if args.table_only else _tracking(args, "compare"), run=not args.table_only,
-                       at_round=at_round)
+                       at_round=at_round, target=args.target)
     except KeyboardInterrupt as e:
         if _stopped_by(e):
             raise
@@ -194,7 +194,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(text, end="")
     if not args.quiet:
         where = args.out if at_round is None else f"{args.out.rstrip('/')}/round{at_round}"
-        print(f"results in {where}/ (table.md, table.csv, selection.json, *.png)")
+        print(f"results in {where}/ (table.md, table.csv, frontier.md, frontier.csv, selection.json, *.png)")
     return 0
 
 

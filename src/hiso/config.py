@@ -57,7 +57,7 @@ class RunConfig(BaseModel, MethodRules):
         "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; feedsign: seeds and one sign bit "
         "per client-step, majority vote (P = 1, central differences by default); fedkseed: a fixed pool of seed_pool "
         "seeds, (index, scalar) pairs on the wire; ferret: first-order local steps, K projections per block on "
-        "the wire; the others send the model); or your own hiso.core.method.Method subclass as module:Class or "
+        "the wire; sketch: ferret's projections as b-bit codes; the others send the model); or your own hiso.core.method.Method subclass as module:Class or "
         "path/to/file.py:Class"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
@@ -97,9 +97,12 @@ class RunConfig(BaseModel, MethodRules):
     direction_mask: Literal["magnitude"] | None = Field(None, description=(
         "directions sparse: perturb a fixed mask, each tensor's direction_density share of largest |x_0|, "
         "chosen at round 0 from the initial model (default: a fresh random subset per direction)"))
-    scalar_dtype: Literal["float32", "float16", "bfloat16", "int8"] = Field("float32", description=(
-        "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
-        "float16/bfloat16; int8: one byte a scalar plus a float32 scale per message and per history record)"))
+    scalar_dtype: Literal["float32", "float16", "bfloat16", "int8", "int4", "int2", "sign"] = Field(
+        "float32", description=(
+            "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
+            "float16/bfloat16; int8: one byte a scalar plus a float32 scale per message and per history record; "
+            "int4, int2 (ternary), sign (1 bit, the scaled sign): that many bits a scalar plus a float32 scale per "
+            "message and per record (hiso, decomfl: more perturbations per byte; sketch: its downlink))"))
     snapshot_after: int | None = Field(None, ge=0, description=(
         "send a client that missed more than this many rounds the server's model (and H) instead of the history "
         "(default: automatic, when the snapshot is fewer bytes, or with --bandwidth faster)"))
@@ -182,6 +185,9 @@ class RunConfig(BaseModel, MethodRules):
     ferret_blocks: int = Field(8, description=(
         "ferret: B, contiguous blocks of trainable tensors of about equal size, each with its own K directions (a "
         "tensor is never split: with fewer or very unequal tensors some blocks stay empty and send K zeros)"))
+    sketch_bits: int = Field(1, description=(
+        "sketch: b, the bits of each of Ferret's projections on the uplink, one scale per block (1: the scaled "
+        "sign; 2, 4, 8: a symmetric uniform grid; K and B are ferret_k and ferret_blocks)"))
     step_norm: Literal["std"] | None = Field(None, description=(
         "std: divide the global step by a moving RMS of the round's aggregated scalars, from the log alone "
         "(hiso.methods.stepnorm; hiso, decomfl, local_steps 1; default: none)"))

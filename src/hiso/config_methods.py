@@ -54,6 +54,12 @@ class MethodRules:
             raise ValueError(f"momentum is for {in_words(with_capability('momentum'))}, not {self.algorithm}")
         if self.scalar_dtype == "int8" and "int8" not in can:
             raise ValueError(f"scalar_dtype int8 is for {in_words(with_capability('int8'))}, not {self.algorithm}")
+        if self.scalar_dtype in ("int4", "int2", "sign") and "lowbit" not in can:
+            raise ValueError(f"scalar_dtype {self.scalar_dtype} is for {in_words(with_capability('lowbit'))}, not "
+                             f"{self.algorithm}")
+        if self.scalar_dtype in ("int4", "int2", "sign") and self.secagg:
+            raise ValueError(f"scalar_dtype {self.scalar_dtype}: secure aggregation sums answers on its own grid; use "
+                             "float32, float16, bfloat16 or int8 with it")
         if self.direction_refresh is not None and "refresh" not in can:
             raise ValueError(f"direction_refresh reads the round from seeds derived per round: not for "
                              f"{self.algorithm}")
@@ -61,6 +67,10 @@ class MethodRules:
             self._one_seed_defaults()
         if "ferret" in info.options:
             self._ferret_checks()
+        if "sketch" in info.options:
+            from .core.scalars import CODE_BITS
+            if self.sketch_bits not in CODE_BITS:
+                raise ValueError(f"sketch_bits must be one of {', '.join(map(str, CODE_BITS))}, got {self.sketch_bits}")
         if info.family == "seed-pool":
             from .methods.fedkseed import check_pool
             check_pool(self.seed_pool)

@@ -44,8 +44,9 @@ class ZOConfig:
         check_family(self.directions)
         if self.step_norm is not None and self.local_steps > 1:
             raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
-        if self.scalar_dtype not in ("float32", "float16", "bfloat16", "int8"):
-            raise ValueError(f"scalar_dtype must be float32, float16, bfloat16 or int8, got {self.scalar_dtype!r}")
+        from .scalars import SCALAR_DTYPES
+        if self.scalar_dtype not in SCALAR_DTYPES:
+            raise ValueError(f"scalar_dtype must be one of {', '.join(SCALAR_DTYPES)}, got {self.scalar_dtype!r}")
         if self.difference not in ("forward", "central"):
             raise ValueError(f"difference must be 'forward' or 'central', got {self.difference!r}")
 
@@ -65,6 +66,11 @@ class ZOConfig:
     def signs(self) -> bool:
         """Whether clients upload one sign bit per scalar (FeedSign's wire)."""
         return self.method is not None and self.method.uplink == "signs"
+
+    @property
+    def code_bits(self) -> int:
+        """b when clients upload b-bit codes with a scale per row (a quantised sketch), else 0."""
+        return int(self.method.bits) if self.method is not None and self.method.uplink == "codes" else 0
 
     @property
     def shape(self) -> tuple[int, int]:

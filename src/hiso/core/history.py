@@ -5,7 +5,7 @@ on-disk description of a fine-tuned model (``history.bin``: for P = 5, tau = 1 a
 scalars about 30 bytes a round).
 
 File layout, version 3 (little-endian; varint = unsigned LEB128): ``b"HSOH"``, u8 version,
-u16 tau, u16 P, u8 scalar dtype (0 float32, 1 float16, 2 bfloat16, 3 int8), u64 run seed, u8 length
+u16 tau, u16 P, u8 scalar dtype (0 float32, 1 float16, 2 bfloat16, 3 int8, 4 int4, 5 int2, 6 sign), u64 run seed, u8 length
 and the direction family's name (ASCII); then per record varint round, varint attempt, varint
 n, n varint participants, tau*P scalars in the scalar dtype (one block, :mod:`hiso.core.scalars`) and u32 CRC-32 of the record's
 bytes before it. A record's seeds are not stored: they derive from the run seed, the round
@@ -36,7 +36,7 @@ import numpy as np
 MAGIC = b"HSOH"
 VERSION = 3
 READABLE = (1, 2, 3)  # versions read_history accepts (1: no checksums; 1 and 2: seeds stored)
-DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3}
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4, "int2": 5, "sign": 6}
 _HEAD = struct.Struct("<4sBHH")
 _HEAD3 = struct.Struct("<BQB")  # scalar dtype, run seed, family name length (then the name)
 _REC = struct.Struct("<IH")

@@ -24,6 +24,9 @@ kind       direction  fields after ``version, kind``
 
 FeedSign (``Wire.signs``): an uplink's tau*P scalars are signs, packed 8 to a byte
 (:func:`hiso.core.scalars.pack_signs`: ceil(tau*P / 8) bytes); everything else is unchanged.
+A quantised sketch (``Wire.code_bits`` = b): an uplink's (tau, P) values are b-bit codes with
+one float32 scale per row (:func:`hiso.core.scalars.encode_codes`: 4 tau + ceil(tau*P*b / 8)
+bytes); the loss follows in the scalar dtype's loss format, the downlink is unchanged.
 
 ``n_retried`` lists the missed rounds that were planned more than once (record j of the
 history has attempt_j > 0; almost never), so a record costs its scalars and nothing else.
@@ -55,8 +58,8 @@ from .history import RoundRecord
 from .join import (FINGERPRINT_BYTES, Hello, Welcome, check_welcome, config_fingerprint, decode_hello,  # noqa: F401
                    decode_welcome, encode_hello, encode_welcome, tensors_fingerprint, welcome_for)
 from .scalars import (SCALAR_BYTES, SCALAR_DTYPES, _check_dtype, block_size, decode_blocks,  # noqa: F401
-                      decode_scalars, encode_blocks, encode_scalars, loss_dtype, pack_signs, packed_signs_size,
-                      quantize, unpack_signs)
+                      decode_codes, decode_scalars, encode_blocks, encode_codes, encode_scalars, loss_dtype,
+                      pack_signs, packed_signs_size, quantize, unpack_signs)
 from .seeds import MAX_ATTEMPT, MAX_ROUND, round_seeds, seeds_of  # noqa: F401
 from .snapshot import encode_state, load_state, state_size  # noqa: F401
 from .wire import (DOWN, HELLO, KINDS, SNAPSHOT, UP, VERSION, WELCOME, JoinError, MessageError, Wire,  # noqa: F401
@@ -171,7 +174,10 @@ def decode_downlink(data, wire: Wire, *, expect_since: int | None = None) -> Dow
         attempts[j], prev = a, j
     k = wire.n
     _end(data, off + n * wire.record_bytes, what)
-    scal = decode_blocks(data, off, n, k, wire.dtype).reshape(n, *wire.shape)
+    try:
+        scal = decode_blocks(data, off, n, k, wire.dtype).reshape(n, *wire.shape)
+    except ValueError as e:  # a low-bit block's bad scale, code or pad bits
+        raise MessageError(f"downlink for round {rnd}: {e}") from None
     if not np.all(np.isfinite(scal)):
         raise MessageError(f"downlink for round {rnd}: non-finite scalar in its history")
     seeds = seeds_of(wire.seed, np.arange(since, rnd), attempts, *wire.shape) if n else ()
@@ -198,6 +204,11 @@ def encode_uplink(msg: Uplink, wire: Wire | None = None, *, check: bool = True) 
         if check and not np.all(np.abs(msg.scalars) == 1):
             raise ValueError(f"uplink from client {msg.client}: FeedSign sends signs (+1 / -1), got other values")
         out += pack_signs(msg.scalars)
+    elif wire is not None and wire.code_bits:
+        try:
+            out += encode_codes(msg.scalars, wire.code_bits, check)
+        except ValueError as e:  # values off their grid (FloatingPointError passes through)
+            raise ValueError(f"uplink from client {msg.client}: {e}") from None
     else:
         out += encode_scalars(msg.scalars, dtype, check)
     if msg.loss is not None:  # in the scalar dtype too (monitoring only; bfloat16 beside int8)
@@ -232,8 +243,20 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
             raise MessageError(f"uplink from client {client}: {e}") from None
         vals = decode_scalars(data, off + nb, 1, loss_dtype(wire.dtype)) if has_loss else None
         return Uplink(client, rnd, scalars, float(vals[0]) if has_loss else None, att)
+    if wire.code_bits:  # a quantised sketch: scales and packed codes, then the loss
+        nb = wire.uplink_bytes
+        _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
+        try:
+            scalars = decode_codes(data, off, wire.tau, wire.P, wire.code_bits)
+        except ValueError as e:
+            raise MessageError(f"uplink from client {client}: {e}") from None
+        vals = decode_scalars(data, off + nb, 1, loss_dtype(wire.dtype)) if has_loss else None
+        return Uplink(client, rnd, scalars, float(vals[0]) if has_loss else None, att)
     _end(data, off + wire.record_bytes + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
-    scalars = decode_scalars(data, off, wire.n, wire.dtype).reshape(wire.shape)
+    try:
+        scalars = decode_scalars(data, off, wire.n, wire.dtype).reshape(wire.shape)
+    except ValueError as e:  # a low-bit block's bad scale, code or pad bits
+        raise MessageError(f"uplink from client {client}: {e}") from None
     if not np.all(np.isfinite(scalars)):
         raise MessageError(f"uplink from client {client}: non-finite scalar (diverged? lower lr or mu)")
     loss = float(decode_scalars(data, off + wire.record_bytes, 1, loss_dtype(wire.dtype))[0]) if has_loss else None

@@ -17,7 +17,9 @@ hook                called by, and when
                     robust rule (FeedSign: the majority vote)
 ``apply_``          every replica: fold one logged record into the state (None: the chain
                     of :mod:`hiso.core.chain`, the default fold)
-``uplink``          the wire: ``"scalars"`` (the run's scalar dtype) or ``"signs"`` (one bit)
+``uplink``          the wire: ``"scalars"`` (the run's scalar dtype), ``"signs"`` (one bit) or
+                    ``"codes"`` (b-bit codes with a scale per row of the record, b the
+                    method's ``bits`` field; :func:`hiso.core.scalars.encode_codes`)
 ==================  ==========================================================================
 
 Everything a method computes must be a pure function of what the protocol gives it (x_r, the
@@ -48,7 +50,7 @@ class Method:
     """DeComFL's round: the ZO estimate on the client, the (robust) mean on the server, the
     chain fold on every replica. Subclass it and override a hook to make another method."""
 
-    uplink: ClassVar[str] = "scalars"  # or "signs"
+    uplink: ClassVar[str] = "scalars"  # or "signs", or "codes" (then the method has ``bits``)
     # a built-in method's place in the configuration fingerprint hiso wrote before methods were
     # plugins ("ferret", "signs"), so old checkpoints stay this run's (hiso.core.join)
     legacy_key: ClassVar[str | None] = None
@@ -82,6 +84,11 @@ def check_method(method: Any) -> Method:
     """``method`` if it is a :class:`Method` (one-line error otherwise)."""
     if not isinstance(method, Method):
         raise TypeError(f"a method must be a hiso.core.method.Method, got {type(method).__name__}")
-    if method.uplink not in ("scalars", "signs"):
-        raise ValueError(f"a method's uplink must be 'scalars' or 'signs', got {method.uplink!r}")
+    if method.uplink not in ("scalars", "signs", "codes"):
+        raise ValueError(f"a method's uplink must be 'scalars', 'signs' or 'codes', got {method.uplink!r}")
+    if method.uplink == "codes":
+        from .scalars import CODE_BITS
+        bits = getattr(method, "bits", None)
+        if bits not in CODE_BITS:
+            raise ValueError(f"a method with uplink 'codes' needs bits in {CODE_BITS}, got {bits!r}")
     return method

@@ -111,7 +111,9 @@ class Server:
         # separate streams: who is sampled does not depend on how many seeds a round draws,
         # so every algorithm (scalar-only or full-model) sees the same participants for a seed
         self._sample_rng = client_sampler(seed)
-        self.wire = Wire(local_steps, perturbations, scalar_dtype, seed, signs)  # signs: FeedSign's majority vote
+        # signs: FeedSign's majority vote; code_bits: a quantised sketch's b-bit codes
+        code_bits = int(method.bits) if method is not None and method.uplink == "codes" else 0
+        self.wire = Wire(local_steps, perturbations, scalar_dtype, seed, signs, code_bits)
         self.attempt = 0  # how often the current round was planned and abandoned
         self.history: list[RoundRecord] = []  # the kept records: rounds first .. round-1
         self.first = 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .scalars import SCALAR_BYTES, _check_dtype, block_size, loss_dtype
+from .scalars import CODE_BITS, SCALAR_BYTES, _check_dtype, block_size, codes_size, loss_dtype, packed_signs_size
 from .seeds import round_seeds
 
 VERSION = 2
@@ -72,14 +72,17 @@ class Wire:
     dtype: str = "float32"
     seed: int = 0
     signs: bool = False  # FeedSign: uplink scalars are signs, packed 8 to a byte
+    code_bits: int = 0  # a quantised sketch: uplink rows as b-bit codes with a scale each (0: none)
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
+        if self.code_bits and (self.signs or self.code_bits not in CODE_BITS):
+            raise ValueError(f"code_bits must be one of {CODE_BITS} (and not with signs), got {self.code_bits}")
 
     @classmethod
     def of(cls, zo, seed: int) -> "Wire":
         return cls(zo.local_steps, zo.perturbations, getattr(zo, "scalar_dtype", "float32"), seed,
-                   bool(getattr(zo, "signs", False)))
+                   bool(getattr(zo, "signs", False)), int(getattr(zo, "code_bits", 0)))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -98,6 +101,15 @@ class Wire:
     def record_bytes(self) -> int:
         """Bytes of one round's tau*P scalars (an uplink's, or a history record's)."""
         return block_size(self.n, self.dtype)
+
+    @property
+    def uplink_bytes(self) -> int:
+        """Bytes of an uplink's tau*P answers (signs, b-bit codes with a scale a row, or scalars)."""
+        if self.signs:
+            return packed_signs_size(self.n)
+        if self.code_bits:
+            return codes_size(self.tau, self.P, self.code_bits)
+        return self.record_bytes
 
     @property
     def loss_bytes(self) -> int:

@@ -33,6 +33,7 @@ CAPABILITIES = frozenset({
     "robust",  # aggregate median / trimmed-mean
     "weighted",  # clients weighted by their data size
     "int8",  # scalar_dtype int8
+    "lowbit",  # scalar_dtype int4, int2 and sign (the log and downlink in 4, 2 or 1 bits a scalar)
     "lr_decay", "momentum", "step_norm",  # stages of the fold
     "refresh",  # direction_refresh (lowrank V from the round)
     "structured",  # sparse and lowrank direction families
@@ -49,11 +50,12 @@ METHOD_OPTIONS = {
     "wire_dtype": ("wire_dtype",),
     "seed_pool": ("seed_pool", "seed_sampling"),
     "ferret": ("ferret_k", "ferret_blocks"),
+    "sketch": ("sketch_bits",),
     "zo_estimate": ("perturbations", "mu", "difference"),
 }
 _WHOSE = {"preconditioner": "HiSo's preconditioner", "server_lr": "the full-model baselines' and ferret's server step",
           "server_moments": "fedadam's and fedyogi's server moments", "server_tau": "the adaptive server optimisers'",
-          "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's", "ferret": "ferret's",
+          "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's", "ferret": "ferret's and sketch's", "sketch": "sketch's",
           "zo_estimate": "the zeroth-order estimate's"}
 
 
@@ -169,8 +171,8 @@ def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
 # the built-in methods, in the order --help and errors list them
 _ZO = frozenset({"zo_estimate"})
 _FULL = frozenset({"server_lr", "wire_dtype"})
-_SCALAR = frozenset({"dp", "secagg", "faults", "robust", "weighted", "int8", "lr_decay", "momentum", "step_norm",
-                     "refresh", "structured"})
+_SCALAR = frozenset({"dp", "secagg", "faults", "robust", "weighted", "int8", "lowbit", "lr_decay", "momentum",
+                     "step_norm", "refresh", "structured"})
 
 
 def _feedsign(cfg):
@@ -181,6 +183,11 @@ def _feedsign(cfg):
 def _ferret(cfg):
     from .ferret import FerretConfig
     return FerretConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks)
+
+
+def _sketch(cfg):
+    from .sketch import SketchConfig
+    return SketchConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, cfg.sketch_bits)
 
 
 register_method(MethodInfo("hiso", "HiSo", options=_ZO | {"preconditioner"}, can=_SCALAR | {"preconditioner"},
@@ -208,3 +215,8 @@ register_method(MethodInfo("fedyogi", "FedYogi", "full-model", "first-order",
                            server_opt="yogi"))
 register_method(MethodInfo("fedadagrad", "FedAdagrad", "full-model", "first-order", _FULL | {"server_tau"},
                            frozenset({"weighted"}), server_lr=0.01, server_opt="adagrad"))
+# methods added since the table above was fixed (its order is --help's)
+register_method(MethodInfo("sketch", "Sketch", gradient="first-order",
+                           options=frozenset({"server_lr", "ferret", "sketch"}), build=_sketch,
+                           can=frozenset({"robust", "weighted", "backprop", "int8", "lowbit"}), server_lr=1.0,
+                           doc="first-order local steps, b-bit codes of K projections per block on the wire"))

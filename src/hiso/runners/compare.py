@@ -219,12 +219,14 @@ def reached_part(plan: Plan, out: str | Path, at_round: int | str) -> tuple[Plan
 
 def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = False,
             plots: bool = True, jobs: int = 1, tracking=None, run: bool = True,
-            at_round: int | str | None = None) -> str:
+            at_round: int | str | None = None, target: float | None = None) -> str:
     """Run, select, write selection.json, the table and the plots; returns the printed table.
     ``run=False`` (``--table-only``) runs nothing: the table of the runs finished so far (safe
     beside a compare still running in ``out``). ``at_round`` (with ``run=False``): the runs,
     finished or not, as they stood at that round (``"latest"``: the last round all have logged),
-    written into ``out/roundR/`` so that the final table in ``out`` is never replaced by a cut."""
+    written into ``out/roundR/`` so that the final table in ``out`` is never replaced by a cut.
+    The frontier (:mod:`hiso.report.frontier`: each arm's rounds, bytes, client compute and memory
+    to the reference's best and to ``target``, Pareto-optimal arms marked) follows the table."""
     from ..report.table import build_table, write_table
 
     out = dest = Path(out)
@@ -246,6 +248,8 @@ def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     (dest / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
     table = build_table(arms, plan.reference, plan.metric, plan.select_metric, plan.select_note)
     text = write_table(dest, table)
+    from ..report.frontier import frontiers, write_frontier
+    text += "\n## Frontier\n\n" + write_frontier(dest, frontiers(table, arms, target), plot=plots)
     if plots:
         from ..report.plots import plot_all
         plot_all(arms, dest, plan.metric, plan.reference, table=table)

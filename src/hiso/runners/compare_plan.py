@@ -73,7 +73,7 @@ NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbatio
                    "difference", "batch_size", "eval_every", "weighted", "mode", "perturb_mode", "batch_memory",
                    "nu", "eps", "h_min", "h_max", "h_source", "server_lr", "beta1", "beta2",
                    "server_tau", "wire_dtype", "threads", "diverge_factor", "seed_pool", "seed_sampling", "ferret_k",
-                   "ferret_blocks", "checkpoint_every"}
+                   "ferret_blocks", "sketch_bits", "checkpoint_every"}
 # RunConfig fields that may differ between a finished run and the one asked for now
 RESUME_IGNORED = {"threads", "checkpoint_every"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
