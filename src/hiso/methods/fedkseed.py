@@ -274,12 +274,13 @@ class PoolLogWriter:
         """``keep``: a resumed run's kept records, written again first (their encoding is
         deterministic: the same bytes as the interrupted run's, a torn tail dropped)."""
         self.tau, self.K, self.dtype, self.fsync, self.round = tau, K, dtype, fsync, 0
-        self._f = open(path, "wb")
-        self._f.write(_HEAD.pack(MAGIC, 1, tau, K, seed, DTYPES.index(dtype)))
+        head = _HEAD.pack(MAGIC, 1, tau, K, seed, DTYPES.index(dtype))
         for rec in keep or ():
-            self._f.write(self._encode(rec))
+            head += self._encode(rec)
             self.round += 1
-        self._sync()
+        from ..runners.atomic import write_atomic
+        write_atomic(path, head)  # replaced whole: a kill here leaves the old log or the kept one
+        self._f = open(path, "ab")
 
     def _sync(self) -> None:
         self._f.flush()

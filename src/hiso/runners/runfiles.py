@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
-from ..config import RUNTIME_ONLY, RunConfig, load_config
+from ..config import RUNTIME_ONLY, ConfigError, RunConfig, load_config
 from ..core.history import parse_history
+from .atomic import write_atomic  # noqa: F401 (re-exported: the run files' writer)
 
 
 # the files a run writes into its directory (see hiso.runners.rundir; flower*: a run over Flower)
@@ -55,16 +57,6 @@ def not_a_dir(out: str | Path) -> str | None:
             return None if p.is_dir() else f"{out} is a file, not a directory" if p == out else \
                 f"{out}: {p} is a file, not a directory"
     return None
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` whole (a crash leaves the old file or the new one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # options added later with a default that computes differently: what a run of those tasks made
@@ -256,8 +248,7 @@ def dp_secret(out: Path, cfg: RunConfig, resume: bool) -> RunConfig:
     else:
         from ..methods.privacy import noise_key
         key = noise_key()
-        write_atomic(path, json.dumps({"noise_seed": key}))
-        path.chmod(0o600)
+        write_atomic(path, json.dumps({"noise_seed": key}), mode=0o600)
     return cfg.model_copy(update={"dp_noise_seed": key})
 
 
