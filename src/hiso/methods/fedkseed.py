@@ -212,6 +212,8 @@ def decode_pool_uplink(data, tau: int, K: int, dtype: str = "float32"):
     if not np.all(np.isfinite(g)):
         raise MessageError(f"{what} from client {client}: non-finite scalar (diverged? lower lr or mu)")
     loss = float(decode_scalars(data, off + tau * (2 + sb), 1, dtype)[0]) if flags & FLAG_LOSS else None
+    if loss is not None and not np.isfinite(loss):  # (one client's NaN would end the run as diverged)
+        raise MessageError(f"{what} from client {client}: non-finite loss {loss}")
     return client, rnd, idx, g, loss
 
 
