@@ -201,6 +201,7 @@ def load_start(out: str | Path, cfg, records: int) -> tuple[dict | None, str]:
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file is a reason to replay, not to stop
-        return None, f"{path} cannot be read ({type(e).__name__}: {e})"
+        first = (str(e).strip().splitlines() or [""])[0]  # (torch's messages run over several lines)
+        return None, f"{path} cannot be read ({type(e).__name__}: {first})"
     why = _check(path, blob, cfg, records)
     return (None, why) if why is not None else (blob["state"], "")

@@ -8,7 +8,6 @@ atomic replacement every rewrite uses. What each file holds: :mod:`hiso.runners.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,13 +71,28 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a hiso run directory?")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is damaged ({e})") from None
+    raw = _raw_config(path)
     older = _made_before(raw)
     info = raw.pop("task_info", None) or {}
-    return RunConfig(**{**raw, **older, **_as_it_ran(raw, info)}), info
+    try:
+        return RunConfig(**{**raw, **older, **_as_it_ran(raw, info)}), info
+    except ValidationError as e:  # one line: the first field refused
+        err = e.errors()[0]
+        where = ".".join(map(str, err.get("loc", ()))) or "a field"
+        raise ConfigError(f"{path} is damaged ({where}: {err.get('msg')}; {e.error_count()} error(s))") from None
+
+
+def _raw_config(path: Path) -> dict:
+    """``config.json``'s object, or ValueError in one line (not JSON, nested too deep, not a configuration)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("task_info") or {}, dict) \
+            or not isinstance(raw.get("task", ""), str):
+        raise ValueError(f"{path} is damaged (not a hiso run configuration: a JSON object with a task name and "
+                         f"a task_info object)")
+    return raw
 
 
 class TaskMismatchWarning(UserWarning):
@@ -129,7 +143,8 @@ def _as_it_ran(raw: dict, info: dict) -> dict:
         return {}
     fields = RunConfig.model_fields
     out = {} if read is None else {k: fields[k].default for k in TASK_OPTIONS - read if k in raw}
-    if raw.get("train_max") is not None and info.get("n_train", 0) > raw["train_max"]:
+    tm, n = raw.get("train_max"), info.get("n_train", 0)
+    if type(tm) is int and type(n) is int and n > tm:  # (a damaged file's other types: pydantic refuses them)
         out["train_max"] = None
     return out
 
@@ -143,6 +158,8 @@ def _made_before(raw: dict) -> dict:
     """The options a saved configuration predates, at the values its run was made with, and the
     task defaults it took that have changed since (:data:`_DEFAULT_BEFORE`), at the old values."""
     task = raw.get("task", "quadratic")
+    if not isinstance(task, str):  # (damaged: RunConfig refuses it)
+        return {}
     out = {k: v for k, (tasks, v) in _MADE_BEFORE.items() if k not in raw and (tasks is None or task in tasks)}
     if task in _DEFAULT_BEFORE:
         name, old = _DEFAULT_BEFORE[task]
@@ -155,7 +172,7 @@ def made_before(run_dir: str | Path) -> dict:
     """What :func:`_made_before` gives for ``run_dir``'s ``config.json`` ({} if it has none):
     a resumed run takes these values, so it continues as it began."""
     try:
-        return _made_before(json.loads((Path(run_dir) / "config.json").read_text()))
+        return _made_before(_raw_config(Path(run_dir) / "config.json"))
     except (OSError, ValueError):
         return {}
 

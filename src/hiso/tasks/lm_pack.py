@@ -236,7 +236,7 @@ def read_manifest(src: str | Path) -> dict:
         m = json.loads((src / MANIFEST).read_text())
     except FileNotFoundError:
         raise PackError(f"{src} holds no {MANIFEST}: not a hiso model pack") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise PackError(f"{src / MANIFEST} is not readable JSON: {e}") from None
     return _check_manifest(m)
 
