@@ -225,7 +225,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_checkpoints_not_the_run(t
     def full_disk(path, blob):
         path.with_name(path.name + ".tmp").write_bytes(b"half")
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(ck, "_save", full_disk)
+    monkeypatch.setattr(ck, "save_atomic", full_disk)
     args = [*QUAD, "--rounds", "10"]
     d = tmp_path / "r"
     summary = run_to_dir(_cfg([*args, "--checkpoint-every", "3"]), d)

@@ -252,6 +252,14 @@ def _command(args: argparse.Namespace) -> int:
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))
+    except OSError as e:  # a full disk: named in one line; every file written so far is whole (runners.atomic)
+        from .runners.atomic import disk_full
+        if not disk_full(e):
+            raise
+        out = getattr(args, "out", None) or getattr(args, "resume", None)
+        kept = (f"; {out} holds every round logged so far: free space and continue it with --resume"
+                if args.command == "run" and isinstance(out, str) else "")
+        return _fail(f"{e.filename or 'a file'}: {e.strerror or 'no space left on device'}{kept}")
     except KeyboardInterrupt as e:
         if sig := _stopped_by(e):
             print(f"hiso: stopped by {signal.Signals(sig).name}; every process it started is stopped, "

@@ -215,7 +215,8 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         return _fail(f"--out {out}: {out.parent} is not a directory")
-    torch.save(ckpt, out)
+    from .runners.atomic import save_atomic
+    save_atomic(out, ckpt)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
     return 0
 

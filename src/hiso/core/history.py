@@ -196,7 +196,10 @@ def _parse_v3(path, data: bytes, tau: int, P: int) -> HistoryLog:
     names = {v: k for k, v in DTYPE_CODES.items()}
     if code not in names or len(data) < off + ln:
         raise ValueError(f"{path}: damaged header (scalar dtype code {code})")
-    dtype, family = names[code], data[off:off + ln].decode("ascii", "replace")
+    try:
+        dtype, family = names[code], data[off:off + ln].decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: damaged header (direction family name not ASCII)") from None
     off += ln
     n, nb = tau * P, block_size(tau * P, dtype)
     rows, ends = [], [off]

@@ -164,6 +164,9 @@ def decode_downlink(data, wire: Wire, *, expect_since: int | None = None) -> Dow
     n_retried, off = get_varint(data, off, what)
     if n_retried > n:
         raise MessageError(f"downlink for round {rnd}: {n_retried} re-planned records among {n}")
+    if off + n * wire.record_bytes > len(data):  # before anything of n's size is allocated
+        raise MessageError(f"downlink for round {rnd}: {n} history records of {wire.record_bytes} bytes, "
+                           f"but {len(data) - off} bytes follow")
     attempts = np.zeros(n, dtype=np.int64)
     prev = -1
     for _ in range(n_retried):
@@ -241,8 +244,8 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
             scalars = unpack_signs(data, off, wire.n).reshape(wire.shape)
         except ValueError as e:
             raise MessageError(f"uplink from client {client}: {e}") from None
-        vals = decode_scalars(data, off + nb, 1, loss_dtype(wire.dtype)) if has_loss else None
-        return Uplink(client, rnd, scalars, float(vals[0]) if has_loss else None, att)
+        loss = _loss(data, off + nb, wire, client) if has_loss else None
+        return Uplink(client, rnd, scalars, loss, att)
     if wire.code_bits:  # a quantised sketch: scales and packed codes, then the loss
         nb = wire.uplink_bytes
         _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
@@ -250,8 +253,8 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
             scalars = decode_codes(data, off, wire.tau, wire.P, wire.code_bits)
         except ValueError as e:
             raise MessageError(f"uplink from client {client}: {e}") from None
-        vals = decode_scalars(data, off + nb, 1, loss_dtype(wire.dtype)) if has_loss else None
-        return Uplink(client, rnd, scalars, float(vals[0]) if has_loss else None, att)
+        loss = _loss(data, off + nb, wire, client) if has_loss else None
+        return Uplink(client, rnd, scalars, loss, att)
     _end(data, off + wire.record_bytes + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
     try:
         scalars = decode_scalars(data, off, wire.n, wire.dtype).reshape(wire.shape)
@@ -259,5 +262,14 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
         raise MessageError(f"uplink from client {client}: {e}") from None
     if not np.all(np.isfinite(scalars)):
         raise MessageError(f"uplink from client {client}: non-finite scalar (diverged? lower lr or mu)")
-    loss = float(decode_scalars(data, off + wire.record_bytes, 1, loss_dtype(wire.dtype))[0]) if has_loss else None
+    loss = _loss(data, off + wire.record_bytes, wire, client) if has_loss else None
     return Uplink(client, rnd, scalars, loss, att)
+
+
+def _loss(data, off: int, wire: Wire, client: int) -> float:
+    """An uplink's monitoring loss; a non-finite one is refused (one client's NaN would end the
+    run as diverged: the round's mean loss is the divergence test's)."""
+    loss = float(decode_scalars(data, off, 1, loss_dtype(wire.dtype))[0])
+    if not np.isfinite(loss):
+        raise MessageError(f"uplink from client {client}: non-finite loss {loss}")
+    return loss

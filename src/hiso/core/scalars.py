@@ -121,12 +121,28 @@ def encode_scalars(x, dtype: str, check: bool = True) -> bytes:
     return raw.tobytes()
 
 
+def _int8_canonical(s: np.float32, codes: np.ndarray) -> bool:
+    """Whether (scale, codes) is what :func:`_int8_encode` makes of its values: zeros with scale 0,
+    or a scale of :func:`int8_scale`'s form with a code of magnitude 127 (so the block re-encodes
+    to its own bytes). A non-finite scale is left to the receivers' finiteness checks."""
+    top = int(np.max(np.abs(codes.astype(np.int16)))) if codes.size else 0
+    if s == 0:
+        return top == 0 and not np.signbit(s)
+    bits = int(np.array([s], np.float32).view(np.uint32)[0])
+    return top == 127 and s >= _TINY / np.float32(127) and not bits & 0x8000007F
+
+
 def decode_scalars(data, off: int, n: int, dtype: str) -> np.ndarray:
     """A block of n scalars from ``data[off:]`` (``block_size(n, dtype)`` bytes) as float32
     (exact: every dtype's values are float32 values)."""
     if dtype == "int8":
         s = np.frombuffer(data, "<f4", 1, off).astype(np.float32)[0]
-        return np.frombuffer(data, np.int8, n, off + INT8_SCALE_BYTES).astype(np.float32) * s
+        codes = np.frombuffer(data, np.int8, n, off + INT8_SCALE_BYTES)
+        if np.isfinite(s) and not _int8_canonical(s, codes):
+            from .wire import MessageError
+            raise MessageError(f"int8 block with scale {float(s):.6g} is not one an encoder makes (the same values "
+                               f"would have other bytes)")
+        return codes.astype(np.float32) * s
     if dtype in LOWBIT_DTYPES:
         return decode_codes(data, off, 1, n, LOWBIT_DTYPES[dtype]).reshape(-1)
     if dtype == "float32":

@@ -14,6 +14,7 @@ from ..core.client import Client
 from ..core.messages import (Hello, MessageError, Wire, check_welcome, decode_uplink, decode_welcome, encode_hello,
                              tensors_fingerprint)
 from ..core.state import ModelState
+from ..runners.atomic import write_atomic
 from ..methods.privacy import reports_loss
 
 from .records import REC, _cfg_json, _partition, _records, _state_dir, _task_for, log
@@ -78,9 +79,7 @@ def accept_welcome(cfg: RunConfig, task, rep, welcome: bytes, pid: int) -> bytes
     mismatch), keep it beside the replica, and return the node's hello."""
     x0 = ModelState(task.build_model(), cfg.zo())
     check_welcome(decode_welcome(welcome), cfg.zo(), tensors_fingerprint(x0.params))
-    tmp = rep.path / "welcome.bin.tmp"
-    tmp.write_bytes(bytes(welcome))
-    os.replace(tmp, rep.path / "welcome.bin")
+    write_atomic(rep.path / "welcome.bin", bytes(welcome))
     return encode_hello(Hello(pid, rep.state.round))
 
 def _wire(cfg: RunConfig, rep) -> Wire:

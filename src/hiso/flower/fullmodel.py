@@ -41,6 +41,7 @@ from ..config import RunConfig
 from ..core.perturb import Perturber
 from ..core.server import sample_clients
 from ..core.state import ModelState, trainable_params
+from ..runners.atomic import write_atomic
 from ..runners.fullmodel import FullModelSimulation, fedzo_config
 from .records import REC, Settings, _task_for
 from .server_app import FlowerFederation
@@ -231,7 +232,7 @@ def serve_full(grid, cfg: RunConfig, settings: Settings) -> dict:
     fed = holder["fed"]
     extra = {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
                         "partitions_seen": sorted(fed.node_of)}}
-    Path(settings.out_dir, "flower.json").write_text(json.dumps(extra, indent=1))
+    write_atomic(Path(settings.out_dir, "flower.json"), json.dumps(extra, indent=1))
     if summary.get("diverged"):
         raise RuntimeError(f"run diverged: {summary['diverged']}")
     return summary

@@ -47,6 +47,26 @@ def noise_seed_refusal(cfg: RunConfig) -> str | None:
             "DIR/dp_secret.json; hiso run --dp-noise-seed KEY replays a run's noise)")
 
 
+def reply_bytes(rec, name: str) -> bytes:
+    """Field ``name`` of a node's reply record as bytes, or MessageError (absent or of another type)."""
+    from ..core.wire import MessageError
+    v = rec.get(name) if hasattr(rec, "get") else None
+    if not isinstance(v, (bytes, bytearray)):
+        raise MessageError(f"reply field {name!r}: expected bytes, got {type(v).__name__}")
+    return bytes(v)
+
+
+def reply_int(rec, name: str) -> int:
+    """Field ``name`` of a node's reply record as a round or partition (0 <= v < 2^36, see
+    :data:`hiso.core.seeds.MAX_ROUND`), or MessageError (absent, of another type, out of range)."""
+    from ..core.seeds import MAX_ROUND
+    from ..core.wire import MessageError
+    v = rec.get(name) if hasattr(rec, "get") else None
+    if type(v) is not int or not 0 <= v < MAX_ROUND:
+        raise MessageError(f"reply field {name!r}: expected an integer in 0..2^36, got {type(v).__name__}")
+    return v
+
+
 def _records(content):
     from flwr.app import ConfigRecord, RecordDict
     return RecordDict({REC: ConfigRecord(content)})

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..core.state import ModelState
+from ..runners.atomic import write_atomic
 
 ALIGN = 64
 # fields that do not change the trajectory: a longer run or other logging reuses the replica
@@ -126,9 +127,8 @@ class Replica:
 
     def _write_meta(self, dirty: bool, layout: list | None = None) -> None:
         layout = layout if layout is not None else self._layout
-        tmp = self.path / "meta.json.tmp"
-        tmp.write_text(json.dumps({"round": self.state.round, "dirty": dirty, "key": self.key, "layout": layout}))
-        os.replace(tmp, self.path / "meta.json")
+        write_atomic(self.path / "meta.json", json.dumps({"round": self.state.round, "dirty": dirty, "key": self.key,
+                                                          "layout": layout}))
 
     def begin(self) -> None:
         self._write_meta(dirty=True)

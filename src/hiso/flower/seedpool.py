@@ -18,8 +18,8 @@ answered ``behind=<round>`` and resent from there in the same round.
 
 from __future__ import annotations
 
+import io
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,7 @@ from ..methods.fedkseed import PoolReplica, decode_pool_downlink, decode_pool_up
 from ..core.messages import MessageError
 from ..core.perturb import Perturber
 from ..core.server import sample_clients
+from ..runners.atomic import write_atomic
 from ..runners.fedkseed import FedKSeedSimulation, pool_answer, pool_config
 from .records import Settings, _task_for
 from .server_app import FlowerFederation
@@ -154,7 +155,7 @@ def serve_pool(grid, cfg: RunConfig, settings: Settings) -> dict:
 
     summary = run_to_dir(cfg, settings.out_dir, task=task, runner=factory, resume=settings.resume)  # (refused)
     fed = holder["fed"]
-    Path(settings.out_dir, "flower.json").write_text(json.dumps(
+    write_atomic(Path(settings.out_dir, "flower.json"), json.dumps(
         {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
                     "partitions_seen": sorted(fed.node_of)}}, indent=1))
     if summary.get("diverged"):
@@ -190,9 +191,9 @@ def _load(path: Path, rep: PoolReplica) -> None:
 
 def _save(path: Path, rep: PoolReplica) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, coef=rep.coef, amp=rep.amp, count=rep.count, round=np.int64(rep.round))
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    np.savez(buf, coef=rep.coef, amp=rep.amp, count=rep.count, round=np.int64(rep.round))
+    write_atomic(path, buf.getvalue())
 
 
 def pool_query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None) -> dict:

@@ -18,11 +18,12 @@ from ..core.messages import MessageError, decode_hello, decode_uplink, encode_do
 from ..core.state import ModelState
 from ..methods.privacy import reports_loss
 from ..runners.accounting import privacy_ledger
+from ..runners.atomic import write_atomic
 from ..runners.common import Comm, metric_rows
 from ..runners.simulate import protocol_server
 from ..tasks.base import Task
 
-from .records import REC, Settings, _records, _task_for, log
+from .records import REC, Settings, _records, _task_for, log, reply_bytes, reply_int
 
 
 @dataclass
@@ -91,10 +92,10 @@ class FlowerFederation:
             rec = rep.content[REC]
             try:  # the node's join: its hello (it checked our welcome before answering)
                 if getattr(self, "welcome", None) is not None:
-                    hello = decode_hello(rec["hello"])
+                    hello = decode_hello(reply_bytes(rec, "hello"))
                     pid, held = hello.client, hello.round
                 else:  # full-model baselines: no join, the node names its partition
-                    pid, held = int(rec["partition"]), int(rec["round"])
+                    pid, held = reply_int(rec, "partition"), reply_int(rec, "round")
             except (KeyError, ValueError, MessageError) as e:
                 log.warning("node %s: no valid hello (%s): ignored", nid, e)
                 continue
@@ -219,19 +220,25 @@ class FlowerFederation:
             plan = self.server.plan()
             self.check_budget(plan)
             replies = self._send(plan.round, plan.participants)
-            behind = [pid for pid, r in replies.items() if "behind" in r]
-            for pid in behind:  # its replica is older than we thought: resend from its round
-                self.server.client_holds(pid, int(replies[pid]["behind"]))
+            behind = {}
+            for pid, r in replies.items():
+                if "behind" in r:
+                    try:
+                        behind[pid] = reply_int(r, "behind")
+                    except MessageError as e:
+                        log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
+            for pid, held in behind.items():  # its replica is older than we thought: resend from its round
+                self.server.client_holds(pid, held)
             if behind:
-                replies.update(self._send(plan.round, behind))
+                replies.update(self._send(plan.round, list(behind)))
             t2 = time.perf_counter()
             ups = []
             for pid, r in replies.items():
                 if "up" not in r:
                     continue
-                data = r["up"]
-                self.comm.up[pid] += len(data)
                 try:
+                    data = reply_bytes(r, "up")
+                    self.comm.up[pid] += len(data)
                     up = decode_uplink(data, self.server.wire, expect_round=plan.round)
                 except MessageError as e:
                     log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
@@ -319,7 +326,7 @@ def serve_zo(grid, cfg: RunConfig, settings: Settings, federation: type | None =
     fed = holder["fed"]
     extra = {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
                         "partitions_seen": sorted(fed.node_of), "earlier_attempts": before}}
-    Path(settings.out_dir, "flower.json").write_text(json.dumps(extra, indent=1))
+    write_atomic(Path(settings.out_dir, "flower.json"), json.dumps(extra, indent=1))
     if summary.get("diverged"):
         raise RuntimeError(f"run diverged: {summary['diverged']}")
     return summary
@@ -336,7 +343,7 @@ def _lineage(settings: Settings) -> str:
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(8)
-    path.write_text(token + "\n")
+    write_atomic(path, token + "\n")
     return token
 
 def _earlier_attempts(settings: Settings) -> list:

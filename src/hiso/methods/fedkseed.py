@@ -212,6 +212,8 @@ def decode_pool_uplink(data, tau: int, K: int, dtype: str = "float32"):
     if not np.all(np.isfinite(g)):
         raise MessageError(f"{what} from client {client}: non-finite scalar (diverged? lower lr or mu)")
     loss = float(decode_scalars(data, off + tau * (2 + sb), 1, dtype)[0]) if flags & FLAG_LOSS else None
+    if loss is not None and not np.isfinite(loss):  # (one client's NaN would end the run as diverged)
+        raise MessageError(f"{what} from client {client}: non-finite loss {loss}")
     return client, rnd, idx, g, loss
 
 
@@ -274,12 +276,13 @@ class PoolLogWriter:
         """``keep``: a resumed run's kept records, written again first (their encoding is
         deterministic: the same bytes as the interrupted run's, a torn tail dropped)."""
         self.tau, self.K, self.dtype, self.fsync, self.round = tau, K, dtype, fsync, 0
-        self._f = open(path, "wb")
-        self._f.write(_HEAD.pack(MAGIC, 1, tau, K, seed, DTYPES.index(dtype)))
+        head = _HEAD.pack(MAGIC, 1, tau, K, seed, DTYPES.index(dtype))
         for rec in keep or ():
-            self._f.write(self._encode(rec))
+            head += self._encode(rec)
             self.round += 1
-        self._sync()
+        from ..runners.atomic import write_atomic
+        write_atomic(path, head)  # replaced whole: a kill here leaves the old log or the kept one
+        self._f = open(path, "ab")
 
     def _sync(self) -> None:
         self._f.flush()

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 
 from ..config import parse_every
 from ..core.join import config_fingerprint
+from .atomic import save_atomic
 from .runfiles import on_cpu
 
 FILE = "checkpoint.pt"
@@ -130,8 +130,8 @@ class Checkpoints:
 
     def write(self, state, round: int) -> None:
         t0 = time.perf_counter()
-        _save(self.path, {**final_marker(self.path.parent, self.cfg, round), "format": FORMAT,
-                          "state": on_cpu(state.state_dict())})
+        save_atomic(self.path, {**final_marker(self.path.parent, self.cfg, round), "format": FORMAT,
+                                "state": on_cpu(state.state_dict())})
         self.writes += 1
         self.bytes = self.path.stat().st_size
         self.seconds += time.perf_counter() - t0
@@ -171,17 +171,8 @@ def keep_final(out: str | Path, cfg) -> bool:
         state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
     except Exception:  # no summary or model, or ones from before model.pt was described there
         return False
-    _save(out / FILE, {**meta, "format": FORMAT, "state": state})
+    save_atomic(out / FILE, {**meta, "format": FORMAT, "state": state})
     return True
-
-
-def _save(path: Path, blob: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(blob, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _check(path: Path, blob, cfg, records: int) -> str | None:
@@ -210,6 +201,7 @@ def load_start(out: str | Path, cfg, records: int) -> tuple[dict | None, str]:
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a damaged file is a reason to replay, not to stop
-        return None, f"{path} cannot be read ({type(e).__name__}: {e})"
+        first = (str(e).strip().splitlines() or [""])[0]  # (torch's messages run over several lines)
+        return None, f"{path} cannot be read ({type(e).__name__}: {first})"
     why = _check(path, blob, cfg, records)
     return (None, why) if why is not None else (blob["state"], "")

@@ -58,6 +58,7 @@ from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one im
 from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp_secret,  # noqa: F401
                        extend_refusal, made_before, not_a_dir, overwrites_run, read_run_history, resume_point,
                        same_run, saved_config, write_atomic)
+from .atomic import save_atomic
 from .checkpoint import FILE as CHECKPOINT
 from .checkpoint import Checkpoints, CheckpointUnusable, final_marker, keep_final, load_start
 from .accounting import ledger_of_run, privacy_ledger
@@ -299,7 +300,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         last = ModelState(task.build_model(), sim.state.cfg, run_seed=cfg.seed)
         last.replay(read_history(out / "history.bin")[2][:row.get("round", 0)])
         state = last.state_dict()
-    torch.save(checkpoint(state, info), out / "model.pt")
+    save_atomic(out / "model.pt", checkpoint(state, info))
     if ckpt is not None:  # model.pt holds the final state now
         ckpt.remove()
     summary = {

@@ -8,15 +8,16 @@ atomic replacement every rewrite uses. What each file holds: :mod:`hiso.runners.
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
-from ..config import RUNTIME_ONLY, RunConfig, load_config
+from ..config import RUNTIME_ONLY, ConfigError, RunConfig, load_config
 from ..core.history import parse_history
+from .atomic import write_atomic  # noqa: F401 (re-exported: the run files' writer)
 
 
 # the files a run writes into its directory (see hiso.runners.rundir; flower*: a run over Flower)
@@ -57,16 +58,6 @@ def not_a_dir(out: str | Path) -> str | None:
     return None
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` whole (a crash leaves the old file or the new one)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # options added later with a default that computes differently: what a run of those tasks made
 # before them did, so that `hiso run --resume DIR` continues such a run as it began (tasks None:
 # every task; a config.json without `directions` predates the option, when torch-normal was the
@@ -80,13 +71,28 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a hiso run directory?")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is damaged ({e})") from None
+    raw = _raw_config(path)
     older = _made_before(raw)
     info = raw.pop("task_info", None) or {}
-    return RunConfig(**{**raw, **older, **_as_it_ran(raw, info)}), info
+    try:
+        return RunConfig(**{**raw, **older, **_as_it_ran(raw, info)}), info
+    except ValidationError as e:  # one line: the first field refused
+        err = e.errors()[0]
+        where = ".".join(map(str, err.get("loc", ()))) or "a field"
+        raise ConfigError(f"{path} is damaged ({where}: {err.get('msg')}; {e.error_count()} error(s))") from None
+
+
+def _raw_config(path: Path) -> dict:
+    """``config.json``'s object, or ValueError in one line (not JSON, nested too deep, not a configuration)."""
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path} is damaged ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("task_info") or {}, dict) \
+            or not isinstance(raw.get("task", ""), str):
+        raise ValueError(f"{path} is damaged (not a hiso run configuration: a JSON object with a task name and "
+                         f"a task_info object)")
+    return raw
 
 
 class TaskMismatchWarning(UserWarning):
@@ -137,7 +143,8 @@ def _as_it_ran(raw: dict, info: dict) -> dict:
         return {}
     fields = RunConfig.model_fields
     out = {} if read is None else {k: fields[k].default for k in TASK_OPTIONS - read if k in raw}
-    if raw.get("train_max") is not None and info.get("n_train", 0) > raw["train_max"]:
+    tm, n = raw.get("train_max"), info.get("n_train", 0)
+    if type(tm) is int and type(n) is int and n > tm:  # (a damaged file's other types: pydantic refuses them)
         out["train_max"] = None
     return out
 
@@ -151,6 +158,8 @@ def _made_before(raw: dict) -> dict:
     """The options a saved configuration predates, at the values its run was made with, and the
     task defaults it took that have changed since (:data:`_DEFAULT_BEFORE`), at the old values."""
     task = raw.get("task", "quadratic")
+    if not isinstance(task, str):  # (damaged: RunConfig refuses it)
+        return {}
     out = {k: v for k, (tasks, v) in _MADE_BEFORE.items() if k not in raw and (tasks is None or task in tasks)}
     if task in _DEFAULT_BEFORE:
         name, old = _DEFAULT_BEFORE[task]
@@ -163,7 +172,7 @@ def made_before(run_dir: str | Path) -> dict:
     """What :func:`_made_before` gives for ``run_dir``'s ``config.json`` ({} if it has none):
     a resumed run takes these values, so it continues as it began."""
     try:
-        return _made_before(json.loads((Path(run_dir) / "config.json").read_text()))
+        return _made_before(_raw_config(Path(run_dir) / "config.json"))
     except (OSError, ValueError):
         return {}
 
@@ -256,8 +265,7 @@ def dp_secret(out: Path, cfg: RunConfig, resume: bool) -> RunConfig:
     else:
         from ..methods.privacy import noise_key
         key = noise_key()
-        write_atomic(path, json.dumps({"noise_seed": key}))
-        path.chmod(0o600)
+        write_atomic(path, json.dumps({"noise_seed": key}), mode=0o600)
     return cfg.model_copy(update={"dp_noise_seed": key})
 
 

@@ -153,6 +153,8 @@ def pack(model: str, out: str | Path, part_size: int | str = DEFAULT_PART_SIZE, 
     def close_part() -> None:
         nonlocal part, part_len
         if part is not None:
+            part.flush()
+            os.fsync(part.fileno())  # on disk before the manifest that lists it
             part.close()
             parts.append({"name": Path(part.name).name, "size": part_len, "sha256": part_hash.hexdigest()})
             part, part_len = None, 0
@@ -180,7 +182,8 @@ def pack(model: str, out: str | Path, part_size: int | str = DEFAULT_PART_SIZE, 
             close_part()
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": name, "hiso_version": __version__,
                     "part_size": size, "total_size": total, "files": entries, "parts": parts, **extra}
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        from ..runners.atomic import write_atomic
+        write_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")  # last: no manifest, no pack
     except BaseException:
         if part is not None:
             part.close()
@@ -233,7 +236,7 @@ def read_manifest(src: str | Path) -> dict:
         m = json.loads((src / MANIFEST).read_text())
     except FileNotFoundError:
         raise PackError(f"{src} holds no {MANIFEST}: not a hiso model pack") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise PackError(f"{src / MANIFEST} is not readable JSON: {e}") from None
     return _check_manifest(m)
 

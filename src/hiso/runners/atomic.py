@@ -1,0 +1,69 @@
+"""Whole-file writes that a crash or a full disk cannot leave half done.
+
+Every file hiso writes whole goes through :func:`write_atomic` (text or bytes) or
+:func:`save_atomic` (a ``torch.save`` object): the content is written to ``NAME.tmp`` in the same
+directory, flushed and fsynced, then renamed over ``NAME`` (``os.replace``, atomic on POSIX) and
+the directory fsynced, so a SIGKILL at any byte leaves the old file or the new one (and at worst a
+stale ``NAME.tmp``, which the next write replaces). A write that fails (``ENOSPC``) removes its
+temporary file and leaves ``NAME`` as it was. Append-only logs (``history.bin``, ``metrics.jsonl``)
+are not rewritten: their readers drop a torn last record instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Callable
+
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # what a full disk (or a quota or size limit) raises
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether ``e`` is a write refused for want of space (a full disk, quota or file size limit)."""
+    return isinstance(e, OSError) and e.errno in FULL
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or a new file in directory ``path`` durable (a no-op where it cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace_with(path: str | Path, fill: Callable, mode: int | None) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        with open(fd, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)  # (an older tmp file of another mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_atomic(path: str | Path, data: str | bytes, mode: int | None = None) -> None:
+    """Replace ``path`` by ``data`` whole (a crash leaves the old file or the new one); ``mode``:
+    its permissions from the start (a secret is never readable by others, even as ``.tmp``)."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    _replace_with(path, lambda f: f.write(raw), mode)
+
+
+def save_atomic(path: str | Path, obj) -> None:
+    """``torch.save(obj, path)``, atomically (see :func:`write_atomic`)."""
+    import torch
+    _replace_with(path, lambda f: torch.save(obj, f), None)
