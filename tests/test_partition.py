@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -69,8 +71,31 @@ def test_dirichlet_prior_min_size_holds_unbalanced():
 def test_impossible_min_size_raises():
     with pytest.raises(ValueError, match="min_size"):
         dirichlet(LABELS, 10, 1.0, seed=0, min_size=N)
-    with pytest.raises(ValueError, match="min_size"):
-        dirichlet(LABELS, 200, 0.01, seed=0, min_size=29, max_tries=3)
+
+
+@pytest.mark.parametrize(
+    ("m", "alpha", "seed", "min_size", "digest"),
+    [(20, 0.1, 0, 50, "4d7380d65affe9ba"), (40, 0.5, 1, 5, "92e6393f8413d5bb")],
+)
+def test_dirichlet_accepted_draws_are_unchanged(m, alpha, seed, min_size, digest):
+    """Digests of the list-of-chunks implementation (b967fd9): old runs rebuild their split."""
+    parts = dirichlet(LABELS, m, alpha, seed=seed, min_size=min_size)
+    got = hashlib.sha256(b"".join(p.tobytes() + b"|" for p in parts)).hexdigest()[:16]
+    assert got == digest
+
+
+def test_dirichlet_repairs_when_every_draw_has_a_small_client():
+    """2,000 clients of ~3 examples: no draw has all >= 2, so the last one is topped up."""
+    parts = dirichlet(LABELS, 2000, 1.0, seed=0, min_size=2, max_tries=20)
+    raw = dirichlet(LABELS, 2000, 1.0, seed=0, min_size=0, max_tries=1)
+    sizes, raw_sizes = np.array([len(p) for p in parts]), np.array([len(p) for p in raw])
+    assert raw_sizes.min() < 2 and sizes.min() >= 2
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(N))
+    assert all(np.all(np.diff(p) > 0) for p in parts)
+    short = raw_sizes < 2  # draw 1 is the same draw: only the deficit moved, donors kept >= 2
+    again = dirichlet(LABELS, 2000, 1.0, seed=0, min_size=2, max_tries=1)
+    moved = sum(len(np.setdiff1d(a, b)) for a, b in zip(again, raw, strict=True))
+    assert moved == int(np.maximum(2 - raw_sizes, 0).sum()) and short.any()
 
 
 def test_dirichlet_prior_balanced_sizes():
