@@ -102,9 +102,18 @@ class HistoryWriter:
         self.seed, self.dtype, self.directions = seed, scalar_dtype, directions
         head = encode_header(tau, P, seed, scalar_dtype, directions)
         path = Path(path)
-        if keep is None or (keep == 0 and (not path.exists() or path.stat().st_size < _HEAD.size)):
-            self._f: BinaryIO = open(path, "wb")
-            self._f.write(head)
+        if keep is None or (keep == 0 and (not path.exists() or path.stat().st_size < len(head))):
+            # the header whole or not at all: written beside the log and renamed over it, so a kill
+            # mid-header never leaves a file no reader can tell from a damaged one
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self._f: BinaryIO = open(path, "r+b")
+            self._f.seek(len(head))
             self._sync()
             return
         log = parse_history(path)

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import MessageError
+
 SCALAR_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "int2", "sign")
 # the low-bit formats: a block is one row of b-bit codes (see "b-bit codes" below): a float32
 # scale, then the codes packed; int4 and int2 a symmetric grid (int2: ternary), sign the scaled sign
@@ -139,7 +141,6 @@ def decode_scalars(data, off: int, n: int, dtype: str) -> np.ndarray:
         s = np.frombuffer(data, "<f4", 1, off).astype(np.float32)[0]
         codes = np.frombuffer(data, np.int8, n, off + INT8_SCALE_BYTES)
         if np.isfinite(s) and not _int8_canonical(s, codes):
-            from .wire import MessageError
             raise MessageError(f"int8 block with scale {float(s):.6g} is not one an encoder makes (the same values "
                                f"would have other bytes)")
         return codes.astype(np.float32) * s

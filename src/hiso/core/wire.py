@@ -19,12 +19,7 @@ HELLO, WELCOME, DOWN, SNAPSHOT, UP = 1, 2, 3, 4, 5
 KINDS = {HELLO: "hello", WELCOME: "welcome", DOWN: "downlink", SNAPSHOT: "snapshot", UP: "uplink"}
 
 
-class MessageError(ValueError):
-    """A message that cannot be decoded or does not fit the receiver's state."""
-
-
-class JoinError(MessageError):
-    """A peer that must not join this run (another protocol, configuration or x_0)."""
+from .errors import JoinError, MessageError  # noqa: E402,F401  (in errors.py: the scalar formats raise them too)
 
 
 # ------------------------------------------------------------------------------ primitives

@@ -64,6 +64,29 @@ def write_atomic(path: str | Path, data: str | bytes, mode: int | None = None) -
 
 
 def save_atomic(path: str | Path, obj) -> None:
-    """``torch.save(obj, path)``, atomically (see :func:`write_atomic`)."""
+    """``torch.save(obj, path)``, atomically (see :func:`write_atomic`). torch names an archive's
+    records after the file's stem (``model/data.pkl``), so the object is saved under its own name
+    in a directory beside it (``.NAME.tmp/NAME``), not to ``NAME.tmp``: the file has the bytes a
+    plain ``torch.save(obj, path)`` writes, as runs made before atomic writes have."""
     import torch
-    _replace_with(path, lambda f: torch.save(obj, f), None)
+    path = Path(path)
+    tmpdir = path.with_name(f".{path.name}.tmp")
+    tmpdir.mkdir(exist_ok=True)
+    tmp = tmpdir / path.name
+    try:
+        torch.save(obj, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        try:
+            tmpdir.rmdir()
+        except OSError:
+            pass
+    fsync_dir(path.parent)
