@@ -190,6 +190,7 @@ def plot_frontier(fronts: list[Frontier], path: Path) -> None:
     """One row per target: rounds against bytes / client, and rounds against client
     forward-equivalents (log axes); Pareto-optimal arms filled and starred, the others hollow."""
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -208,6 +209,7 @@ def plot_frontier(fronts: list[Frontier], path: Path) -> None:
                 ax.annotate(display_name(c.name), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
             if pts and all(c.axis(axis) > 0 for c in pts):
                 ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded 2x10^1 labels
             ax.set_xlabel(xlabel)
             ax.set_ylabel("rounds to reach")
             missed = [display_name(c.name) for c in f.costs if c.rounds is None]
