@@ -18,7 +18,7 @@ from .core.config import ZOConfig
 from .core.preconditioner import PreconditionerConfig
 from .methods.momentum import MomentumConfig
 from .methods.privacy import DPConfig
-from .methods.registry import MethodInfo, method_info, method_names
+from .methods.registry import method_info, method_names
 from .methods.stepnorm import StepNormConfig
 
 ALGORITHMS = method_names()  # the built-in methods (hiso.methods.registry); a user's is module:Class
@@ -327,16 +327,6 @@ class RunConfig(BaseModel, MethodRules):
             self._lr_defaulted = True  # (a RunConfig reused for another task takes that task's default)
         return self
 
-    @property
-    def sends_signs(self) -> bool:
-        """Whether the method's clients upload one sign bit per scalar (FeedSign's wire)."""
-        return self.method.scalar_only and getattr(self.method.build(self), "uplink", None) == "signs"
-
-    @property
-    def method(self) -> MethodInfo:
-        """What the registry knows of this run's method (:mod:`hiso.methods.registry`)."""
-        return method_info(self.algorithm)
-
     def changed(self, names) -> list[str]:
         """Those of ``names`` whose value is not the field's default (what was set, in effect)."""
         fields = type(self).model_fields
@@ -370,16 +360,6 @@ class RunConfig(BaseModel, MethodRules):
     def batch_memory_bytes(self) -> int | None:
         """``batch_memory`` in bytes (None: the perturber's default)."""
         return None if self.batch_memory is None else parse_size(self.batch_memory)
-
-    @property
-    def scalar_only(self) -> bool:
-        """Whether the algorithm runs the seed-and-scalar protocol (and can be rebuilt from its log)."""
-        return self.method.scalar_only
-
-    def resolved_server_lr(self) -> float:
-        if self.server_lr is not None:
-            return self.server_lr
-        return self.method.server_lr if self.method.server_lr is not None else 0.01
 
     def zo(self) -> ZOConfig:
         precond = None

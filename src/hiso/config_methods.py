@@ -11,6 +11,27 @@ import math
 class MethodRules:
     """Checks and derived values of the methods' options (mixed into ``RunConfig``)."""
 
+    @property
+    def method(self):
+        """What the registry knows of this run's method (:class:`hiso.methods.registry.MethodInfo`)."""
+        from .methods.registry import method_info
+        return method_info(self.algorithm)
+
+    @property
+    def scalar_only(self) -> bool:
+        """Whether the algorithm runs the seed-and-scalar protocol (and can be rebuilt from its log)."""
+        return self.method.scalar_only
+
+    @property
+    def sends_signs(self) -> bool:
+        """Whether the method's clients upload one sign bit per scalar (FeedSign's wire)."""
+        return self.method.scalar_only and getattr(self.method.build(self), "uplink", None) == "signs"
+
+    def resolved_server_lr(self) -> float:
+        if self.server_lr is not None:
+            return self.server_lr
+        return self.method.server_lr if self.method.server_lr is not None else 0.01
+
     def _method_checks(self, faults: float) -> None:
         """What the run's method can be combined with, asked of its registry entry
         (:mod:`hiso.methods.registry`): each option that needs a capability it lacks is refused."""
