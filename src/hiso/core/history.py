@@ -88,7 +88,7 @@ def encode_header(tau: int, P: int, seed: int, scalar_dtype: str, directions: st
 class HistoryWriter:
     """Appends records to a history file as rounds finish, so a crash loses nothing logged.
 
-    ``keep=None`` starts a new file. ``keep=n`` continues an existing one (a resumed run):
+    ``keep=None`` (or 0) starts a new file. ``keep=n`` continues an existing one (a resumed run):
     its first ``n`` records are kept and everything after them (later rounds, a torn record)
     is cut off; its header must match (a file of an older version, whose seeds were drawn,
     not derived, is refused). Each record is flushed and, with ``fsync`` (default), on disk
@@ -102,7 +102,7 @@ class HistoryWriter:
         self.seed, self.dtype, self.directions = seed, scalar_dtype, directions
         head = encode_header(tau, P, seed, scalar_dtype, directions)
         path = Path(path)
-        if keep is None or (keep == 0 and (not path.exists() or path.stat().st_size < _HEAD.size)):
+        if not keep:  # a new file (nothing kept: a header a kill cut short is written again whole)
             self._f: BinaryIO = open(path, "wb")
             self._f.write(head)
             self._sync()

@@ -1,8 +1,8 @@
 """Whole-file writes that a crash or a full disk cannot leave half done.
 
 Every file hiso writes whole goes through :func:`write_atomic` (text or bytes) or
-:func:`save_atomic` (a ``torch.save`` object): the content is written to ``NAME.tmp`` in the same
-directory, flushed and fsynced, then renamed over ``NAME`` (``os.replace``, atomic on POSIX) and
+:func:`save_atomic` (a ``torch.save`` object): the content is written to ``NAME.tmp`` (``STEM.tmp`` for
+torch's, :func:`torch_tmp`) in the same directory, flushed and fsynced, then renamed over ``NAME`` (``os.replace``, atomic on POSIX) and
 the directory fsynced, so a SIGKILL at any byte leaves the old file or the new one (and at worst a
 stale ``NAME.tmp``, which the next write replaces). A write that fails (``ENOSPC``) removes its
 temporary file and leaves ``NAME`` as it was. Append-only logs (``history.bin``, ``metrics.jsonl``)
@@ -63,7 +63,27 @@ def write_atomic(path: str | Path, data: str | bytes, mode: int | None = None) -
     _replace_with(path, lambda f: f.write(raw), mode)
 
 
+def torch_tmp(path: str | Path) -> Path:
+    """Where :func:`save_atomic` writes ``path`` first: ``STEM.tmp`` beside it (torch names the
+    archive inside a file after its stem, so this gives the bytes ``torch.save(obj, path)`` does)."""
+    path = Path(path)
+    return path.with_name(path.stem + ".tmp")
+
+
 def save_atomic(path: str | Path, obj) -> None:
-    """``torch.save(obj, path)``, atomically (see :func:`write_atomic`)."""
+    """``torch.save(obj, path)``, atomically (see :func:`write_atomic`), byte for byte the file
+    ``torch.save(obj, path)`` writes."""
     import torch
-    _replace_with(path, lambda f: torch.save(obj, f), None)
+    path, tmp = Path(path), torch_tmp(path)
+    try:
+        torch.save(obj, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
