@@ -38,7 +38,7 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def _replace_with(path: str | Path, fill: Callable, mode: int | None) -> None:
+def _replace_with(path: str | Path, fill: Callable, mode: int | None, sync: bool = True) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -46,21 +46,25 @@ def _replace_with(path: str | Path, fill: Callable, mode: int | None) -> None:
         with open(fd, "wb") as f:
             fill(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)  # (an older tmp file of another mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
 
 
-def write_atomic(path: str | Path, data: str | bytes, mode: int | None = None) -> None:
+def write_atomic(path: str | Path, data: str | bytes, mode: int | None = None, sync: bool = True) -> None:
     """Replace ``path`` by ``data`` whole (a crash leaves the old file or the new one); ``mode``:
-    its permissions from the start (a secret is never readable by others, even as ``.tmp``)."""
+    its permissions from the start (a secret is never readable by others, even as ``.tmp``).
+    ``sync=False``: no fsync (whole against a killed process, not against a power loss), for a
+    file rewritten every round whose loss costs a replay, not a result (a Flower node's state)."""
     raw = data.encode() if isinstance(data, str) else bytes(data)
-    _replace_with(path, lambda f: f.write(raw), mode)
+    _replace_with(path, lambda f: f.write(raw), mode, sync)
 
 
 def torch_tmp(path: str | Path) -> Path:
