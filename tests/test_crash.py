@@ -136,6 +136,32 @@ def test_killed_anywhere_resumes_bit_for_bit(tmp_path, monkeypatch):
     assert counts["trials"] == n and counts["refused"] == 0, counts.get("why")  # every state a kill leaves resumes
 
 
+def test_a_file_size_limit_is_named_in_one_line_and_loses_nothing(tmp_path):
+    """A real limit (RLIMIT_FSIZE: the kernel's EFBIG, as a full disk's ENOSPC), in this process
+    for the run's length only: files cannot grow past 4,000 bytes, so metrics.jsonl reaches it."""
+    import resource
+    import signal
+
+    args = ["--rounds", "20"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert hiso(*args, "--out", str(ref))[0] == 0
+    old, sig = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4000, old[1]))  # (the soft limit only: restored below)
+    try:
+        rc, err = hiso(*args, "--out", str(run))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, sig)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "File too large" in lines[0] and "--resume" in lines[0], err
+    print(f"\n{lines[0]}")
+    assert whole_or_absent(run) is None and not (run / "summary.json").exists()
+    rc, err = hiso(*args, "--out", str(run), "--resume")
+    assert rc == 0, err
+    assert (run / "history.bin").read_bytes() == (ref / "history.bin").read_bytes()
+    assert same_model(run / "model.pt", ref / "model.pt")
+
+
 @pytest.mark.parametrize("at", [0, 3, 9, 14, 20, 26])
 def test_full_disk_is_named_in_one_line_and_loses_nothing(tmp_path, at):
     ref, run = tmp_path / "ref", tmp_path / "run"
