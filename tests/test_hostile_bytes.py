@@ -286,6 +286,7 @@ def test_cache_manifest(tmp_path, text):
     assert json.loads(json.dumps(m)) == m
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 @FUZZ
 @given(st.data())
 def test_checkpoint_file(tmp_path, data):

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import MessageError
+
 SCALAR_DTYPES = ("float32", "float16", "bfloat16", "int8")
 SCALAR_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # the fixed-width formats
 INT8_SCALE_BYTES = 4  # an int8 block's float32 scale
@@ -122,8 +124,7 @@ def decode_scalars(data, off: int, n: int, dtype: str) -> np.ndarray:
     if dtype == "int8":
         s = np.frombuffer(data, "<f4", 1, off).astype(np.float32)[0]
         codes = np.frombuffer(data, np.int8, n, off + INT8_SCALE_BYTES)
-        if np.isfinite(s) and not _int8_canonical(s, codes):
-            from .wire import MessageError
+        if (np.isfinite(s) or not codes.size) and not _int8_canonical(s, codes):
             raise MessageError(f"int8 block with scale {float(s):.6g} is not one an encoder makes (the same values "
                                f"would have other bytes)")
         return codes.astype(np.float32) * s

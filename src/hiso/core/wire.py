@@ -11,20 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import JoinError, MessageError  # noqa: F401 (defined below both wire and scalars)
 from .scalars import SCALAR_BYTES, _check_dtype, block_size, loss_dtype
 from .seeds import round_seeds
 
 VERSION = 2
 HELLO, WELCOME, DOWN, SNAPSHOT, UP = 1, 2, 3, 4, 5
 KINDS = {HELLO: "hello", WELCOME: "welcome", DOWN: "downlink", SNAPSHOT: "snapshot", UP: "uplink"}
-
-
-class MessageError(ValueError):
-    """A message that cannot be decoded or does not fit the receiver's state."""
-
-
-class JoinError(MessageError):
-    """A peer that must not join this run (another protocol, configuration or x_0)."""
 
 
 # ------------------------------------------------------------------------------ primitives

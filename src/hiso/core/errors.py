@@ -1,0 +1,9 @@
+"""The errors a decoder raises (here, below :mod:`hiso.core.wire` and :mod:`hiso.core.scalars`, which both raise them)."""
+
+
+class MessageError(ValueError):
+    """A message that cannot be decoded or does not fit the receiver's state."""
+
+
+class JoinError(MessageError):
+    """A peer that must not join this run (another protocol, configuration or x_0)."""
