@@ -303,6 +303,30 @@ def test_checkpoint_file(tmp_path, data):
     assert state is None and isinstance(why, str) and "\n" not in why
 
 
+@FUZZ
+@given(st.sampled_from(("float32", "float16", "bfloat16")), st.data())
+def test_full_model_messages(dtype, data):
+    """The full-model baselines' messages (hiso.baselines.messages)."""
+    from hiso.baselines import messages as F
+    vec = st.lists(st.floats(-100, 100, width=16), max_size=4).map(lambda v: torch.tensor(v, dtype=torch.float32))
+    down = st.builds(lambda r, m: F.encode_downlink(F.FullDownlink(r, m), dtype), st.integers(0, 2**32 - 1), vec)
+    raw = data.draw(hostile(down))
+    try:
+        msg = F.decode_downlink(raw)
+    except M.MessageError:
+        pass
+    else:
+        assert F.encode_downlink(msg, F._NAMES[raw[4]]) == raw
+    up = st.builds(lambda c, r, v, loss: F.encode_uplink(F.FullUplink(c, r, v, loss), dtype), st.integers(0, 99),
+                   st.integers(0, 99), vec, st.floats(-10, 10, width=32))
+    raw = data.draw(hostile(up))
+    try:
+        msg = F.decode_uplink(raw)
+    except M.MessageError:
+        return
+    assert F.encode_uplink(msg, F._NAMES[raw[4]]) == raw
+
+
 # ---------------------------------------------------------------------------------- FedKSeed and Flower
 @FUZZ
 @given(st.sampled_from(("float32", "float16", "bfloat16")), st.integers(1, 3), st.data())
@@ -389,6 +413,8 @@ def _huge_cases():
     yield "downlink re-planned", lambda: M.decode_downlink(head(M.DOWN) + _varint(50) + b"\0" + _varint(50)
                                                            + _varint(big), w)
     yield "uplink client", lambda: M.decode_uplink(head(M.UP) + b"\0" + _varint(big) + b"\0\0", w)
+    from hiso.baselines import messages as F
+    yield "full-model downlink", lambda: F.decode_downlink(F._DOWN.pack(F.MAGIC, F.VERSION, F.DOWN, 1, 0, 2**63))
     from hiso.methods.fedkseed import POOL_DOWN, decode_pool_downlink
     yield "pool downlink", lambda: decode_pool_downlink(head(POOL_DOWN) + _varint(big) + _varint(big - 1)
                                                         + _varint(big), 2, 8)
