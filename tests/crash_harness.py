@@ -1,7 +1,8 @@
 """Kill a `hiso run` at its n-th write, in process, leaving exactly what SIGKILL would leave.
 
 Every file opened for writing under the run directory is wrapped: each ``write``,
-``truncate``, ``os.replace`` and ``os.unlink`` there is an *event*. At event ``at`` the wrapper
+``truncate``, ``os.replace`` and ``os.unlink`` there is an *event*, and so is a ``torch.save`` to
+a path there (torch writes it from C++: killed there, the file is cut at a random byte). At event ``at`` the wrapper
 writes a random prefix of that write's bytes (flushing what Python buffered, or not), copies the
 directory as the OS holds it to ``snap`` (a process killed there leaves this), and raises
 :class:`Killed`, which no ``except Exception`` catches. ``full=True`` instead makes that write and
@@ -88,8 +89,18 @@ class Crash:
         raise Killed
 
     def __enter__(self) -> "Crash":
-        self._saved = builtins.open, io.open, os.replace, os.unlink
-        real_open, real_replace, real_unlink = builtins.open, os.replace, os.unlink
+        import torch
+        self._saved = builtins.open, io.open, os.replace, os.unlink, torch.save
+        real_open, real_replace, real_unlink, real_save = builtins.open, os.replace, os.unlink, torch.save
+
+        def save(obj, f, *a, **k):
+            if not isinstance(f, (str, os.PathLike)) or not self._ours(f) or self.dead:
+                return real_save(obj, f, *a, **k)
+            if self.events == self.at and not self.full:  # killed while torch writes it: cut short
+                real_save(obj, f, *a, **k)
+                os.truncate(f, self.rng.randrange(os.path.getsize(f)))
+            self.event()
+            return real_save(obj, f, *a, **k)
 
         def open_(file, mode="r", *a, **k):
             f = real_open(file, mode, *a, **k)
@@ -107,8 +118,9 @@ class Crash:
             return real_unlink(path, *a, **k)
 
         builtins.open = io.open = open_
-        os.replace, os.unlink = replace, unlink
+        os.replace, os.unlink, torch.save = replace, unlink, save
         return self
 
     def __exit__(self, *exc) -> None:
-        builtins.open, io.open, os.replace, os.unlink = self._saved
+        import torch
+        builtins.open, io.open, os.replace, os.unlink, torch.save = self._saved

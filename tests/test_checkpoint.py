@@ -221,9 +221,10 @@ def test_a_finished_run_continued_to_more_rounds_starts_from_its_model_pt(tmp_pa
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_checkpoints_not_the_run(tmp_path, capsys, monkeypatch):
     from hiso.runners import checkpoint as ck
+    from hiso.runners.atomic import torch_tmp
 
     def full_disk(path, blob):
-        path.with_name(path.name + ".tmp").write_bytes(b"half")
+        torch_tmp(path).write_bytes(b"half")
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(ck, "save_atomic", full_disk)
     args = [*QUAD, "--rounds", "10"]
@@ -233,7 +234,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_checkpoints_not_the_run(t
     assert summary["rounds_done"] == 10 and summary["checkpoints"]["writes"] == 0
     assert "No space left" in summary["checkpoints"]["failed"]
     assert err.count("could not be written at round 3") == 1 and "replays the log from round 0" in err
-    assert not (d / FILE).exists() and not (d / (FILE + ".tmp")).exists()
+    assert not (d / FILE).exists() and not torch_tmp(d / FILE).exists()
     run_to_dir(_cfg(args), tmp_path / "plain")
     _same(tmp_path / "plain", d)
 

@@ -259,7 +259,8 @@ def _command(args: argparse.Namespace) -> int:
         out = getattr(args, "out", None) or getattr(args, "resume", None)
         kept = (f"; {out} holds every round logged so far: free space and continue it with --resume"
                 if args.command == "run" and isinstance(out, str) else "")
-        return _fail(f"{e.filename or 'a file'}: {e.strerror or 'no space left on device'}{kept}")
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"a write failed: {where}{e.strerror or 'no space left on device'}{kept}")
     except KeyboardInterrupt as e:
         if sig := _stopped_by(e):
             print(f"hiso: stopped by {signal.Signals(sig).name}; every process it started is stopped, "

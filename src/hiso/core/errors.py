@@ -1,4 +1,4 @@
-"""The protocol's errors: below every module that decodes bytes (scalars, wire, messages)."""
+"""The errors a decoder raises (here, below :mod:`hiso.core.wire` and :mod:`hiso.core.scalars`, which both raise them)."""
 
 
 class MessageError(ValueError):

@@ -88,7 +88,7 @@ def encode_header(tau: int, P: int, seed: int, scalar_dtype: str, directions: st
 class HistoryWriter:
     """Appends records to a history file as rounds finish, so a crash loses nothing logged.
 
-    ``keep=None`` starts a new file. ``keep=n`` continues an existing one (a resumed run):
+    ``keep=None`` (or 0) starts a new file. ``keep=n`` continues an existing one (a resumed run):
     its first ``n`` records are kept and everything after them (later rounds, a torn record)
     is cut off; its header must match (a file of an older version, whose seeds were drawn,
     not derived, is refused). Each record is flushed and, with ``fsync`` (default), on disk
@@ -102,18 +102,9 @@ class HistoryWriter:
         self.seed, self.dtype, self.directions = seed, scalar_dtype, directions
         head = encode_header(tau, P, seed, scalar_dtype, directions)
         path = Path(path)
-        if keep is None or (keep == 0 and (not path.exists() or path.stat().st_size < len(head))):
-            # the header whole or not at all: written beside the log and renamed over it, so a kill
-            # mid-header never leaves a file no reader can tell from a damaged one
-            tmp = path.with_name(path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(head)
-                f.flush()
-                if fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-            self._f: BinaryIO = open(path, "r+b")
-            self._f.seek(len(head))
+        if not keep:  # a new file (nothing kept: a header a kill cut short is written again whole)
+            self._f: BinaryIO = open(path, "wb")
+            self._f.write(head)
             self._sync()
             return
         log = parse_history(path)

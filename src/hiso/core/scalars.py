@@ -140,7 +140,7 @@ def decode_scalars(data, off: int, n: int, dtype: str) -> np.ndarray:
     if dtype == "int8":
         s = np.frombuffer(data, "<f4", 1, off).astype(np.float32)[0]
         codes = np.frombuffer(data, np.int8, n, off + INT8_SCALE_BYTES)
-        if np.isfinite(s) and not _int8_canonical(s, codes):
+        if (np.isfinite(s) or not codes.size) and not _int8_canonical(s, codes):
             raise MessageError(f"int8 block with scale {float(s):.6g} is not one an encoder makes (the same values "
                                f"would have other bytes)")
         return codes.astype(np.float32) * s

@@ -11,15 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import JoinError, MessageError  # noqa: F401 (defined below both wire and scalars)
 from .scalars import CODE_BITS, SCALAR_BYTES, _check_dtype, block_size, codes_size, loss_dtype, packed_signs_size
 from .seeds import round_seeds
 
 VERSION = 2
 HELLO, WELCOME, DOWN, SNAPSHOT, UP = 1, 2, 3, 4, 5
 KINDS = {HELLO: "hello", WELCOME: "welcome", DOWN: "downlink", SNAPSHOT: "snapshot", UP: "uplink"}
-
-
-from .errors import JoinError, MessageError  # noqa: E402,F401  (in errors.py: the scalar formats raise them too)
 
 
 # ------------------------------------------------------------------------------ primitives

@@ -128,7 +128,8 @@ class Replica:
     def _write_meta(self, dirty: bool, layout: list | None = None) -> None:
         layout = layout if layout is not None else self._layout
         write_atomic(self.path / "meta.json", json.dumps({"round": self.state.round, "dirty": dirty, "key": self.key,
-                                                          "layout": layout}))
+                                                          "layout": layout}),
+                     sync=os.environ.get("HISO_REPLICA_SYNC") == "1")  # (as the values' flush, commit())
 
     def begin(self) -> None:
         self._write_meta(dirty=True)

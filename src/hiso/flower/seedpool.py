@@ -193,7 +193,7 @@ def _save(path: Path, rep: PoolReplica) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     np.savez(buf, coef=rep.coef, amp=rep.amp, count=rep.count, round=np.int64(rep.round))
-    write_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue(), sync=False)  # (renamed whole, as before; a lost state is replayed)
 
 
 def pool_query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None) -> dict:

@@ -324,6 +324,8 @@ def read_pool_log(path) -> tuple[dict, list[PoolRecord]]:
     if len(data) < _HEAD.size or data[:4] != MAGIC:
         raise ValueError(f"{path}: not a FedKSeed history file")
     _, ver, tau, K, seed, code = _HEAD.unpack_from(data, 0)
+    if ver != 1 or code >= len(DTYPES):
+        raise ValueError(f"{path}: FedKSeed history version {ver}, scalar dtype code {code}: not one this hiso reads")
     dtype = DTYPES[code]
     sb = SCALAR_BYTES[dtype]  # (fixed-width formats only: FedKSeed refuses int8)
     off, recs = _HEAD.size, []

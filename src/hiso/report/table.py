@@ -317,6 +317,7 @@ def write_table(out: str | Path, table: Table) -> str:
     """Write ``table.md`` (table and footer) and ``table.csv``; returns the markdown."""
     out = Path(out)
     text = to_markdown(table) + "\n\n" + footer(table) + "\n"
-    (out / "table.md").write_text(text)
-    (out / "table.csv").write_text(to_csv(table))
+    from ..runners.atomic import write_atomic
+    write_atomic(out / "table.md", text)
+    write_atomic(out / "table.csv", to_csv(table))
     return text

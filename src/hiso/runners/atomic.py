@@ -1,8 +1,8 @@
 """Whole-file writes that a crash or a full disk cannot leave half done.
 
 Every file hiso writes whole goes through :func:`write_atomic` (text or bytes) or
-:func:`save_atomic` (a ``torch.save`` object): the content is written to ``NAME.tmp`` in the same
-directory, flushed and fsynced, then renamed over ``NAME`` (``os.replace``, atomic on POSIX) and
+:func:`save_atomic` (a ``torch.save`` object): the content is written to ``NAME.tmp`` (``STEM.tmp`` for
+torch's, :func:`torch_tmp`) in the same directory, flushed and fsynced, then renamed over ``NAME`` (``os.replace``, atomic on POSIX) and
 the directory fsynced, so a SIGKILL at any byte leaves the old file or the new one (and at worst a
 stale ``NAME.tmp``, which the next write replaces). A write that fails (``ENOSPC``) removes its
 temporary file and leaves ``NAME`` as it was. Append-only logs (``history.bin``, ``metrics.jsonl``)
@@ -38,7 +38,7 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def _replace_with(path: str | Path, fill: Callable, mode: int | None) -> None:
+def _replace_with(path: str | Path, fill: Callable, mode: int | None, sync: bool = True) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -46,33 +46,39 @@ def _replace_with(path: str | Path, fill: Callable, mode: int | None) -> None:
         with open(fd, "wb") as f:
             fill(f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)  # (an older tmp file of another mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
 
 
-def write_atomic(path: str | Path, data: str | bytes, mode: int | None = None) -> None:
+def write_atomic(path: str | Path, data: str | bytes, mode: int | None = None, sync: bool = True) -> None:
     """Replace ``path`` by ``data`` whole (a crash leaves the old file or the new one); ``mode``:
-    its permissions from the start (a secret is never readable by others, even as ``.tmp``)."""
+    its permissions from the start (a secret is never readable by others, even as ``.tmp``).
+    ``sync=False``: no fsync (whole against a killed process, not against a power loss), for a
+    file rewritten every round whose loss costs a replay, not a result (a Flower node's state)."""
     raw = data.encode() if isinstance(data, str) else bytes(data)
-    _replace_with(path, lambda f: f.write(raw), mode)
+    _replace_with(path, lambda f: f.write(raw), mode, sync)
+
+
+def torch_tmp(path: str | Path) -> Path:
+    """Where :func:`save_atomic` writes ``path`` first: ``STEM.tmp`` beside it (torch names the
+    archive inside a file after its stem, so this gives the bytes ``torch.save(obj, path)`` does)."""
+    path = Path(path)
+    return path.with_name(path.stem + ".tmp")
 
 
 def save_atomic(path: str | Path, obj) -> None:
-    """``torch.save(obj, path)``, atomically (see :func:`write_atomic`). torch names an archive's
-    records after the file's stem (``model/data.pkl``), so the object is saved under its own name
-    in a directory beside it (``.NAME.tmp/NAME``), not to ``NAME.tmp``: the file has the bytes a
-    plain ``torch.save(obj, path)`` writes, as runs made before atomic writes have."""
+    """``torch.save(obj, path)``, atomically (see :func:`write_atomic`), byte for byte the file
+    ``torch.save(obj, path)`` writes."""
     import torch
-    path = Path(path)
-    tmpdir = path.with_name(f".{path.name}.tmp")
-    tmpdir.mkdir(exist_ok=True)
-    tmp = tmpdir / path.name
+    path, tmp = Path(path), torch_tmp(path)
     try:
         torch.save(obj, tmp)
         fd = os.open(tmp, os.O_RDONLY)
@@ -84,9 +90,4 @@ def save_atomic(path: str | Path, obj) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    finally:
-        try:
-            tmpdir.rmdir()
-        except OSError:
-            pass
     fsync_dir(path.parent)

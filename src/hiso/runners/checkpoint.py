@@ -44,7 +44,7 @@ import torch
 
 from ..config import parse_every
 from ..core.join import config_fingerprint
-from .atomic import save_atomic
+from .atomic import save_atomic, torch_tmp
 from .runfiles import on_cpu
 
 FILE = "checkpoint.pt"
@@ -120,7 +120,7 @@ class Checkpoints:
         try:
             self.write(state, round)
         except OSError as e:
-            self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)
+            torch_tmp(self.path).unlink(missing_ok=True)
             self.failed = f"{type(e).__name__}: {e}"
             print(f"hiso: {self.path} could not be written at round {round} ({self.failed}); no more checkpoints "
                   f"this run: a resume replays the log from {'an earlier checkpoint' if self.writes else 'round 0'}",
@@ -139,7 +139,7 @@ class Checkpoints:
 
     def remove(self) -> None:
         """The run ended: ``model.pt`` holds its final state."""
-        for p in (self.path, self.path.with_name(self.path.name + ".tmp")):
+        for p in (self.path, torch_tmp(self.path)):
             if p.is_file():
                 p.unlink()
 

@@ -51,6 +51,7 @@ from ..config import ConfigError
 from ..report.table import ArmResult, RunResult, best_of, load_run_result, selected_value
 
 # names callers import from here (hiso.cli, tests, bench)
+from .atomic import write_atomic
 from .compare_plan import Arm, CompareSpec, Plan, RunSpec, build_plan, lr_dirname, parse_cli, run_dir  # noqa: F401
 from .compare_plan import table_plan  # noqa: F401
 from .compare_run import _finished, _reset_peak_rss, _vm_hwm_mb, execute  # noqa: F401
@@ -245,7 +246,7 @@ def compare(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
         if left and not quiet:
             print("not finished yet, left out of the table:\n  " + "\n  ".join(left), file=sys.stderr)
     arms, selection = collect(plan, out, at_round=at_round)
-    (dest / "selection.json").write_text(json.dumps(_json_safe(selection), indent=2))
+    write_atomic(dest / "selection.json", json.dumps(_json_safe(selection), indent=2))
     table = build_table(arms, plan.reference, plan.metric, plan.select_metric, plan.select_note)
     text = write_table(dest, table)
     from ..report.frontier import frontiers, write_frontier

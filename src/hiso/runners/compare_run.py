@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 from ..config import ConfigError, RunConfig
 
+from .atomic import write_atomic
 from .compare_plan import NOT_TASK_FIELDS, RESUME_IGNORED, Plan, RunSpec, lr_dirname
 
 
@@ -194,7 +195,7 @@ def _run_in_worker(spec: RunSpec, tracking=None, resume: bool = False) -> dict:
     hwm = _vm_hwm_mb() if reset else None
     if hwm is not None:
         summary["peak_rss_mb_run"] = hwm
-        (spec.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_atomic(spec.dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
@@ -315,7 +316,7 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     todo = [s for s in specs if states[s.label] != "finished"]
     resume = {s.label for s in todo if states[s.label] == "continue"}
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused compare writes nothing
-    (out / "compare.json").write_text(json.dumps(plan.to_json(), indent=2))
+    write_atomic(out / "compare.json", json.dumps(plan.to_json(), indent=2))
     for s in todo:  # a run started afresh (--force, or a partial one that cannot continue) keeps no old file
         if states[s.label] == "start" and s.dir.is_dir():
             clear_run(s.dir)
@@ -376,7 +377,7 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
             hwm = _vm_hwm_mb() if reset else None
             if hwm is not None:
                 summary["peak_rss_mb_run"] = hwm
-                (spec.dir / "summary.json").write_text(json.dumps(summary, indent=2))
+                write_atomic(spec.dir / "summary.json", json.dumps(summary, indent=2))
             done += 1
             bar.update(1)
             if not quiet:

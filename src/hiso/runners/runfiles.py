@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from ..config import RUNTIME_ONLY, ConfigError, RunConfig, load_config
 from ..core.history import parse_history
-from .atomic import write_atomic  # noqa: F401 (re-exported: the run files' writer)
+from .atomic import torch_tmp, write_atomic  # noqa: F401 (write_atomic re-exported: the run files' writer)
 
 
 # the files a run writes into its directory (see hiso.runners.rundir; flower*: a run over Flower)
@@ -32,7 +32,8 @@ def clear_run(out: str | Path) -> None:
     wrote and what was written about it (:data:`RUN_FILES`, :data:`ABOUT_RUN_FILES`, and a rewrite's
     leftover ``.tmp``), so none of another configuration's files outlives it. A user's files stay."""
     for name in (*RUN_FILES, *ABOUT_RUN_FILES):
-        for path in (Path(out) / name, Path(out) / f"{name}.tmp"):
+        p = Path(out) / name
+        for path in (p, p.with_name(f"{name}.tmp"), *([torch_tmp(p)] if p.suffix == ".pt" else [])):
             if path.is_file() or path.is_symlink():
                 path.unlink()
 
@@ -271,7 +272,7 @@ def dp_secret(out: Path, cfg: RunConfig, resume: bool) -> RunConfig:
 
 def resume_point(out: Path, shape: tuple[int, int] | None, cfg: RunConfig | None = None) -> tuple[list[str], list]:
     """The rounds an interrupted run finished: (metrics lines of rows 0..R, history records
-    0..R-1), R the last round both files hold. No row at all: ([], []), start over."""
+    0..R-1), R the last round both files hold. No round finished (R = 0): ([], []), start over."""
     lines = []
     if (out / "metrics.jsonl").exists():
         text = (out / "metrics.jsonl").read_text()
@@ -298,6 +299,8 @@ def resume_point(out: Path, shape: tuple[int, int] | None, cfg: RunConfig | None
         raise ValueError(f"{path} is of run seed {log.seed}, {log.scalar_dtype} scalars, directions {log.directions!r}, "
                          f"but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.direction_spec!r}")
     R = min(len(lines) - 1, len(log.records))
+    if R == 0:  # no round finished: start over (kept, row 0 would be written twice; found by tests/test_crash.py)
+        return [], []
     return lines[:R + 1], log.records[:R]
 
 
