@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .cli_commands import (_ending_note, _fail, _new_run_refusal, _stopped_by, _tracking,  # noqa: F401
                            _warn_unused, cmd_compare, cmd_diagnose, cmd_eval, cmd_export, cmd_flower,
-                           cmd_rebuild, cmd_run)
+                           cmd_plan, cmd_rebuild, cmd_run)
 from .config import ALGORITHMS, ConfigError, RunConfig, task_names
 
 
@@ -195,6 +195,24 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--max-params", type=int, default=1_000_000, help="size limit of --curvature auto (default: 1e6)")
     dg.add_argument("--batches", type=int, default=8, help="unseen training batches for the curvature (default: 8)")
     dg.add_argument("--probes", type=int, default=4, help="Rademacher probes per batch for Hutchinson (default: 4)")
+    pl = sub.add_parser("plan", help="before running: each method's bytes, compute and memory per client and the "
+                        "server's per round, for a model size, population and schedule, beside FedAvg's")
+    size = pl.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=int, help="the model's trainable parameters (d)")
+    size.add_argument("--task", help="a built-in task whose model is counted (with --model for the LM tasks)")
+    pl.add_argument("--model", help="the LM tasks' model name (see hiso run --model)")
+    pl.add_argument("--clients", type=int, required=True, help="population (M)")
+    pl.add_argument("--sampled", type=int, required=True, help="clients per round (m)")
+    pl.add_argument("--rounds", type=int, required=True, help="rounds")
+    pl.add_argument("--local-steps", type=int, default=1, help="tau (default: 1)")
+    pl.add_argument("--perturbations", type=int, default=5, help="P (default: 5)")
+    pl.add_argument("--scalar-dtype", default="float32", choices=("float32", "float16", "bfloat16", "int8"))
+    pl.add_argument("--bandwidth", type=float, help="a client's link in bytes/s (adds seconds; the snapshot rule "
+                    "weighs replay against download)")
+    pl.add_argument("--forward-s", type=float, default=0.0, help="seconds of one client forward (default: 0)")
+    pl.add_argument("--snapshot-after", type=int, help="snapshot rule (default: automatic)")
+    pl.add_argument("--methods", default="hiso,decomfl,fedavg", help="comma-separated (default: hiso,decomfl,fedavg)")
+    pl.add_argument("--seed", type=int, default=0, help="the run seed: who is sampled when (default: 0)")
     from .tasks.lm_pack import add_cache_parser
     add_cache_parser(sub, _Parser)
     rb.add_argument("--device", default="cpu", help="where to replay the history: cpu (default, whatever device "
@@ -246,6 +264,8 @@ def _command(args: argparse.Namespace) -> int:
             return cmd_export(args)
         if args.command == "eval":
             return cmd_eval(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "cache":
             from .tasks.lm_pack import cmd_cache
             return cmd_cache(args)

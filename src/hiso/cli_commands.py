@@ -351,3 +351,19 @@ def _stopped_by(e: BaseException) -> int | None:
     """The signal (SIGTERM, SIGHUP) that stopped hiso, or None for Ctrl-C and other exceptions."""
     from .procs import Stopped
     return e.signum if isinstance(e, Stopped) and e.signum != signal.SIGINT else None
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``hiso plan``: print :func:`hiso.runners.plan.format_plan` for the deployment."""
+    from .runners.plan import Deployment, format_plan, plan
+
+    d = args.params
+    if d is None:
+        from .tasks.registry import build_task
+        opts = {"task": args.task} | ({"model": args.model} if args.model else {})
+        model = build_task(RunConfig(**opts)).build_model()
+        d = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dep = Deployment(d, args.clients, args.sampled, args.rounds, args.local_steps, args.perturbations,
+                     args.scalar_dtype, args.bandwidth, args.forward_s, args.snapshot_after, args.seed)
+    print(format_plan(plan([m.strip() for m in args.methods.split(",") if m.strip()], dep), dep))
+    return 0

@@ -246,7 +246,9 @@ class RunConfig(BaseModel, MethodRules):
     partition: Literal["iid", "dirichlet", "dirichlet-prior"] | None = Field(None, description=(
         "how data are split across clients (default: the task's: dirichlet for classification, iid for squad)"))
     alpha: float = Field(1.0, gt=0, description="Dirichlet concentration of the partition (smaller: more skewed)")
-    min_size: int = Field(10, ge=1, description="fewest examples a client may get (the Dirichlet draw is repeated)")
+    min_size: int = Field(10, ge=1, description=(
+        "fewest examples a client may get (the Dirichlet draw is repeated up to 1,000 times, then the small "
+        "clients are topped up from the others)"))
     eval_max: int | None = Field(None, gt=0, description=(
         "evaluate on at most this many held-out examples, a seeded subset (default: all)"))
     val_fraction: float = Field(0.0, ge=0, lt=1, description=(

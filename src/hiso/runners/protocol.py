@@ -40,12 +40,17 @@ class _Blob:
 
 def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int, perturbations: int, rounds: int,
                      *, scalar_dtype: str = "float32", seed: int = 0, state_values: int | None = None,
-                     snapshot_after: int | None = None, bandwidth: float | None = None) -> Comm:
+                     snapshot_after: int | None = None, bandwidth: float | None = None,
+                     stats: dict | None = None) -> Comm:
     """Bytes per client of a schedule, from the encoded messages, without a model: joins, each
     round's downlinks (history or snapshot) and uplinks with their loss. The bytes of a run do
     not depend on what it learns, so this is what a run of the schedule counts (with the same
     ``seed``: the same sampling). ``state_values``: the trainable values plus H's (HiSo) of the
-    model, for the snapshot choice (None: no snapshots, e.g. a model too large to ever send)."""
+    model, for the snapshot choice (None: no snapshots, e.g. a model too large to ever send).
+    ``stats``, if given, receives the split of the downlinks: snapshots and their bytes,
+    missed records replayed, the join bytes, the snapshot threshold and the server's seconds."""
+    import time
+    t0 = time.perf_counter()
     blob = None if state_values is None else _Blob(state_values)
     server = Server(num_clients, clients_per_round, local_steps, perturbations, seed=seed, scalar_dtype=scalar_dtype,
                     replica=blob, snapshot_after=snapshot_after, bandwidth=bandwidth)
@@ -55,15 +60,25 @@ def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int,
     for c in range(num_clients):
         comm.join(c, encode_hello(Hello(c, 0)), welcome)
     zeros = np.zeros(wire.shape, np.float32)
+    split = {"snapshots": 0, "snapshot_bytes": 0, "records": 0, "join_down": int(comm.down.sum()),
+             "join_up": int(comm.up.sum())}
     for _ in range(rounds):
         plan = server.plan()
         ups = []
         for c in plan.participants:
-            comm.down[c] += len(encode_downlink(server.downlink(c), wire))
+            msg = server.downlink(c)
+            data = encode_downlink(msg, wire)
+            comm.down[c] += len(data)
+            split["records"] += len(msg.missed)
+            if msg.snapshot is not None:
+                split["snapshots"] += 1
+                split["snapshot_bytes"] += len(data)
             up = encode_uplink(Uplink(c, plan.round, zeros, 0.0, plan.attempt), wire)
             comm.up[c] += len(up)
             ups.append(decode_uplink(up, wire))
         server.aggregate(ups)
         if blob is not None:
             blob.round += 1
+    if stats is not None:
+        stats.update(split, snapshot_after=server.snapshot_after, server_s=time.perf_counter() - t0)
     return comm
