@@ -166,8 +166,8 @@ def quantize(x, dtype: str) -> np.ndarray:
 def encode_blocks(rows, dtype: str) -> bytes:
     """Records' scalars, one block each (for a float dtype: the same bytes as one block of all,
     which is how they are encoded: a client thousands of rounds behind costs one call, not one
-    per record; int8 blocks each carry their own scale)."""
-    if _check_dtype(dtype) != "int8":
+    per record; int8 and the low-bit blocks each carry their own scale)."""
+    if _check_dtype(dtype) in SCALAR_BYTES:
         rows = [np.asarray(r, dtype=np.float32).reshape(-1) for r in rows]
         return encode_scalars(np.concatenate(rows), dtype) if rows else b""
     return b"".join(encode_scalars(r, dtype) for r in rows)
