@@ -30,7 +30,7 @@ from hiso.core.server import Server  # noqa: E402
 from hiso.runners.protocol import _Blob  # noqa: E402
 
 
-def run(M: int, m: int, rounds: int, dim: int, tau: int, P: int, snapshot_after: int | None, gaps: list,
+def run(M: int, m: int, rounds: int, dim: int, tau: int, P: int, snapshot_after: int | None, gaps: list | None,
         traced: bool = False):
     blob = _Blob(dim)
     if traced:
@@ -44,7 +44,9 @@ def run(M: int, m: int, rounds: int, dim: int, tau: int, P: int, snapshot_after:
         for c in plan.participants:
             gap = plan.round - int(server.synced[c])
             msg = server.downlink(c)
-            gaps.append((gap, len(encode_downlink(msg, wire)), msg.snapshot is not None, len(msg.missed)))
+            data = encode_downlink(msg, wire)
+            if gaps is not None:  # not in the traced run: the table's rows are not the server's memory
+                gaps.append((gap, len(data), msg.snapshot is not None, len(msg.missed)))
             ups.append(decode_uplink(encode_uplink(Uplink(c, plan.round, zeros, 0.0, plan.attempt), wire), wire))
         server.aggregate(ups)
         blob.round += 1
@@ -72,7 +74,7 @@ def main() -> None:
                 continue
             g: list = []
             s, _, k = run(M, m, a.rounds, a.dim, a.tau, a.perturbations, a.snapshot_after, g)
-            _, mib, _ = run(M, m, a.rounds, a.dim, a.tau, a.perturbations, a.snapshot_after, [], traced=True)
+            _, mib, _ = run(M, m, a.rounds, a.dim, a.tau, a.perturbations, a.snapshot_after, None, traced=True)
             print(f"{M:>6} {m:>5} {s * 1e3:>9.2f} {s / m * 1e6:>9.1f} {mib:>9.2f} {k:>6}")
             gaps = g
     print(f"\ngap table (last run: M={a.pop[-1]}, m={a.m[-1]}): missed rounds -> downlink")
