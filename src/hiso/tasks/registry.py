@@ -104,23 +104,30 @@ def tasks_reading(option: str) -> list[str]:
     return [n for n, info in _REGISTRY.items() if info.options is None or option in info.options]
 
 
+def _module_order() -> list[str]:
+    """The built-in task modules in the order --help lists their tasks: these first, others by name."""
+    first = ("quadratic", "vision", "language")
+    return sorted((m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])),
+                  key=lambda n: (first.index(n) if n in first else len(first), n))
+
+
 def _load_builtins() -> None:
     """Import every module of ``hiso.tasks`` once: each built-in task registers itself there."""
     global _BUILTINS_LOADED
     if _BUILTINS_LOADED:
         return
     _BUILTINS_LOADED = True
-    first = ("quadratic", "vision", "language")  # the order --help lists them in; others follow
-    names = sorted((m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)])),
-                   key=lambda n: (first.index(n) if n in first else len(first), n))
-    for mod in names:
+    for mod in _module_order():
         importlib.import_module(f"{__package__}.{mod}")
 
 
 def builtin_names() -> tuple[str, ...]:
-    """The registered tasks' names, in registration order."""
+    """The registered tasks' names, by module (:func:`_module_order`), then in registration order:
+    the same whichever task module a process happened to import first."""
     _load_builtins()
-    return tuple(_REGISTRY)
+    order = {m: i for i, m in enumerate(_module_order())}
+    where = {n: order.get(info.build.__module__.rpartition(".")[2], len(order)) for n, info in _REGISTRY.items()}
+    return tuple(sorted(_REGISTRY, key=where.__getitem__))
 
 
 def is_user_task(name: str) -> bool:
