@@ -71,15 +71,22 @@ def stages_of(cfg) -> list[Stage]:
     return out
 
 
+def check_record(state, record, what: str = "(tau, P)") -> None:
+    """Refuse a record that is not the replica's next round or not of the run's shape (``what``
+    names the shape in the message), before anything changes."""
+    if record.round != state.round:
+        raise ValueError(f"replica is at round {state.round}, cannot apply record of round {record.round}")
+    shape = state.cfg.shape
+    if record.seeds.shape != shape or record.scalars.shape != shape:
+        raise ValueError(f"record of shape {record.seeds.shape} does not match {what} = {shape}")
+
+
 @torch.no_grad()
 def fold(state, record) -> None:
     """Apply ``record`` (round r) to ``state`` (at round r) with the chain; see the module's docstring."""
-    if record.round != state.round:
-        raise ValueError(f"replica is at round {state.round}, cannot apply record of round {record.round}")
+    check_record(state, record)
     cfg = state.cfg
     tau, P = cfg.shape
-    if record.seeds.shape != (tau, P) or record.scalars.shape != (tau, P):
-        raise ValueError(f"record of shape {record.seeds.shape} does not match (tau, P) = {(tau, P)}")
     slots = state.slots
     lr = cfg.lr_at(state.round)
     for st in state.stages[:-1]:  # checked above, so a refused record leaves their state as it was

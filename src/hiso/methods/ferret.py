@@ -88,11 +88,9 @@ def blocks_of(params, B: int) -> list[int]:
 def apply_(state, record) -> None:
     """Round ``record.round``'s global step on the replica ``state`` (:class:`~hiso.core.state.ModelState`)."""
     from ..core import exact
-    if record.round != state.round:
-        raise ValueError(f"replica is at round {state.round}, cannot apply record of round {record.round}")
+    from ..core.chain import check_record
+    check_record(state, record, "(blocks, K)")
     cfg = state.cfg
-    if record.seeds.shape != cfg.shape:
-        raise ValueError(f"record of shape {record.seeds.shape} does not match (blocks, K) = {cfg.shape}")
     for i, (p, b) in enumerate(zip(state.params, blocks_of(state.params, cfg.method.blocks))):
         ghat = state.gen.combine(i, p.shape, record.seeds[b], record.scalars[b], None, p.device)
         exact.axpy_(p, -cfg.method.server_lr, ghat)

@@ -176,11 +176,8 @@ def epsilon_spent(noise_multiplier: float, participations: int, delta: float) ->
         return 0.0
     if noise_multiplier == 0:
         return float("inf")
-    dpa = _accountant()
-    acc = dpa.rdp.RdpAccountant(list(RDP_ORDERS), dpa.NeighboringRelation.REPLACE_ONE)
-    # replace-one sensitivity of a clipped sum: 2C
-    acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(noise_multiplier / 2.0), int(participations)))
-    return float(acc.get_epsilon(delta))
+    return _rdp_epsilon(lambda dpa, gauss: dpa.SelfComposedDpEvent(gauss, int(participations)), noise_multiplier,
+                        delta)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -193,10 +190,16 @@ def epsilon_amplified(noise_multiplier: float, rounds: int, delta: float, *, cli
         return 0.0
     if noise_multiplier == 0:
         return float("inf")
+    return _rdp_epsilon(lambda dpa, gauss: dpa.SelfComposedDpEvent(
+        dpa.SampledWithoutReplacementDpEvent(clients, sampled, gauss), rounds), noise_multiplier, delta)
+
+
+def _rdp_epsilon(event, noise_multiplier: float, delta: float) -> float:
+    """The RDP accountant's epsilon at ``delta`` of ``event(dpa, gauss)``, ``gauss`` the Gaussian
+    mechanism with multiplier z / 2 (the replace-one sensitivity of a clipped sum is 2C)."""
     dpa = _accountant()
     acc = dpa.rdp.RdpAccountant(list(RDP_ORDERS), dpa.NeighboringRelation.REPLACE_ONE)
-    gauss = dpa.GaussianDpEvent(noise_multiplier / 2.0)
-    acc.compose(dpa.SelfComposedDpEvent(dpa.SampledWithoutReplacementDpEvent(clients, sampled, gauss), rounds))
+    acc.compose(event(dpa, dpa.GaussianDpEvent(noise_multiplier / 2.0)))
     return float(acc.get_epsilon(delta))
 
 
