@@ -13,7 +13,10 @@ checks fit one device call:
 ``build`` writes a model directory of that architecture with seeded random weights (the
 architecture's own initialisation) and the real tokenizer, which ``--model DIR`` reads like any
 local model. ``--layers N`` keeps the first N layers (a quick check on a CPU). Accuracy from
-such a model means nothing: it is for time and memory only.
+such a model means nothing: it is for time and memory only. ``--portable`` fills the weights from
+numpy's PCG64 instead of the architecture's torch initialisation, so two machines with different
+torch or transformers versions build the same bytes (its fingerprint is printed): a run made there
+can be rebuilt here from its ``history.bin`` (``bench/gpu_session.sh``'s rebuild steps).
 """
 
 from __future__ import annotations
@@ -43,7 +46,25 @@ def save(name: str, out: Path) -> None:
     print(f"{out}: {name}'s shape, {len(copied)} files, {size / 2**20:.1f} MiB")
 
 
-def build(shape: Path, out: Path, seed: int, layers: int | None) -> None:
+def portable_fill(model, seed: int) -> None:
+    """Every parameter from numpy's PCG64 under ``seed``, in name order: matrices uniform with
+    std 0.02 (float64 draws rounded to float32), vectors (norms) ones; the same bytes on any
+    machine, unlike an initialiser whose kernels a torch release may change."""
+    import numpy as np
+    import torch
+
+    rng = np.random.Generator(np.random.PCG64(seed))
+    half = 0.02 * 3 ** 0.5
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                v = (rng.random(p.numel()) * 2 - 1) * half
+                p.copy_(torch.from_numpy(v.astype(np.float32)).view_as(p))
+
+
+def build(shape: Path, out: Path, seed: int, layers: int | None, portable: bool = False) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,13 +76,19 @@ def build(shape: Path, out: Path, seed: int, layers: int | None) -> None:
                 setattr(cfg, key, getattr(cfg, key)[:layers])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if portable:
+        portable_fill(model, seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     for f in SHAPE_FILES:
         if f != "config.json" and (shape / f).is_file():
             shutil.copy(shape / f, out / f)
     n = sum(p.numel() for p in model.parameters())
-    print(f"{out}: {cfg.model_type}, {cfg.num_hidden_layers} layers, {n / 1e6:.1f} M parameters, random (seed {seed})")
+    from hiso.tasks.lm import fingerprint
+
+    fp = fingerprint(dict(model.state_dict()))
+    print(f"{out}: {cfg.model_type}, {cfg.num_hidden_layers} layers, {n / 1e6:.1f} M parameters, "
+          f"random (seed {seed}{', portable' if portable else ''}), fingerprint {fp[:16]}")
 
 
 def main() -> None:
@@ -75,11 +102,13 @@ def main() -> None:
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--layers", type=int, default=None, help="keep the first N layers (quick checks)")
+    b.add_argument("--portable", action="store_true",
+                   help="weights from numpy's PCG64: the same bytes under any torch/transformers")
     args = ap.parse_args()
     if args.cmd == "save":
         save(args.model, args.out)
     else:
-        build(args.shape, args.out, args.seed, args.layers)
+        build(args.shape, args.out, args.seed, args.layers, args.portable)
 
 
 if __name__ == "__main__":

@@ -266,14 +266,48 @@ def test_float32_master_weights_keep_tiny_updates_under_bf16_autocast(files):
 
 def test_autocast_auto_follows_the_hardware(monkeypatch):
     import hiso.tasks.lm as lm
-    monkeypatch.setattr(lm, "has_bf16_matmul_units", lambda: False)
+    monkeypatch.setattr(lm, "has_bf16_matmul_units", lambda device: False)
     assert resolve_autocast("auto")[0] == "none"
-    monkeypatch.setattr(lm, "has_bf16_matmul_units", lambda: True)
-    assert resolve_autocast("auto")[0] == "bf16"
+    monkeypatch.setattr(lm, "has_bf16_matmul_units", lambda device: device == "cuda")
+    assert resolve_autocast("auto", device="cuda")[0] == "bf16"
+    assert resolve_autocast("auto", device="cpu")[0] == "none"  # a CPU run asks the CPU, not a GPU beside it
     assert resolve_autocast("none")[0] == "none" and resolve_autocast("bf16")[0] == "bf16"
     # LoRA's scalars drown in bf16 rounding at the paper's mu: auto keeps float32 even there
-    assert resolve_autocast("auto", lora=True)[0] == "none"
+    assert resolve_autocast("auto", lora=True, device="cuda")[0] == "none"
     assert resolve_autocast("bf16", lora=True)[0] == "bf16"
+    # vmap does not carry autocast into attention: batched forwards stay float32, bf16 is refused
+    assert resolve_autocast("auto", device="cuda", batched=True)[0] == "none"
+    with pytest.raises(ValueError, match="batched runs float32"):
+        resolve_autocast("bf16", batched=True)
+
+
+def test_the_cpu_answers_for_a_cpu_run(monkeypatch):
+    import hiso.tasks.lm as lm
+    monkeypatch.setattr(lm.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(lm.torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(lm.Path, "read_text", lambda self: "flags : avx512f avx512_bf16")
+    assert lm.has_bf16_matmul_units("cuda:0") and not lm.has_bf16_matmul_units("cpu")
+    monkeypatch.setattr(lm.Path, "read_text", lambda self: "flags : avx512f amx_bf16")
+    assert lm.has_bf16_matmul_units("cpu")
+
+
+def test_bf16_autocast_under_vmap_is_what_batched_mode_refuses(files):
+    """Why batched mode refuses bf16: the stacked forward under autocast stops in attention."""
+    from hiso.core.directions import DirectionGenerator
+    from hiso.core.perturb import Perturber, Shift
+
+    task = sst2(files, autocast="bf16")
+    model = task.build_model().eval()
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = DirectionGenerator()
+    shifts = [Shift(gen, None, 0.0), Shift(gen, 3, 1e-2)]
+    batch = task.batch(1, 0, 0, 4)
+    with torch.no_grad():
+        assert len(Perturber(model, params, "hooks").losses(task.loss, batch, shifts)) == 2
+        with pytest.raises(RuntimeError, match="same dtype"):
+            Perturber(model, params, "batched").losses(task.loss, batch, shifts)
+    with pytest.raises(ValueError, match="batched runs float32"):
+        sst2(files, autocast="bf16", perturb_mode="batched")
 
 
 # ---------------------------------------------------------------- runs, rebuilds, errors

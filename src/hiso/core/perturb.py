@@ -29,6 +29,7 @@ identical losses, and batched gives them up to the rounding of a differently sha
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Literal
@@ -224,7 +225,7 @@ class Perturber:
         def one(*tensors):
             return torch.func.functional_call(wrapper, dict(zip(names, tensors)), (batch,), strict=False)
 
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _vmap_attention(stacks[0].device if stacks else None):
             # attention kernels without a batching rule run group by group: slower, same numbers
             warnings.filterwarnings("ignore", message=".*performance drop because we have not yet implemented the batching rule")
             try:
@@ -237,6 +238,21 @@ class Perturber:
         if vals.shape != (len(shifts),):
             raise ValueError(f"batched perturbation: the loss must be a scalar per point, got shape {tuple(vals.shape[1:])}")
         return vals.detach().cpu().tolist()
+
+
+def _vmap_attention(device: torch.device | None):
+    """The attention kernel a stacked forward may use: on CUDA the math one.
+
+    CUDA's fused kernels (memory-efficient attention, chosen when there is a mask) have vmap
+    batching rules that fold the group axis into the query's batch but not into an attention
+    mask without it, and stop with "attn_bias: wrong shape (batch dimension)" (torch 2.11 on an
+    H100, transformers 5.17); the math kernel is matmuls and a softmax, which vmap batches.
+    """
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 class _LossOf(nn.Module):

@@ -66,7 +66,8 @@ class LanguageTask(Task):
                  label_words: list[str] | None = None, lora_r: int | None = None,
                  lora_alpha: float = 16.0, lora_targets: list[str] | tuple[str, ...] = ("q_proj", "v_proj"),
                  autocast: str = "auto", eval_batch_size: int = 16, max_new_tokens: int = 16,
-                 pack: bool = True, val_fraction: float = 0.0, strip_text: bool = True):
+                 pack: bool = True, val_fraction: float = 0.0, strip_text: bool = True,
+                 device: str = "cpu", perturb_mode: str = "hooks"):
         super().__init__(num_clients, seed)
         if name not in LANGUAGE_TASKS:
             raise ValueError(f"unknown language task {name!r} (choose from {', '.join(LANGUAGE_TASKS)})")
@@ -90,7 +91,8 @@ class LanguageTask(Task):
         self.eval_batch_size, self.max_new_tokens = int(eval_batch_size), int(max_new_tokens)
         self.lora = None if lora_r is None else {"r": int(lora_r), "alpha": float(lora_alpha),
                                                  "targets": list(lora_targets)}
-        self.autocast, self.autocast_why = lm.resolve_autocast(autocast, lora=self.lora is not None)
+        self.autocast, self.autocast_why = lm.resolve_autocast(autocast, lora=self.lora is not None, device=device,
+                                                               batched=perturb_mode == "batched")
 
         self.model_name = model
         self.source = lm.resolve_model(model)
@@ -381,7 +383,8 @@ def _builder(name: str):
                             lora_targets=[t.strip() for t in split(cfg.lora_targets)],
                             autocast=cfg.autocast, eval_batch_size=cfg.eval_batch_size,
                             max_new_tokens=cfg.max_new_tokens, pack=cfg.pack_sequences,
-                            val_fraction=cfg.val_fraction, strip_text=cfg.strip_text)
+                            val_fraction=cfg.val_fraction, strip_text=cfg.strip_text,
+                            device=cfg.device, perturb_mode=cfg.perturb_mode)
     return build
 
 

@@ -211,10 +211,11 @@ def frozen_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if not p.requires_grad}
 
 
-def has_bf16_matmul_units() -> bool:
-    """Whether bfloat16 forwards are likely faster than float32 here (CUDA bf16 or CPU AMX)."""
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
+def has_bf16_matmul_units(device: str = "cpu") -> bool:
+    """Whether bfloat16 forwards are likely faster than float32 on ``device`` (CUDA bf16 or CPU
+    AMX): a CPU run on a machine that also has a GPU asks the CPU."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -222,7 +223,8 @@ def has_bf16_matmul_units() -> bool:
     return "amx_bf16" in flags
 
 
-def resolve_autocast(choice: str, lora: bool = False) -> tuple[str, str]:
+def resolve_autocast(choice: str, lora: bool = False, device: str = "cpu",
+                     batched: bool = False) -> tuple[str, str]:
     """('bf16' or 'none', why) for ``--autocast auto|bf16|none``.
 
     Measured on SmolLM2-135M (16 x 32 tokens): on CPUs with AMX, bf16 forwards were ~3x faster
@@ -231,17 +233,24 @@ def resolve_autocast(choice: str, lora: bool = False) -> tuple[str, str]:
     with all parameters perturbed at mu = 1e-3 the scalars kept a correlation of 0.94 with
     float32's, but a LoRA adapter moves the loss far less than bf16 rounds it (correlation 0.22,
     median error 17x the scalar). So ``auto`` takes bf16 only for full-parameter runs and only
-    where bf16 matrix units exist.
+    where bf16 matrix units exist on ``device``. ``batched`` perturbation stacks a step's points
+    under ``torch.func.vmap``, which does not carry autocast into attention (query and key reach
+    it in float32, value in bf16: torch 2.11 and 2.13), so it runs float32 forwards.
     """
+    if choice not in ("auto", "bf16", "none"):
+        raise ValueError(f"autocast must be auto, bf16 or none, got {choice!r}")
+    if batched and choice == "bf16":
+        raise ValueError("--perturb-mode batched runs float32 forwards (torch.func.vmap does not carry bf16 "
+                         "autocast into attention): use --autocast none or auto, or --perturb-mode hooks")
     if choice == "none":
         return "none", "asked for"
     if choice == "bf16":
         return "bf16", "asked for"
-    if choice != "auto":
-        raise ValueError(f"autocast must be auto, bf16 or none, got {choice!r}")
+    if batched:
+        return "none", "auto: batched perturbation runs float32 forwards (vmap does not carry autocast into attention)"
     if lora:
         return "none", ("auto: LoRA's finite differences at mu ~1e-3 are below bf16's rounding of the loss "
                         "(bench/llm_precision.py), so float32")
-    if has_bf16_matmul_units():
+    if has_bf16_matmul_units(device):
         return "bf16", "auto: bf16 matrix units found (CUDA bf16 or CPU AMX)"
     return "none", "auto: no bf16 matrix units on this machine (no AMX), so float32 forwards are faster"
