@@ -102,3 +102,21 @@ def test_every_compare_writes_the_frontier_with_a_users_target(tmp_path, capsys)
     md = (out / "frontier.md").read_text()
     assert "## Frontier" in stdout and md in stdout and "**To target 1e+09**" in md
     assert (out / "frontier.csv").exists() and (out / "frontier.png").exists()
+
+
+def test_a_config_files_target_reaches_the_frontier_and_table_only(tmp_path, capsys):
+    from cli_helpers import run_cli
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('task = "quadratic"\ndim = 20\nclients = 4\nsampled = 2\nrounds = 2\neval_every = 1\nthreads = 1\n'
+                   '[compare]\nalgorithms = ["decomfl"]\ntarget = 7e8\n')
+    out = tmp_path / "cmp"
+    code, _, err = run_cli(["compare", "--config", str(cfg), "--out", str(out), "--quiet"], capsys)
+    assert code == 0, err
+    assert "**To target 7e+08**" in (out / "frontier.md").read_text()
+    (out / "frontier.md").unlink()
+    code, _, err = run_cli(["compare", "--out", str(out), "--table-only", "--quiet"], capsys)  # from compare.json
+    assert code == 0, err
+    assert "**To target 7e+08**" in (out / "frontier.md").read_text()
+    code, _, err = run_cli(["compare", "--out", str(out), "--table-only", "--target", "3e9", "--quiet"], capsys)
+    assert code == 0, err
+    assert "**To target 3e+09**" in (out / "frontier.md").read_text()  # the flag wins

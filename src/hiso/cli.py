@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--metric", help="eval metric to select and compare on (default: eval_acc, or gap)")
     cmp.add_argument("--target", type=float, help=(
         "a second target for the frontier (frontier.md, .csv, .png), in the metric's units (0.80: 80 %% "
-        "accuracy): each arm's rounds, bytes, client compute and memory to reach it, Pareto-optimal arms marked"))
+        "accuracy): each arm's rounds, bytes, client compute and memory to reach it, Pareto-optimal arms marked "
+        "(default: the config's [compare] target)"))
     cmp.add_argument("--select-on", choices=("val", "test"), help=(
         "choose each lr and each run's reported round on the validation split (val: the runs need "
         "--val-fraction > 0, which keeps that share of the held-out examples apart; the table reports the "

@@ -184,7 +184,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs,
                        tracking=None if args.table_only else _tracking(args, "compare"), run=not args.table_only,
-                       at_round=at_round, target=args.target)
+                       at_round=at_round, target=plan.target if args.target is None else args.target)
     except KeyboardInterrupt as e:
         if _stopped_by(e):
             raise

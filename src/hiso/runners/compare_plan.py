@@ -17,6 +17,7 @@ compare::
     reference = "decomfl"     # default: decomfl if it is an arm, else the first arm
     metric = "eval_acc"       # default: eval_acc for vision tasks, gap for the quadratic
     select_on = "val"         # or "test"; default: val where the runs have a validation split
+    target = 0.80             # the frontier's second target (frontier.md), in the metric's units
 
     [compare.lr_grid]         # arm or algorithm name -> lrs to try
     hiso = [3e-4, 1e-3]
@@ -92,6 +93,7 @@ class CompareSpec(BaseModel):
     overrides: dict[str, dict[str, Any]] = {}
     variants: dict[str, dict[str, Any]] = {}
     select_on: Literal["val", "test"] | None = None  # default: val where the runs have a validation split
+    target: float | None = None  # the frontier's second target, in the metric's units (--target)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class Plan:
     metric: str
     select_on: str = "test"  # "val": lr and reported round chosen on the validation split; "test": on metric
     select_note: str = ""  # why "test" (when not asked for): shown in the table's footer
+    target: float | None = None  # the frontier's second target ([compare] target or --target)
 
     @property
     def select_metric(self) -> str:
@@ -160,6 +163,7 @@ class Plan:
                 "metric": self.metric, "higher_is_better": self.higher_is_better,
                 "select_on": self.select_on, "select_metric": self.select_metric,
                 **({"select_note": self.select_note} if self.select_note else {}),
+                **({"target": self.target} if self.target is not None else {}),
                 "arms": [{"name": a.name, "algorithm": a.algorithm, "overrides": a.overrides,
                           "lr_grid": list(a.lrs)} for a in self.arms]}
 
@@ -333,7 +337,7 @@ def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: 
         raise ConfigError(f"compare.metric: task {task} reports {', '.join(metrics)}, not {metric!r}")
 
     select_on, note = _select_on(spec.select_on, task, metric, shared.get("val_fraction") or 0.0)
-    plan = Plan(shared, arms, list(spec.seeds), reference, metric, select_on, note)
+    plan = Plan(shared, arms, list(spec.seeds), reference, metric, select_on, note, spec.target)
     for arm in arms:  # validate every run's configuration now, not after hours of runs
         for lr in arm.lrs:
             plan.config(arm, lr, spec.seeds[0])
@@ -361,6 +365,8 @@ def recorded(out: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not a compare plan hiso can read ({type(e).__name__}: {e})") from None
     if rec.get("select_on") and not rec.get("select_note"):  # (a note: the default, worked out again)
         table["select_on"] = rec["select_on"]
+    if rec.get("target") is not None:
+        table["target"] = rec["target"]
     return {**shared, "compare": table}
 
 
