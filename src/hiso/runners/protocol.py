@@ -41,25 +41,27 @@ class _Blob:
 def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int, perturbations: int, rounds: int,
                      *, scalar_dtype: str = "float32", seed: int = 0, state_values: int | None = None,
                      snapshot_after: int | None = None, bandwidth: float | None = None,
-                     stats: dict | None = None) -> Comm:
+                     stats: dict | None = None, method=None) -> Comm:
     """Bytes per client of a schedule, from the encoded messages, without a model: joins, each
     round's downlinks (history or snapshot) and uplinks with their loss. The bytes of a run do
     not depend on what it learns, so this is what a run of the schedule counts (with the same
     ``seed``: the same sampling). ``state_values``: the trainable values plus H's (HiSo) of the
     model, for the snapshot choice (None: no snapshots, e.g. a model too large to ever send).
     ``stats``, if given, receives the split of the downlinks: snapshots and their bytes,
-    missed records replayed, the join bytes, the snapshot threshold and the server's seconds."""
+    missed records replayed, the join bytes, the snapshot threshold and the server's seconds.
+    ``method``: the run's :class:`~hiso.core.method.Method` (FeedSign's signs, a sketch's codes
+    change the uplink's encoding; None: DeComFL's and HiSo's)."""
     import time
     t0 = time.perf_counter()
     blob = None if state_values is None else _Blob(state_values)
     server = Server(num_clients, clients_per_round, local_steps, perturbations, seed=seed, scalar_dtype=scalar_dtype,
-                    replica=blob, snapshot_after=snapshot_after, bandwidth=bandwidth)
+                    replica=blob, snapshot_after=snapshot_after, bandwidth=bandwidth, method=method)
     wire, comm = server.wire, Comm.zeros(num_clients)
     welcome = encode_welcome(welcome_for(ZOConfig(lr=1.0, perturbations=perturbations, local_steps=local_steps,
                                                   scalar_dtype=scalar_dtype), seed, []))
     for c in range(num_clients):
         comm.join(c, encode_hello(Hello(c, 0)), welcome)
-    zeros = np.zeros(wire.shape, np.float32)
+    zeros = (np.ones if wire.signs else np.zeros)(wire.shape, np.float32)  # (FeedSign's answers are +-1)
     split = {"snapshots": 0, "snapshot_bytes": 0, "records": 0, "join_down": int(comm.down.sum()),
              "join_up": int(comm.up.sum())}
     for _ in range(rounds):
