@@ -207,12 +207,23 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--rounds", type=int, required=True, help="rounds")
     pl.add_argument("--local-steps", type=int, default=1, help="tau (default: 1)")
     pl.add_argument("--perturbations", type=int, default=5, help="P (default: 5)")
-    pl.add_argument("--scalar-dtype", default="float32", choices=("float32", "float16", "bfloat16", "int8"))
+    pl.add_argument("--scalar-dtype", default="float32",
+                    choices=("float32", "float16", "bfloat16", "int8", "int4", "int2", "sign"),
+                    help="the scalars' format on the wire and in the log, as hiso run's (default: float32)")
     pl.add_argument("--bandwidth", type=float, help="a client's link in bytes/s (adds seconds; the snapshot rule "
                     "weighs replay against download)")
     pl.add_argument("--forward-s", type=float, default=0.0, help="seconds of one client forward (default: 0)")
     pl.add_argument("--snapshot-after", type=int, help="snapshot rule (default: automatic)")
-    pl.add_argument("--methods", default="hiso,decomfl,fedavg", help="comma-separated (default: hiso,decomfl,fedavg)")
+    pl.add_argument("--difference", choices=("forward", "central"), help="the ZO methods' finite difference "
+                    "(default: each method's own: forward; central for feedsign and fedkseed)")
+    pl.add_argument("--ferret-k", type=int, help="ferret, sketch: K projections per block (default: as hiso run)")
+    pl.add_argument("--ferret-blocks", type=int, help="ferret, sketch: B blocks (default: as hiso run)")
+    pl.add_argument("--sketch-bits", type=int, help="sketch: bits per projection (default: as hiso run)")
+    pl.add_argument("--seed-pool", type=int, help="fedkseed: K seeds in the pool (default: as hiso run)")
+    pl.add_argument("--seed-sampling", choices=("weighted", "uniform"), help="fedkseed: how a step draws its seed "
+                    "(default: weighted; its pool directions materialised are then a bound, uniform's are exact)")
+    pl.add_argument("--methods", default="hiso,decomfl,fedavg", help="comma-separated, any of hiso run's "
+                    "--algorithm (default: hiso,decomfl,fedavg)")
     pl.add_argument("--seed", type=int, default=0, help="the run seed: who is sampled when (default: 0)")
     from .tasks.lm_pack import add_cache_parser
     add_cache_parser(sub, _Parser)

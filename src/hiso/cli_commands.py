@@ -364,6 +364,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model = build_task(RunConfig(**opts)).build_model()
         d = sum(p.numel() for p in model.parameters() if p.requires_grad)
     dep = Deployment(d, args.clients, args.sampled, args.rounds, args.local_steps, args.perturbations,
-                     args.scalar_dtype, args.bandwidth, args.forward_s, args.snapshot_after, args.seed)
+                     args.scalar_dtype, args.bandwidth, args.forward_s, args.snapshot_after, args.seed,
+                     args.difference, args.ferret_k, args.ferret_blocks, args.sketch_bits, args.seed_pool,
+                     args.seed_sampling)
     print(format_plan(plan([m.strip() for m in args.methods.split(",") if m.strip()], dep), dep))
     return 0

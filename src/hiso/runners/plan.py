@@ -1,13 +1,17 @@
 """``hiso plan``: a deployment's bytes, compute and memory per method, before running it.
 
-Bytes are not estimated: the scalar methods' come from :func:`protocol_traffic` (the real
-Server and message encoders over the run's client sampling, with a stand-in replica for the
-snapshot rule), the full-model methods' from the baselines' message sizes over the same
-sampling, so they equal what a run of the schedule counts. Compute and memory are arithmetic
-on the shape: forwards (``tau (P + 1)`` forward differences), directions replayed at
-:data:`~hiso.core.server.REPLAY_RATE` values a second, the state a client keeps. The
-server's seconds per round are measured: the protocol's own work while planning (plus the
-fold of a record into its replica at the same rate).
+Bytes are not estimated: the scalar-family methods' (HiSo, DeComFL, FeedSign, Ferret, sketch)
+come from :func:`protocol_traffic` (the real Server with the run's own method hooks, so FeedSign's
+sign bits and the sketch's codes, and the message encoders over the run's client sampling, with
+a stand-in replica for the snapshot rule), FedKSeed's from :func:`pool_traffic` (its pool
+encoders over the same sampling), the full-model methods' from the baselines' message sizes,
+so they equal what a run of the schedule counts. Each method's settings are resolved by
+:class:`~hiso.config.RunConfig` as a run's are (FeedSign's and FedKSeed's P = 1 and central
+differences, Ferret's (B, K) record). Compute and memory are arithmetic on the shape: forwards
+and backwards as the runners count them, directions of d values a client draws (replay at
+:data:`~hiso.core.server.REPLAY_RATE` values a second), the values a client keeps (no
+activations). The server's seconds per round are measured: the protocol's own work while
+planning, plus the fold of a record into its replica at the same rate.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import numpy as np
 
 from ..baselines.messages import downlink_size, uplink_size
 from ..core.server import REPLAY_RATE, client_sampler, sample_clients
+from ..core.wire import Wire
 from ..methods.registry import method_info
 from .protocol import protocol_traffic
 
@@ -31,12 +36,18 @@ class Deployment:
     sampled: int
     rounds: int
     local_steps: int = 1
-    perturbations: int = 5
+    perturbations: int = 5  # P of the multi-seed ZO methods (FeedSign and FedKSeed take 1)
     scalar_dtype: str = "float32"
     bandwidth: float | None = None  # bytes/s of a client's link (None: bytes only, no seconds)
     forward_s: float = 0.0  # seconds of one client forward (one batch)
     snapshot_after: int | None = None  # None: the servers' automatic rule
     seed: int = 0
+    difference: str | None = None  # None: each method's own (forward; central for FeedSign, FedKSeed)
+    ferret_k: int | None = None  # None: RunConfig's defaults, as a run's
+    ferret_blocks: int | None = None
+    sketch_bits: int | None = None
+    seed_pool: int | None = None
+    seed_sampling: str | None = None
 
 
 def participation(dep: Deployment) -> np.ndarray:
@@ -47,40 +58,107 @@ def participation(dep: Deployment) -> np.ndarray:
     return times
 
 
+def run_config(name: str, dep: Deployment):
+    """The :class:`~hiso.config.RunConfig` a run of ``name`` on this deployment would have."""
+    from pydantic import ValidationError
+
+    from ..config import RunConfig, one_line
+    info = method_info(name)
+    opts = {"algorithm": name, "clients": dep.clients, "sampled": dep.sampled, "rounds": dep.rounds,
+            "local_steps": dep.local_steps, "scalar_dtype": dep.scalar_dtype, "seed": dep.seed,
+            "snapshot_after": dep.snapshot_after, "bandwidth": dep.bandwidth}
+    if "one-seed" not in info.can:
+        opts["perturbations"] = dep.perturbations
+    for key in ("difference", "ferret_k", "ferret_blocks", "sketch_bits", "seed_pool", "seed_sampling"):
+        if getattr(dep, key) is not None and info.reads(key):
+            opts[key] = getattr(dep, key)
+    try:
+        return RunConfig(**opts)
+    except ValidationError as e:
+        raise ValueError(f"{name}: {one_line(e)}") from None
+
+
+def zo_forwards(tau: int, P: int, difference: str) -> int:
+    """Forwards of one ZO local update (:func:`hiso.core.estimator.local_update`)."""
+    return tau * (P + 1) if difference == "forward" else 2 * tau * P
+
+
+def _full_model(info, cfg, dep: Deployment, times: np.ndarray) -> dict:
+    d, tau = dep.params, cfg.local_steps
+    down, up = times * downlink_size(d), times * uplink_size(d)
+    per = times.mean()
+    zo = info.gradient == "zo"
+    return {"up": float(up.mean()), "down": float(down.mean()), "catch_up": 0.0, "snapshots": 0.0, "join": 0.0,
+            "forwards": per * (zo_forwards(tau, cfg.perturbations, cfg.difference) if zo else tau),
+            "backwards": 0.0 if zo else per * tau, "drawn": 0.0,
+            "client_bytes": 4 * d * (2 if zo else 3),  # model + delta (+ gradient)
+            "server_bytes": 8 * d, "server_s": dep.sampled * d / REPLAY_RATE}
+
+
+def _scalar(info, cfg, dep: Deployment) -> dict:
+    d, M = dep.params, dep.clients
+    zo = cfg.zo()
+    tau, P = zo.shape  # Ferret and sketch: (B, K), their SGD steps are cfg.local_steps
+    values = d * (2 if zo.precond is not None else 1)
+    st: dict = {}
+    comm = protocol_traffic(M, dep.sampled, tau, P, dep.rounds, scalar_dtype=zo.scalar_dtype, seed=dep.seed,
+                            state_values=values, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth,
+                            stats=st, method=zo.method)
+    per = dep.rounds * dep.sampled / M
+    snap = st["snapshot_bytes"] / M
+    if info.gradient == "first-order":  # a record costs K directions (each tensor its block's K), as a projection
+        steps = cfg.local_steps
+        fwd, bwd, dirs = per * steps, per * steps, P
+        drawn = st["records"] * P / M + per * P
+        client = 4 * d * 4  # model, x_r's copy, gradient, the update
+        note = (f"B={tau} blocks x K={P} projections, {'float32' if zo.code_bits == 0 else f'{zo.code_bits}-bit codes'}"
+                f" up; drawn dirs include the K a client projects its update on each answer")
+    else:
+        fwd, bwd, dirs = per * zo_forwards(tau, P, zo.difference), 0.0, tau * P
+        drawn = st["records"] * tau * P / M
+        client = 4 * values + (4 * d if tau > 1 else 0)  # (+ the local iterate's delta)
+        note = f"P={P}, {zo.difference} differences" + (", one sign bit a step up" if zo.signs else "")
+    return {"up": float(comm.up.mean()), "down": float(comm.down.mean()),
+            "join": (st["join_down"] + st["join_up"]) / M, "snapshots": snap,
+            "catch_up": float(comm.down.mean()) - snap - st["join_down"] / M,
+            "forwards": fwd, "backwards": bwd, "drawn": drawn, "client_bytes": client,
+            "snapshot_after": st["snapshot_after"],
+            "server_bytes": 8 * M + 4 * values + min(dep.rounds, st["snapshot_after"]) * Wire.of(zo, 0).record_bytes,
+            "server_s": st["server_s"] / dep.rounds + dirs * d / REPLAY_RATE, "note": note}
+
+
+def _seed_pool(cfg, dep: Deployment) -> dict:
+    from .fedkseed import pool_traffic
+    d, M, K, tau = dep.params, dep.clients, cfg.seed_pool, cfg.local_steps
+    st: dict = {}
+    comm = pool_traffic(M, dep.sampled, tau, K, dep.rounds, dtype=cfg.scalar_dtype, seed=dep.seed,
+                        sampling=cfg.seed_sampling, stats=st)
+    per = dep.rounds * dep.sampled / M
+    how = ("distinct seeds drawn so far (the run's draws)" if st["exact"] else
+           "at most min(K, pairs so far): weighted draws follow the scalars, not exact")
+    return {"up": float(comm.up.mean()), "down": float(comm.down.mean()), "join": (st["join_down"] + st["join_up"]) / M,
+            "snapshots": 0.0, "catch_up": float(comm.down.mean()) - st["join_down"] / M,
+            "forwards": per * zo_forwards(tau, 1, cfg.difference), "backwards": 0.0,
+            "drawn": st["materialised"] / M,
+            "client_bytes": 4 * d * (2 + (tau > 1)) + 24 * K,  # model, x_0 (+ delta), C, |g| sums, counts
+            "server_bytes": 8 * M + 8 * d + 24 * K + st["log_bytes"],
+            "server_s": st["server_s"] / dep.rounds + st["server_materialised"] / dep.rounds * d / REPLAY_RATE,
+            "note": f"K={K} seeds ({cfg.seed_sampling}), {cfg.difference} differences; drawn dirs: the pool "
+                    f"directions each answer materialises, {how}"}
+
+
 def plan_method(name: str, dep: Deployment, times: np.ndarray | None = None) -> dict:
     """One method's figures, per client (means over the population) and for the server."""
     info = method_info(name)
-    d, tau, P, M = dep.params, dep.local_steps, dep.perturbations, dep.clients
+    cfg = run_config(name, dep)
     if info.family == "full-model":
-        times = participation(dep) if times is None else times
-        down, up = times * downlink_size(d), times * uplink_size(d)
-        per = times.mean()
-        zo = info.gradient == "zo"
-        row = {"up": float(up.mean()), "down": float(down.mean()), "catch_up": 0.0, "snapshots": 0.0,
-               "join": 0.0, "forwards": per * tau * ((P + 1) if zo else 1), "backwards": 0.0 if zo else per * tau,
-               "replayed": 0.0, "client_bytes": 4 * d * (2 if zo else 3),  # model + delta (+ gradient)
-               "server_bytes": 8 * d, "server_s": dep.sampled * d / REPLAY_RATE}
-    elif info.family == "scalar" and info.gradient == "zo" and "one-seed" not in info.can:
-        keeps_h = "preconditioner" in info.can
-        values = d * (2 if keeps_h else 1)
-        st: dict = {}
-        comm = protocol_traffic(M, dep.sampled, tau, P, dep.rounds, scalar_dtype=dep.scalar_dtype, seed=dep.seed,
-                                state_values=values, snapshot_after=dep.snapshot_after, bandwidth=dep.bandwidth,
-                                stats=st)
-        per = dep.rounds * dep.sampled / M
-        snap = st["snapshot_bytes"] / M
-        row = {"up": float(comm.up.mean()), "down": float(comm.down.mean()),
-               "join": (st["join_down"] + st["join_up"]) / M, "snapshots": snap,
-               "catch_up": float(comm.down.mean()) - snap - st["join_down"] / M,
-               "forwards": per * tau * (P + 1), "backwards": 0.0, "replayed": st["records"] * tau * P / M,
-               "client_bytes": 4 * values, "snapshot_after": st["snapshot_after"],
-               "server_bytes": 8 * M + 4 * values + min(dep.rounds, st["snapshot_after"]) * 4 * tau * P,
-               "server_s": st["server_s"] / dep.rounds + tau * P * d / REPLAY_RATE}
+        row = _full_model(info, cfg, dep, participation(dep) if times is None else times)
+    elif info.family == "seed-pool":
+        row = _seed_pool(cfg, dep)
     else:
-        raise ValueError(f"hiso plan does not cover {name} ({info.family}, {info.gradient}): "
-                         "plan the scalar ZO methods and the full-model baselines")
+        row = _scalar(info, cfg, dep)
     # a backward costs about two forwards
-    row["client_s"] = (row["forwards"] + 2 * row["backwards"]) * dep.forward_s + row["replayed"] * d / REPLAY_RATE
+    row["client_s"] = (row["forwards"] + 2 * row["backwards"]) * dep.forward_s + row["drawn"] * dep.params / REPLAY_RATE
     if dep.bandwidth:
         row["client_s"] += (row["up"] + row["down"]) / dep.bandwidth
     return {"method": name, **row}
@@ -102,15 +180,19 @@ def format_plan(rows: list[dict], dep: Deployment) -> str:
     """The table ``hiso plan`` prints: one row per method, per client over the whole run."""
     head = (f"d={dep.params:,} params, {dep.clients:,} clients, {dep.sampled} a round, {dep.rounds} rounds "
             f"(each client ~{dep.rounds * dep.sampled / dep.clients:.1f} rounds), tau={dep.local_steps}, "
-            f"P={dep.perturbations}, {dep.scalar_dtype} scalars")
-    cols = ("method", "up", "down", "catch-up", "snapshots", "forwards", "backwards", "replayed dirs",
+            f"{dep.scalar_dtype} scalars")
+    cols = ("method", "up", "down", "catch-up", "snapshots", "forwards", "backwards", "drawn dirs",
             "client mem", "client s", "server mem", "server s/round")
     out = [head, "per client, whole run (means over the population):", "  ".join(f"{c:>13}" for c in cols)]
     for r in rows:
         cells = (r["method"], _b(r["up"]), _b(r["down"]), _b(r["catch_up"]), _b(r["snapshots"]),
-                 f"{r['forwards']:.1f}", f"{r['backwards']:.1f}", f"{r['replayed']:.0f}", _b(r["client_bytes"]),
+                 f"{r['forwards']:.1f}", f"{r['backwards']:.1f}", f"{r['drawn']:.0f}", _b(r["client_bytes"]),
                  f"{r['client_s']:.3g}", _b(r["server_bytes"]), f"{r['server_s']:.3g}")
         out.append("  ".join(f"{c:>13}" for c in cells))
-    out.append("bytes: the encoders' own counts over this sampling; down includes the join; client s: (forwards + 2 "
-               "backwards) x --forward-s + replay + bytes / --bandwidth; server s: measured protocol work + the fold")
+    out += [f"  {r['method']}: {r['note']}" for r in rows if r.get("note")]
+    out.append("bytes: the encoders' own counts over this sampling; down includes the join; drawn dirs: directions "
+               "of d values a client draws beyond its forwards (catch-up replay, projections, pool materialisation); "
+               "client mem: the values it keeps, no activations; client s: (forwards + 2 x backwards: a backward "
+               "counted as two forwards) x --forward-s + drawn dirs + bytes / --bandwidth; server s: measured "
+               "protocol work + the fold")
     return "\n".join(out)
