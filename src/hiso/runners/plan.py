@@ -83,14 +83,21 @@ def zo_forwards(tau: int, P: int, difference: str) -> int:
     return tau * (P + 1) if difference == "forward" else 2 * tau * P
 
 
+def zo_directions(tau: int, P: int, difference: str, folds: int) -> int:
+    """Directions one ZO local update draws: one per perturbed forward (the Perturber's fused
+    shift), and P for each of ``folds`` local steps folded into the iterate."""
+    return (tau * P if difference == "forward" else 2 * tau * P) + folds * P
+
+
 def _full_model(info, cfg, dep: Deployment, times: np.ndarray) -> dict:
     d, tau = dep.params, cfg.local_steps
     down, up = times * downlink_size(d), times * uplink_size(d)
     per = times.mean()
     zo = info.gradient == "zo"
+    shifts = per * zo_directions(tau, cfg.perturbations, cfg.difference, tau) if zo else 0.0  # (+ its delta's)
     return {"up": float(up.mean()), "down": float(down.mean()), "catch_up": 0.0, "snapshots": 0.0, "join": 0.0,
             "forwards": per * (zo_forwards(tau, cfg.perturbations, cfg.difference) if zo else tau),
-            "backwards": 0.0 if zo else per * tau, "drawn": 0.0,
+            "backwards": 0.0 if zo else per * tau, "drawn": shifts, "perturbed": shifts,
             "client_bytes": 4 * d * (2 if zo else 3),  # model + delta (+ gradient)
             "server_bytes": 8 * d, "server_s": dep.sampled * d / REPLAY_RATE}
 
@@ -109,19 +116,20 @@ def _scalar(info, cfg, dep: Deployment) -> dict:
     if info.gradient == "first-order":  # a record costs K directions (each tensor its block's K), as a projection
         steps = cfg.local_steps
         fwd, bwd, dirs = per * steps, per * steps, P
-        drawn = st["records"] * P / M + per * P
+        drawn, shifts = st["records"] * P / M + per * P, 0.0
         client = 4 * d * 4  # model, x_r's copy, gradient, the update
         note = (f"B={tau} blocks x K={P} projections, {'float32' if zo.code_bits == 0 else f'{zo.code_bits}-bit codes'}"
                 f" up; drawn dirs include the K a client projects its update on each answer")
     else:
         fwd, bwd, dirs = per * zo_forwards(tau, P, zo.difference), 0.0, tau * P
-        drawn = st["records"] * tau * P / M
+        shifts = per * zo_directions(tau, P, zo.difference, tau - 1)
+        drawn = st["records"] * tau * P / M + shifts
         client = 4 * values + (4 * d if tau > 1 else 0)  # (+ the local iterate's delta)
         note = f"P={P}, {zo.difference} differences" + (", one sign bit a step up" if zo.signs else "")
     return {"up": float(comm.up.mean()), "down": float(comm.down.mean()),
             "join": (st["join_down"] + st["join_up"]) / M, "snapshots": snap,
             "catch_up": float(comm.down.mean()) - snap - st["join_down"] / M,
-            "forwards": fwd, "backwards": bwd, "drawn": drawn, "client_bytes": client,
+            "forwards": fwd, "backwards": bwd, "drawn": drawn, "perturbed": shifts, "client_bytes": client,
             "snapshot_after": st["snapshot_after"],
             "server_bytes": 8 * M + 4 * values + min(dep.rounds, st["snapshot_after"]) * Wire.of(zo, 0).record_bytes,
             "server_s": st["server_s"] / dep.rounds + dirs * d / REPLAY_RATE, "note": note}
@@ -139,7 +147,8 @@ def _seed_pool(cfg, dep: Deployment) -> dict:
     return {"up": float(comm.up.mean()), "down": float(comm.down.mean()), "join": (st["join_down"] + st["join_up"]) / M,
             "snapshots": 0.0, "catch_up": float(comm.down.mean()) - st["join_down"] / M,
             "forwards": per * zo_forwards(tau, 1, cfg.difference), "backwards": 0.0,
-            "drawn": st["materialised"] / M,
+            "drawn": st["materialised"] / M + per * zo_directions(tau, 1, cfg.difference, tau - 1),
+            "perturbed": per * zo_directions(tau, 1, cfg.difference, tau - 1),
             "client_bytes": 4 * d * (2 + (tau > 1)) + 24 * K,  # model, x_0 (+ delta), C, |g| sums, counts
             "server_bytes": 8 * M + 8 * d + 24 * K + st["log_bytes"],
             "server_s": st["server_s"] / dep.rounds + st["server_materialised"] / dep.rounds * d / REPLAY_RATE,
@@ -191,7 +200,8 @@ def format_plan(rows: list[dict], dep: Deployment) -> str:
         out.append("  ".join(f"{c:>13}" for c in cells))
     out += [f"  {r['method']}: {r['note']}" for r in rows if r.get("note")]
     out.append("bytes: the encoders' own counts over this sampling; down includes the join; drawn dirs: directions "
-               "of d values a client draws beyond its forwards (catch-up replay, projections, pool materialisation); "
+               "of d values a client draws (its perturbed forwards' and local steps', catch-up replay, projections, "
+               "pool materialisation); "
                "client mem: the values it keeps, no activations; client s: (forwards + 2 x backwards: a backward "
                "counted as two forwards) x --forward-s + drawn dirs + bytes / --bandwidth; server s: measured "
                "protocol work + the fold")
