@@ -347,7 +347,7 @@ def test_secagg_node_whose_replica_was_lost_drops_out_and_catches_up(tmp_path, t
 
 
 def test_flowers_own_workflow_loses_a_round_that_hiso_closes(tmp_path, task_identity, monkeypatch):
-    """Why :class:`hiso.flower.secagg._Workflow` exists: with Flower 1.41's workflow unchanged, a
+    """Why :class:`hiso.flower.secagg._Workflow` exists: with Flower's workflow (1.41, 1.42) unchanged, a
     node that drops at setup makes the round fail (it is planned again)."""
     from flwr.server.workflow import SecAggPlusWorkflow
 

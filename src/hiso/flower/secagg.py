@@ -27,7 +27,7 @@ What the server receives from a node: its public keys, encrypted shares for othe
 masked vector (uniform modulo 2^modulus_bits), shares of secrets, and the answer's metadata
 (``client``, ``round``, ``attempt``): never its scalars or its loss.
 
-Flower 1.41's workflow loses a round when a node drops before it has shared its keys (stage
+Flower's workflow (1.41, 1.42) loses a round when a node drops before it has shared its keys (stage
 setup or share keys): at unmask it asks the others for shares of that node's key, which do not
 exist, and would remove pairwise masks that were never added. :class:`_Workflow` forgets such
 a node (it never took part), so any dropout within the threshold still closes the round.

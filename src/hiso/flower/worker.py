@@ -1,6 +1,6 @@
 """A long-lived per-node worker: the node's replicas stay open in memory between messages.
 
-Flower 1.41 starts a new ClientApp process for every message, which then imports torch and
+Flower (1.41, 1.42) starts a new ClientApp process for every message, which then imports torch and
 hiso, builds the task and the model skeleton and maps the replica before it can answer. With
 a worker, the node runs ``python -m hiso.flower.worker --socket PATH`` beside its SuperNode
 (node config ``worker-socket=PATH``) and the ClientApp is :mod:`hiso.flower.relay`, which
