@@ -90,6 +90,7 @@ class LocalFederation:
     start_timeout: float = 120.0
     port: int = 0  # the SuperLink's port (0: a free one)
     node_link_port: int | None = None  # where SuperNodes reach the SuperLink (a byte-counting proxy)
+    node_link_ports: dict[int, int] = field(default_factory=dict)  # node i's own way there (a fault proxy each)
     worker: bool = False  # a long-lived worker per node (hiso.flower.worker) behind the relay ClientApp
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     out_dirs: dict[str, Path] = field(default_factory=dict)  # run id -> its run directory
@@ -193,7 +194,7 @@ class LocalFederation:
                     raise FlowerRunError(f"the worker of node {i} did not start (see {self.logs}/worker{i}.log)")
                 time.sleep(0.1)
             nc += f" worker-socket='{sock}'"
-        argv = [str(self.bin / "flower-supernode"), "--superlink", f"{HOST}:{self.node_link_port or self.port}",
+        argv = [str(self.bin / "flower-supernode"), "--superlink", f"{HOST}:{self.node_link_ports.get(i) or self.node_link_port or self.port}",
                 "--port", str(port),
                 "--node-config", nc]
         argv += ["--root-certificates", str(self.certs["ca"])] if self.tls else ["--insecure"]
