@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,16 +31,54 @@ from hiso.flower.faultproxy import FaultProxy
 from hiso.flower.launch import LocalFederation, free_port, rounds_logged
 
 
+def can_make_namespaces() -> bool:
+    """Whether this process may make network namespaces and veth pairs (root, ``ip``, unshare)."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode == 0
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
 @contextmanager
-def proxied_federation(workdir: Path, nodes: int, worker: bool = False, **faults):
+def veth_namespaces(n: int):
+    """``n`` network namespaces, each joined to this one by a veth pair (10.243.i.1 here,
+    10.243.i.2 there); yields [(namespace, our end's interface, our end's address)]."""
+    tag, made = f"h43p{os.getpid() % 100000}", []
+    try:
+        for i in range(n):
+            ns, a, b = f"{tag}n{i}", f"{tag}a{i}", f"{tag}b{i}"  # (interface names: 15 characters at most)
+            _ip("netns", "add", ns)
+            made.append((ns, a))
+            _ip("link", "add", a, "type", "veth", "peer", "name", b)
+            _ip("link", "set", b, "netns", ns)
+            _ip("addr", "add", f"10.243.{i}.1/30", "dev", a)
+            _ip("link", "set", a, "up")
+            for cmd in (("addr", "add", f"10.243.{i}.2/30", "dev", b), ("link", "set", b, "up"), ("link", "set", "lo", "up")):
+                _ip("-n", ns, *cmd)
+        yield [(ns, a, f"10.243.{i}.1") for i, (ns, a) in enumerate(made)]
+    finally:
+        for ns, a in made:
+            subprocess.run(["ip", "link", "del", a], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@contextmanager
+def proxied_federation(workdir: Path, nodes: int, worker: bool = False, netns: list | None = None, **faults):
     """A LocalFederation whose node i talks to the SuperLink through ``proxies[i]`` (``faults``:
     FaultProxy's fields; ``worker``: per-node workers); yields (federation, proxies). Every
-    process and proxy stopped after."""
+    process and proxy stopped after. ``netns`` (from :func:`veth_namespaces`): node i runs in
+    namespace i and reaches its proxy across the veth pair."""
     with ExitStack() as stack:
         link = free_port()
-        proxies = [stack.enter_context(FaultProxy(link, seed=i, **faults)) for i in range(nodes)]
+        hosts = [h for _, _, h in netns] if netns else ["127.0.0.1"] * nodes
+        proxies = [stack.enter_context(FaultProxy(link, seed=i, listen_host=hosts[i], **faults)) for i in range(nodes)]
         fed = LocalFederation(nodes=nodes, workdir=workdir, port=link, worker=worker,
-                              node_link_ports={i: p.port for i, p in enumerate(proxies)})
+                              node_link_ports={i: p.port for i, p in enumerate(proxies)},
+                              node_link_hosts={i: hosts[i] for i in range(nodes)},
+                              node_prefix={i: ["ip", "netns", "exec", ns] for i, (ns, _, _) in enumerate(netns or [])})
         stack.callback(fed.stop)
         fed.start()
         yield fed, proxies
@@ -83,8 +122,15 @@ def audit_log(cfg: RunConfig, out: Path) -> int:
     final = torch.load(out / "model.pt", weights_only=False)
     assert final["round"] == len(recs) == cfg.rounds
     assert all(torch.equal(p, final["model"][n]) for n, p in sim.state.named)
-    assert all(torch.equal(h, final["h"][n]) for (n, _), h in zip(sim.state.named, sim.state.h))
+    assert _same_h(sim.state, final)
     return len(recs)
+
+
+def _same_h(state, final: dict) -> bool:
+    """H equal to the run's final one (DeComFL has none)."""
+    if state.h is None:
+        return "h" not in final or not final["h"]
+    return all(torch.equal(h, final["h"][n]) for (n, _), h in zip(state.named, state.h))
 
 
 def simulator_prefix(cfg: RunConfig, out: Path, sim_dir: Path) -> tuple[int, bool]:
@@ -104,8 +150,12 @@ def simulator_prefix(cfg: RunConfig, out: Path, sim_dir: Path) -> tuple[int, boo
 
 def check_replicas(state_dir: Path, cfg: RunConfig, out: Path) -> list[int]:
     """Every partition's replica on the nodes' disk replays the log's rest to the server's final
-    model and H, bit for bit; returns the round each replica held."""
+    model and H, bit for bit; returns the round each replica held. (The replay runs on a copy:
+    the replica is a memory map, and replaying on it would write the file under its round.)"""
+    from hiso.core import ModelState
     from hiso.flower.app import open_replica
+    from hiso.tasks.registry import build_task
+    task = build_task(cfg)
     lineage = (out / "flower-lineage").read_text().strip()
     recs = read_history(out / "history.bin")[2]
     final = torch.load(out / "model.pt", weights_only=False)
@@ -114,11 +164,14 @@ def check_replicas(state_dir: Path, cfg: RunConfig, out: Path) -> list[int]:
         _, rep = open_replica(cfg, lineage, pid, str(state_dir), LocalFederation.config_text(cfg))
         assert rep.reset_reason is None, (pid, rep.reset_reason)
         held.append(rep.state.round)
-        rep.state.replay(recs[rep.state.round:])
-        assert all(torch.equal(p, final["model"][n]) for n, p in rep.state.named), f"partition {pid}: model"
-        assert all(torch.equal(h, final["h"][n]) for (n, _), h in zip(rep.state.named, rep.state.h)), \
-            f"partition {pid}: H"
+        state = ModelState(task.build_model(), cfg.zo(), round=rep.state.round, run_seed=cfg.seed)
+        with torch.no_grad():
+            for a, b in zip(state.params + (state.h or []), rep.state.params + (rep.state.h or [])):
+                a.copy_(b)
         rep.close()
+        state.replay(recs[state.round:])
+        assert all(torch.equal(p, final["model"][n]) for n, p in state.named), f"partition {pid}: model"
+        assert _same_h(state, final), f"partition {pid}: H"
     return held
 
 
@@ -134,9 +187,10 @@ def figures(out: Path, logs: Path, proxies=(), t0: float | None = None) -> dict:
             retries += 1
             tries += int(m.group(1)) - 1
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    fig = {"rounds": len(rows), "rounds_lost_an_answer": sum(t["participants"] != t["sampled"] for t in timings),
+    fig = {"rounds": len(rows) - 1, "rounds_lost_an_answer": sum(t["participants"] != t["sampled"] for t in timings),
            "answers_lost": sum(len(set(t["sampled"]) - set(t["participants"])) for t in timings),
            "replanned": sum(a.get("rounds_replanned", 0) for a in attempts),
+           "queries_resent": sum(a.get("queries_resent", 0) for a in attempts),
            "serverapp_attempts": len(attempts), "node_reconnects": retries, "node_failed_tries": tries,
            "protocol_bytes": int(sum(r.get("bytes_up", 0) + r.get("bytes_down", 0) for r in rows)),
            "max_round_s": max((t["send_and_receive_s"] for t in timings), default=0.0)}
@@ -154,16 +208,29 @@ def figures(out: Path, logs: Path, proxies=(), t0: float | None = None) -> dict:
 def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s: float, after: int = 1,
                      how: str = "blackhole", worker: bool = False, **faults) -> dict:
     """Scenario 1 (and 2, with ``faults`` on every link): node ``nodes-1`` cut off for ``cut_s``
-    seconds once ``after`` rounds are logged, then back. Returns the figures and the checks."""
+    seconds once ``after`` rounds are logged, then back. ``how``: the proxy's ``blackhole`` or
+    ``refuse``, or ``link``: every node in its own network namespace and the last one's veth
+    pair set down. Returns the figures and the checks."""
     out, t0 = work / "flower", time.monotonic()
-    with proxied_federation(work / "fed", cfg.clients, worker, **faults) as (fed, proxies):
+    with ExitStack() as stack:
+        netns = stack.enter_context(veth_namespaces(cfg.clients)) if how == "link" else None
+        fed, proxies = stack.enter_context(proxied_federation(work / "fed", cfg.clients, worker, netns, **faults))
         run_id = fed.submit(cfg, out, round_timeout=round_timeout)
         if cut_s > 0:
             wait_rounds(out, after)
-            proxies[-1].cut(how)
+            if netns:
+                _ip("link", "set", netns[-1][1], "down")
+            else:
+                proxies[-1].cut(how)
             time.sleep(cut_s)
-            proxies[-1].heal()
-        fed.wait(run_id, timeout=300)
+            if netns:
+                _ip("link", "set", netns[-1][1], "up")
+            else:
+                proxies[-1].heal()
+        try:
+            fed.wait(run_id, timeout=300)
+        finally:  # the ServerApp's log lives in the SuperLink: keep it
+            (work / "serverapp.log").write_text(fed.logs_of(run_id))
         fig = figures(out, fed.logs, proxies, t0)
         fig["replicas_held"] = check_replicas(fed.state_dir, cfg, out)
     fig["rounds_audited"] = audit_log(cfg, out)
