@@ -2,7 +2,8 @@
 bench/flower_faults.py, and the checks both make.
 
 Each SuperNode reaches the SuperLink through its own :class:`hiso.flower.faultproxy.FaultProxy`
-on 127.0.0.1 (one node can be cut off alone). A run under faults loses answers, so its log
+on 127.0.0.1, or from its own network namespace across a veth pair (one node can be cut off
+alone). A run under faults loses answers, so its log
 cannot equal a fault-free ``hiso run`` after the first round that lost one; :func:`audit_log`
 checks instead that every logged round is exactly what the in-process simulator computes for
 that round's participants at that round's model (its sample and seeds drawn again, each
