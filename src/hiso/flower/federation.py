@@ -90,6 +90,10 @@ class LocalFederation:
     start_timeout: float = 120.0
     port: int = 0  # the SuperLink's port (0: a free one)
     node_link_port: int | None = None  # where SuperNodes reach the SuperLink (a byte-counting proxy)
+    node_link_ports: dict[int, int] = field(default_factory=dict)  # node i's own way there (a fault proxy each)
+    node_link_hosts: dict[int, str] = field(default_factory=dict)  # ... at another address (a veth pair's end)
+    node_prefix: dict[int, list[str]] = field(default_factory=dict)  # argv before node i's (ip netns exec NS):
+    # its port is then out of our sight: it is not waited for (the ServerApp waits for the nodes)
     worker: bool = False  # a long-lived worker per node (hiso.flower.worker) behind the relay ClientApp
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     out_dirs: dict[str, Path] = field(default_factory=dict)  # run id -> its run directory
@@ -161,7 +165,7 @@ class LocalFederation:
         sl = self._spawn("superlink", argv)
         _wait_port(self.port, sl, self.start_timeout, "flower-superlink")
         for i in range(self.nodes):
-            self.start_node(i)
+            self.start_node(i, wait=i not in self.node_prefix)
         return self
 
     def start_node(self, i: int, *, register: bool = True, wait: bool = True) -> subprocess.Popen:
@@ -193,7 +197,8 @@ class LocalFederation:
                     raise FlowerRunError(f"the worker of node {i} did not start (see {self.logs}/worker{i}.log)")
                 time.sleep(0.1)
             nc += f" worker-socket='{sock}'"
-        argv = [str(self.bin / "flower-supernode"), "--superlink", f"{HOST}:{self.node_link_port or self.port}",
+        link = f"{self.node_link_hosts.get(i, HOST)}:{self.node_link_ports.get(i) or self.node_link_port or self.port}"
+        argv = [*self.node_prefix.get(i, []), str(self.bin / "flower-supernode"), "--superlink", link,
                 "--port", str(port),
                 "--node-config", nc]
         argv += ["--root-certificates", str(self.certs["ca"])] if self.tls else ["--insecure"]

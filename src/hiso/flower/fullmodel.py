@@ -128,11 +128,13 @@ class FullModelFederation(FlowerFederation):
         self._seen: set[int] = set()
         self._suspects: set[int] = set()
         self._queries: dict[str, int] = {}
+        self._asked: dict[int, tuple[int, float]] = {}
+        self.queries_resent = 0
 
     def _train_message(self, arrays, fields: dict, node_id: int, group: str):
         from flwr.app import ConfigRecord, Message, RecordDict
         return Message(RecordDict({ARRAYS: arrays, REC: ConfigRecord(fields)}), dst_node_id=node_id,
-                       message_type="train", group_id=group)
+                       message_type="train", group_id=group, ttl=self.settings.round_timeout)  # as FlowerFederation's
 
     def _answer(self, rep, pid: int, rnd: int) -> tuple[torch.Tensor, float]:
         """A reply's flat update and (float32-rounded) loss, or UpdateError."""

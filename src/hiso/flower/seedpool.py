@@ -68,6 +68,8 @@ class PoolFederation(FlowerFederation):
         self._seen: set[int] = set()
         self._suspects: set[int] = set()
         self._queries: dict[str, int] = {}
+        self._asked: dict[int, tuple[int, float]] = {}
+        self.queries_resent = 0
 
     def _downlink(self, pid: int, rnd: int) -> bytes:
         """The pool records partition ``pid`` has not folded yet (FlowerFederation._send sends it)."""

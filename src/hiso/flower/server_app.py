@@ -55,10 +55,17 @@ class FlowerFederation:
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
         self._queries: dict[str, int] = {}  # query message id -> node id, awaiting a reply
+        self._asked: dict[int, tuple[int, float]] = {}  # node id -> (times asked again, when next)
+        self.queries_resent = 0
 
     def _message(self, fields: dict, node_id: int, kind: str, group: str | None = None):
+        """A message to a node. A ``train`` message lives as long as its round waits for the
+        answer (Flower's default is 12 h): a node that fell behind (cut off, slow) would
+        otherwise work through every stale one in turn, each taking about a round, and never
+        answer in time again. A ``query`` keeps the default (a slow first start must not expire it)."""
         from flwr.app import Message
-        return Message(_records(fields), dst_node_id=node_id, message_type=kind, group_id=group)
+        return Message(_records(fields), dst_node_id=node_id, message_type=kind, group_id=group,
+                       ttl=self.settings.round_timeout if kind == "train" else None)
 
     def _lineage_field(self) -> dict:
         return {"lineage": self.lineage} if self.lineage else {}
@@ -69,16 +76,30 @@ class FlowerFederation:
         a query is sent once per node; replies are collected whenever this is called)."""
         ids = set(self.grid.get_node_ids())
         for nid in list(self.part_of):
-            if nid not in ids:  # gone
+            if nid not in ids:  # gone (offline: it may come back under the same id, and is asked again then)
                 pid = self.part_of.pop(nid)
+                self._seen.discard(nid)
+                self._asked.pop(nid, None)
                 if self.node_of.get(pid) == nid:
                     del self.node_of[pid]
         self._queries = {m: n for m, n in self._queries.items() if n in ids}
-        new = sorted(ids - self._seen - set(self._queries.values()))
+        # Flower hands a message out once: one whose delivery to the node fails (a connection
+        # reset as the node pulls it) is gone, so a query unanswered for round_timeout is sent
+        # again (then after 2x, 4x ... as long: a slow node is not flooded), or the node would
+        # never take part; whichever of its queries is answered first counts
+        now, asked = time.monotonic(), set(self._queries.values())
+        again = {n for n in asked if now >= self._asked[n][1]}
+        if again:
+            log.warning("nodes %s did not answer their query: asking again", sorted(again))
+            self.queries_resent += len(again)
+        new = sorted((ids - self._seen - asked) | again)
         if new:
             join = {"welcome": self.welcome} if getattr(self, "welcome", None) is not None else {}
             msgs = [self._message({**join, **self._lineage_field()}, nid, "query") for nid in new]
             self._queries.update(zip(self.grid.push_messages(msgs), new))
+            for nid in new:
+                k = self._asked[nid][0] + 1 if nid in self._asked else 0
+                self._asked[nid] = (k, now + self.settings.round_timeout * 2 ** k)
         if not self._queries:
             return
         for rep in self.grid.pull_messages(set(self._queries)):
@@ -86,6 +107,7 @@ class FlowerFederation:
             if nid is None:
                 continue
             self._seen.add(nid)
+            self._queries = {m: n for m, n in self._queries.items() if n != nid}  # its other queries
             if rep.has_error():
                 log.warning("node %s failed the query: %s", nid, rep.error.reason)
                 continue
@@ -324,7 +346,8 @@ def serve_zo(grid, cfg: RunConfig, settings: Settings, federation: type | None =
 
     summary = run_to_dir(cfg, settings.out_dir, task=task, runner=factory, resume=settings.resume)
     fed = holder["fed"]
-    extra = {"flower": {"rounds_replanned": fed.server.replanned, "timings": fed.timings,
+    extra = {"flower": {"rounds_replanned": fed.server.replanned, "queries_resent": fed.queries_resent,
+                        "timings": fed.timings,
                         "partitions_seen": sorted(fed.node_of), "earlier_attempts": before}}
     write_atomic(Path(settings.out_dir, "flower.json"), json.dumps(extra, indent=1))
     if summary.get("diverged"):
