@@ -131,3 +131,27 @@ def test_flower_superlink_killed_then_resumed_from_the_cli(tmp_path):
                           for d in ("flower", "sim"))
         strip = lambda r: {k: v for k, v in r.items() if k != "wall_s" and not k.startswith("client_")}  # noqa: E731
         assert [strip(r) for r in rows_f] == [strip(r) for r in rows_s]  # bytes too: replicas were kept
+
+
+@needs_flwr
+def test_the_harness_finds_a_replica_out_of_step(tmp_path, monkeypatch):
+    """The scenarios' replica check (flower_fault_harness.check_replicas) passes on a fake-grid
+    federation and fails once one node's replica holds one wrong number: a desync is caught."""
+    import torch
+
+    from flower_fault_harness import check_replicas
+    from hiso.flower.app import FlowerFederation, Settings, serve
+    from hiso.flower.client_app import open_replica
+    from hiso.flower.federation import LocalFederation
+    cfg = RunConfig(**{**CFG, "clients": 3, "sampled": 2, "rounds": 3})
+    state_dir, out = tmp_path / "replicas", tmp_path / "flower"
+    monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: _Msg(f, nid, kind, group))
+    serve(FakeGrid(cfg, state_dir, {11: 0, 12: 1, 13: 2}), cfg, Settings(out_dir=str(out), round_timeout=5, poll_s=0.01))
+    assert len(check_replicas(state_dir, cfg, out)) == 3
+    lineage = (out / "flower-lineage").read_text().strip()
+    _, rep = open_replica(cfg, lineage, 1, str(state_dir), LocalFederation.config_text(cfg))
+    with torch.no_grad():
+        rep.state.params[0].view(-1)[0] += 1e-3  # the replica is a memory map: this is its file
+    rep.close()
+    with pytest.raises(AssertionError, match="partition 1"):
+        check_replicas(state_dir, cfg, out)
