@@ -1,6 +1,6 @@
 """hiso plan's predicted seconds against measured runs, given the measured forward time.
 
-    python bench/plan_check.py --data-dir /work/shared/data/mnist [--only hiso-64 ...]
+    python bench/plan_check.py --data-dir PATH/TO/mnist [--only hiso-64 ...]
 
 Each shape is a real run (``hiso.api.run``, MNIST CNN, faithful mode where the method has it, so
 a client's seconds include decoding and catching up). The forward time is measured first on the
