@@ -246,6 +246,15 @@ def _cli(args: list[str], **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
+def _stop(p: subprocess.Popen) -> None:
+    """``p`` and everything it started (its SuperLink, SuperNodes), if a wait ran out or failed."""
+    from hiso import procs
+    if p.poll() is None:
+        procs.stop_tree(p.pid)
+        procs.stop_processes([p.pid])
+        p.wait(timeout=10)
+
+
 def superlink_killed(cfg: RunConfig, work: Path, *, round_timeout: float, after: int = 1,
                      worker: bool = False) -> dict:
     """Scenario 3: ``hiso flower`` whose SuperLink is SIGKILLed once ``after`` rounds are logged
@@ -267,12 +276,14 @@ def superlink_killed(cfg: RunConfig, work: Path, *, round_timeout: float, after:
         killed_at = rounds_done(out)
         _, err = first.communicate(timeout=300)
     finally:
-        if first.poll() is None:
-            first.kill()
+        _stop(first)
     hint = f"hiso flower --resume {out} --workdir {wd}"
     assert first.returncode != 0 and hint in err, (first.returncode, err[-2000:])
     again = _cli(["--resume", str(out), "--workdir", str(wd), *(["--worker"] if worker else [])])
-    res_out, res_err = again.communicate(timeout=900)
+    try:
+        res_out, res_err = again.communicate(timeout=900)
+    finally:
+        _stop(again)
     assert again.returncode == 0, res_err[-3000:]
     fig = figures(out, wd / "logs", (), t0)
     fig.update(killed_after_rounds=killed_at, first_exit=first.returncode,
