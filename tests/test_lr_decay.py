@@ -93,7 +93,37 @@ def test_config_records_lr_decay_rebuild_reproduces_it_and_full_model_runs_refus
     _, ckpt = rebuild(tmp_path)
     final = torch.load(tmp_path / "model.pt")
     assert all(torch.equal(final["model"][k], v) for k, v in ckpt["model"].items())
-    with pytest.raises(ConfigError, match="lr_decay is for hiso, decomfl and feedsign"):
+    with pytest.raises(ConfigError, match="lr_decay is for hiso, decomfl, feedsign, ferret and sketch"):
         load_config(None, algorithm="fedavg", task="quadratic", lr_decay=5.0)
     with pytest.raises(ConfigError, match="lr_decay"):
         load_config(None, lr_decay=-1.0)
+
+
+@pytest.mark.parametrize("algorithm", ["ferret", "sketch"])
+def test_first_order_clients_step_at_the_rounds_lr_and_replicas_follow(algorithm):
+    """Ferret's and sketch's clients take their SGD steps at lr_at(r): round 7's answer equals,
+    bit for bit, a constant-lr client's at lr / (1 + 7 / T), and differs from the undecayed one;
+    a decaying run's replicas (one that skipped every round included) stay bit-identical."""
+    from hiso.config import load_config
+    from seed_method_checks import assert_same_model, late_client
+
+    def zo(**kw):
+        return load_config(None, algorithm=algorithm, task="quadratic", ferret_k=4, ferret_blocks=2,
+                           local_steps=2, **kw).zo()
+
+    task = TinyTask()
+    decayed = zo(lr=0.2, lr_decay=4.0)
+    lr7 = decayed.lr_at(7)
+    batches = [task.batch(3, 7, s, 8) for s in range(2)]
+    seeds = np.random.default_rng(0).integers(0, 2**31, decayed.shape)
+    answers = []
+    for cfg in (decayed, zo(lr=lr7), zo(lr=0.2)):
+        state = ModelState(task.build_model(), cfg, round=7)
+        answers.append(cfg.method.local_update(state, None, task.loss, batches, seeds).scalars)
+    assert np.array_equal(answers[0], answers[1]) and not np.array_equal(answers[0], answers[2])
+
+    sim = Simulation(task, decayed, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,
+                     snapshot_after=1000)
+    list(sim.run(12))
+    sim.sync_all()
+    assert_same_model(sim.state, [c.state for c in sim.clients.values()] + [late_client(sim, task, decayed).state])

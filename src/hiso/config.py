@@ -139,7 +139,7 @@ class RunConfig(BaseModel, MethodRules):
         "decomfl; default: none)"))
     lr_decay: float | None = Field(None, gt=0, description=(
         "inverse-time lr decay over rounds: round r steps with lr / (1 + r / lr_decay), half of lr at round "
-        "lr_decay (hiso, decomfl; default: constant lr)"))
+        "lr_decay (hiso, decomfl, feedsign; ferret and sketch: their clients' SGD lr; default: constant lr)"))
     # client-level differential privacy of the scalars (hiso, decomfl; see hiso.methods.privacy)
     dp_clip: float | None = Field(None, gt=0, description=(
         "differential privacy: clip each client's scalars of a round to this L2 norm (turns DP on; default: off)"))
@@ -373,7 +373,8 @@ class RunConfig(BaseModel, MethodRules):
         method = self.method.build(self)  # the core's hooks (None: DeComFL's)
         if "ferret" in self.method.options:  # the record's (tau, P) is (blocks, K); tau local steps live in the method
             return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.ferret_k, local_steps=self.ferret_blocks,
-                            directions=self.directions, scalar_dtype=self.scalar_dtype, method=method)
+                            directions=self.directions, scalar_dtype=self.scalar_dtype, lr_decay=self.lr_decay,
+                            method=method)
         momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
         dp = None if self.dp_clip is None else DPConfig(self.dp_clip, self.dp_noise, self.dp_mode)
         step_norm = None if self.step_norm is None else StepNormConfig(self.step_norm, self.step_norm_beta)

@@ -199,7 +199,7 @@ register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
                            doc="seeds and one sign bit per client-step, majority vote"))
 register_method(MethodInfo("ferret", "Ferret", gradient="first-order", options=frozenset({"server_lr", "ferret"}),
                            build=_ferret,
-                           can=frozenset({"faults", "robust", "weighted", "backprop"}), server_lr=1.0,
+                           can=frozenset({"faults", "robust", "weighted", "backprop", "lr_decay"}), server_lr=1.0,
                            doc="first-order local steps, K projections per block on the wire"))
 register_method(MethodInfo("fedkseed", "FedKSeed", "seed-pool", options=_ZO | {"seed_pool"},
                            can=frozenset({"one-seed"}), doc="a fixed pool of seeds, (index, scalar) pairs on the wire"))
@@ -218,5 +218,5 @@ register_method(MethodInfo("fedadagrad", "FedAdagrad", "full-model", "first-orde
 # methods added since the table above was fixed (its order is --help's)
 register_method(MethodInfo("sketch", "Sketch", gradient="first-order",
                            options=frozenset({"server_lr", "ferret", "sketch"}), build=_sketch,
-                           can=frozenset({"robust", "weighted", "backprop", "int8", "lowbit"}), server_lr=1.0,
+                           can=frozenset({"robust", "weighted", "backprop", "int8", "lowbit", "lr_decay"}), server_lr=1.0,
                            doc="first-order local steps, b-bit codes of K projections per block on the wire"))
