@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -77,13 +78,19 @@ def timed_grid(cfg, state_dir: Path, nodes: dict[int, int]):
     return Timed(cfg, state_dir, nodes)
 
 
+def grid_bits(n: int) -> int:
+    """The default 24 grid bits, or fewer where n answers would overflow the 32-bit modulus."""
+    return min(24, 32 - math.ceil(math.log2(n + 1)))
+
+
 def measure(n: int, arm: str, shares: int | None, rounds: int, work: Path) -> dict:
     """Run ``rounds`` rounds of ``n`` clients (all sampled) for one arm; per-round medians."""
     from hiso.config import RunConfig
     from hiso.flower.app import FlowerFederation, Settings, serve
     from hiso.flower.loopback import server_task
     from hiso.flower.secagg import SecAggFederation
-    extra = {} if arm == "plain" else {"secagg": True, **({"secagg_shares": shares} if arm == "sparse" else {})}
+    extra = {} if arm == "plain" else {"secagg": True, **({"secagg_shares": shares} if arm == "sparse" else {}),
+                                       "secagg_bits": grid_bits(n)}
     cfg = RunConfig(**TASK, clients=n, sampled=n, rounds=rounds, **extra)
     out = work / f"n{n}-{arm}{shares or ''}"
     grid = timed_grid(cfg, out / "replicas", {100 + p: p for p in range(n)})
@@ -112,7 +119,7 @@ def measure(n: int, arm: str, shares: int | None, rounds: int, work: Path) -> di
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     stages = {k: statistics.median(r["bytes_per_client"].get(k, 0) for r in rows) for k in rows[-1]["bytes_per_client"]}
     return {"n": n, "arm": arm, "shares": shares if arm == "sparse" else (n if arm == "full" else None),
-            "threshold": cfg.secagg_threshold, "rounds": len(rows),
+            "threshold": cfg.secagg_threshold, "bits": cfg.secagg_bits if cfg.secagg else None, "rounds": len(rows),
             **{k: med(k) for k in ("wall_s", "server_cpu_s", "clients_cpu_s", "client_cpu_s_mean", "client_cpu_s_max")},
             "bytes_per_client": sum(stages.values()), "bytes_per_client_by_stage": stages}
 
