@@ -170,7 +170,12 @@ class RunConfig(BaseModel, MethodRules):
         "secagg: masks and sums modulo 2^this; it must exceed secagg_bits + log2(sampled) so a round's sum fits"))
     secagg_threshold: int | None = Field(None, ge=2, description=(
         "secagg: shares that rebuild a dropped client's masks; a round closes while at least this many of its "
-        "clients answer (default: a majority of sampled, at least 2; config.json records the value used)"))
+        "clients answer (default: a majority of sampled, at least 2, or of secagg_shares; config.json records the "
+        "value used)"))
+    secagg_shares: int | None = Field(None, ge=3, description=(
+        "secagg on Flower: each client's secrets go to this many clients, itself included (SecAgg+'s num_shares, "
+        "odd: its neighbours on a ring of the round's clients), not to all; a round then closes while every client "
+        "has at least secagg_threshold (below this number) of them answering (default: all clients)"))
     # FedKSeed (hiso.methods.fedkseed)
     seed_pool: int = Field(4096, description=(
         "fedkseed: K, the candidate seeds fixed for the run (1..65536; default: 4096, the value of the paper's LLM "

@@ -110,7 +110,7 @@ class MethodRules:
         plain (unweighted) mean of hiso and decomfl can use it; its defaults are resolved here
         (and so recorded in config.json)."""
         if not self.secagg:
-            given = [n for n in ("secagg_clip", "secagg_threshold") if getattr(self, n) is not None]
+            given = [n for n in ("secagg_clip", "secagg_threshold", "secagg_shares") if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)}: only with secagg")
             return
@@ -130,10 +130,17 @@ class MethodRules:
         if self.secagg_clip is None:
             central = self.dp_clip is not None and self.dp_mode == "central"
             self.secagg_clip = 2.0 ** math.ceil(math.log2(self.dp_clip)) if central else 256.0
+        shares = self.sampled if self.secagg_shares is None else self.secagg_shares
+        if self.secagg_shares is not None and shares % 2 == 0:  # Flower's workflow would widen the ring to shares + 1 but split the secrets in shares
+            raise ValueError(f"secagg_shares must be odd (a client and shares // 2 neighbours either side of it on "
+                             f"a ring), got {shares}")
         if self.secagg_threshold is None:
-            self.secagg_threshold = max(2, self.sampled // 2 + 1)
+            self.secagg_threshold = max(2, min(shares, self.sampled) // 2 + 1)
         if self.secagg_threshold > self.sampled:
             raise ValueError(f"secagg_threshold ({self.secagg_threshold}) cannot exceed sampled ({self.sampled})")
+        if self.secagg_shares is not None and self.secagg_threshold >= shares:
+            raise ValueError(f"secagg_threshold ({self.secagg_threshold}) must be below secagg_shares ({shares}), as "
+                             "Flower's SecAgg+ requires")
         self.secagg_config.check_clients(self.sampled)
 
     @property

@@ -1,7 +1,7 @@
 """Measure hiso over Flower against the in-process simulator (docs/flower.md, Measurements).
 
     python -m hiso.flower.bench deploy --nodes 2 --clients 2 --sampled 2 --rounds 5 [--task mnist ...]
-    python -m hiso.flower.bench sim --clients 100 --sampled 10 --rounds 10
+    python -m hiso.flower.bench sim --clients 100 --sampled 10 --rounds 10 [--secagg [--secagg-shares 21]]
     python -m hiso.flower.bench secagg --sampled-list 3,5,10 --rounds 3 [--task mnist ...]
 
 Prints one JSON object: seconds per round (deployment or simulation engine, and the
@@ -27,7 +27,8 @@ def _cfg(args):
     from ..config import load_config
     over = {k: v for k, v in vars(args).items() if k in ("task", "algorithm", "clients", "sampled", "rounds", "dim",
                                                           "local_steps", "perturbations", "batch_size", "seed", "lr",
-                                                          "data_dir", "partition", "eval_max", "secagg")
+                                                          "data_dir", "partition", "eval_max", "secagg",
+                                                          "secagg_shares", "secagg_bits")
             and v is not None}
     return load_config(None, eval_every=10**6, threads=1, **over)
 
@@ -185,7 +186,8 @@ def sim(args) -> dict:
     load0 = _load()
     work = Path(tempfile.mkdtemp(prefix="hiso-flower-sim-bench-"))
     t0 = time.perf_counter()
-    s_fl = run_simulation(cfg, work / "flower", state_dir=work / "replicas", num_cpus=args.cpus)
+    s_fl = run_simulation(cfg, work / "flower", state_dir=work / "replicas", num_cpus=args.cpus,
+                          round_timeout=args.round_timeout)
     t_all = time.perf_counter() - t0
     s_ip = _inproc(cfg, work / "inproc")
     return {"what": "simulation engine", "virtual_nodes": cfg.clients, "sampled": cfg.sampled, "rounds": cfg.rounds,
@@ -326,7 +328,8 @@ def main(argv=None) -> int:
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle federation measured on the wire")
     for k, t in (("task", str), ("algorithm", str), ("clients", int), ("sampled", int), ("rounds", int), ("dim", int),
                  ("local_steps", int), ("perturbations", int), ("batch_size", int), ("seed", int), ("lr", float),
-                 ("data_dir", str), ("partition", str), ("eval_max", int)):
+                 ("data_dir", str), ("partition", str), ("eval_max", int), ("secagg_shares", int),
+                 ("secagg_bits", int)):
         p.add_argument("--" + k.replace("_", "-"), dest=k, type=t)
     args = p.parse_args(argv)
     out = {"deploy": deploy, "sim": sim, "replica": replica_cost, "secagg": secagg_cost}[args.what](args)

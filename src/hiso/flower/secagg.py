@@ -23,6 +23,11 @@ whose ``step`` goes through the workflow):
    and closes the round with ``Server.close_secure``: the mean (plus the DP noise, central
    mode) is logged and replayed as always.
 
+Each node shares its secrets with every node of the round, or, with ``secagg_shares`` k, with the k
+nodes around it on a ring the workflow shuffles each round (itself included: SecAgg+'s sparse
+graph, Bell et al. 2020), so a node's work and bytes grow with k instead of the round's size; the
+round then closes while every node keeps ``threshold`` of its k answering.
+
 What the server receives from a node: its public keys, encrypted shares for other nodes, its
 masked vector (uniform modulo 2^modulus_bits), shares of secrets, and the answer's metadata
 (``client``, ``round``, ``attempt``): never its scalars or its loss.
@@ -164,7 +169,8 @@ class SecAggFederation(FlowerFederation):
                             strategy=strategy)
         ctx.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: plan.round})
         ctx.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
-        workflow = _Workflow(num_shares=1.0, reconstruction_threshold=g.threshold, max_weight=1.0,
+        shares = self.cfg.secagg_shares or 1.0  # a count of nodes, or Flower's fraction: 1.0 is all of them
+        workflow = _Workflow(num_shares=shares, reconstruction_threshold=g.threshold, max_weight=1.0,
                              clipping_range=g.clip, quantization_range=g.levels, modulus_range=g.modulus)
         workflow(grid, ctx)
         self._stages = grid.stages
