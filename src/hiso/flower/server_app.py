@@ -61,7 +61,7 @@ class FlowerFederation:
         self._suspects: set[int] = set()  # node ids that missed their last answer
         self._queries: dict[str, int] = {}  # query message id -> node id, awaiting a reply
         self._asked: dict[int, tuple[int, float]] = {}  # node id -> (times asked again, when next)
-        self._joining: set[int] = set()  # under a placement: the node ids asked to join so far
+        self._joining: set[int] = set()  # under a placement: node ids asked to join, not answered yet
         self._counted: set[int] = set()  # under a placement: partitions whose join was counted when placed
         self.queries_resent = 0
         self.join_s = 0.0  # under a placement: the last round's wait for its new nodes' joins
@@ -85,16 +85,19 @@ class FlowerFederation:
         placement (simulation engine) only the nodes :meth:`join_sampled` named are asked, and
         the grid's node list (every node of the population) is not read: the engine's virtual
         nodes never leave."""
-        placed = self.settings.placement
-        ids = set(self.grid.get_node_ids()) if placed is None else set(self._joining)
-        for nid in list(self.part_of):
-            if nid not in ids:  # gone (offline: it may come back under the same id, and is asked again then)
-                pid = self.part_of.pop(nid)
-                self._seen.discard(nid)
-                self._asked.pop(nid, None)
-                if self.node_of.get(pid) == nid:
-                    del self.node_of[pid]
-        self._queries = {m: n for m, n in self._queries.items() if n in ids}
+        if self.settings.placement is None:
+            ids = set(self.grid.get_node_ids())
+            for nid in list(self.part_of):
+                if nid not in ids:  # gone (offline: it may come back under the same id, and is asked again then)
+                    pid = self.part_of.pop(nid)
+                    self._seen.discard(nid)
+                    self._asked.pop(nid, None)
+                    if self.node_of.get(pid) == nid:
+                        del self.node_of[pid]
+            self._queries = {m: n for m, n in self._queries.items() if n in ids}
+        else:  # nothing per node of the population: only those asked to join and not answered yet
+            self._joining -= self._seen
+            ids = self._joining
         # Flower hands a message out once: one whose delivery to the node fails (a connection
         # reset as the node pulls it) is gone, so a query unanswered for round_timeout is sent
         # again (then after 2x, 4x ... as long: a slow node is not flooded), or the node would
