@@ -96,6 +96,29 @@ def test_placed_nodes_join_when_first_sampled_and_match_the_simulator(tmp_path, 
     assert _check_replicas(tmp_path / "replicas", cfg, 1, recs_f, a) == len(sampled)
 
 
+def test_the_first_join_waits_for_the_engine_to_start(tmp_path, monkeypatch):
+    """Ray's workers start (and build the task) on the first messages: under a placement the
+    first round's joins wait ``wait_nodes_s`` for them, not ``round_timeout``, so a slow start
+    does not cost a re-planned round (which would leave the in-process run's sample and seeds)."""
+    import time
+    from hiso.flower.app import FlowerFederation, Settings, serve
+    monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: _Msg(f, nid, kind, group))
+    cfg = RunConfig(**{**CFG, "clients": 20, "sampled": 2, "rounds": 3, "seed": 4})
+    placement = {pid: 700 + pid for pid in range(cfg.clients)}
+    grid = PlacedGrid(cfg, tmp_path / "replicas", {nid: pid for pid, nid in placement.items()})
+    pull, first = grid.pull_messages, []
+
+    def starting(ids):  # no answer in the first second after the first pull: the workers are starting
+        first.append(first[0] if first else time.monotonic())
+        return pull(ids) if time.monotonic() > first[0] + 1.0 else []
+    grid.pull_messages = starting
+    serve(grid, cfg, Settings(out_dir=str(tmp_path / "flower"), round_timeout=0.3, poll_s=0.01, wait_nodes_s=20,
+                              placement=placement))
+    assert json.loads((tmp_path / "flower" / "flower.json").read_text())["flower"]["rounds_replanned"] == 0
+    run_to_dir(cfg, tmp_path / "sim")
+    assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
+
+
 @pytest.mark.slow
 @needs_flwr
 def test_simulation_engine_with_hundreds_of_nodes_matches_the_simulator(tmp_path):

@@ -234,7 +234,8 @@ def sim(args) -> dict:
         s_ip = pool.apply(_inproc, (cfg, work / "inproc"))
     t0 = time.perf_counter()
     with _ChildMemory() as ray_mem:
-        s_fl = run_simulation(cfg, work / "flower", state_dir=work / "replicas", num_cpus=args.cpus)
+        s_fl = run_simulation(cfg, work / "flower", state_dir=work / "replicas", num_cpus=args.cpus,
+                              round_timeout=args.round_timeout, wait_nodes_s=args.wait_nodes_s)
     t_all = time.perf_counter() - t0
     rs_fl, rs_ip = _round_seconds(work / "flower"), _round_seconds(work / "inproc")
     replicas = list((work / "replicas").glob("*/p*/replica.bin"))

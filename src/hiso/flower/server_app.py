@@ -156,7 +156,8 @@ class FlowerFederation:
         """Under a placement: the nodes of the sampled partitions ``pids`` that have not joined
         yet join now (their query answered before their first train message; at most
         ``round_timeout``), so a partition's node is asked, and its replica made, only once it
-        is sampled. A node that failed its query is not asked again, as in a deployment."""
+        is sampled. A node that failed its query is not asked again, as in a deployment. Until
+        a first node has joined the wait is ``wait_nodes_s``: the engine starts its workers then."""
         placed, t0 = self.settings.placement, time.perf_counter()
         self.join_s = 0.0
         if placed is None:
@@ -165,7 +166,7 @@ class FlowerFederation:
         if not want:
             return
         self._joining |= want
-        t_end = time.monotonic() + self.settings.round_timeout
+        t_end = time.monotonic() + (self.settings.round_timeout if self.node_of else self.settings.wait_nodes_s)
         while True:
             self.refresh_nodes()
             if not want - self._seen or time.monotonic() > t_end:
