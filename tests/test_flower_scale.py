@@ -119,6 +119,21 @@ def test_the_first_join_waits_for_the_engine_to_start(tmp_path, monkeypatch):
     assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
 
 
+def test_an_engine_that_gives_no_placement_falls_back_to_querying_every_node(tmp_path, monkeypatch):
+    """A Flower whose engine no longer reports its placement (the hook never fires): once the
+    grid lists nodes the ServerApp queries them all, as in a deployment, and still ends with
+    the in-process run's model."""
+    from hiso.flower.app import FlowerFederation, Settings, serve
+    monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: _Msg(f, nid, kind, group))
+    cfg = RunConfig(**{**CFG, "clients": 6, "sampled": 2, "rounds": 3, "seed": 4})
+    grid = FakeGrid(cfg, tmp_path / "replicas", {900 + pid: pid for pid in range(cfg.clients)})
+    settings = Settings(out_dir=str(tmp_path / "flower"), round_timeout=5, poll_s=0.01, wait_nodes_s=1, placement={})
+    serve(grid, cfg, settings)
+    assert settings.placement is None and len(list((tmp_path / "replicas").glob("*/p*"))) == cfg.clients
+    run_to_dir(cfg, tmp_path / "sim")
+    assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
+
+
 @pytest.mark.slow
 @needs_flwr
 def test_simulation_engine_with_hundreds_of_nodes_matches_the_simulator(tmp_path):

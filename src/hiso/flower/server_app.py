@@ -189,11 +189,16 @@ class FlowerFederation:
         want = self.settings.min_nodes or self.task.num_clients
         placed = self.settings.placement
         t_end = time.monotonic() + self.settings.wait_nodes_s
+        grace = time.monotonic() + min(10.0, self.settings.wait_nodes_s / 2)
         while True:
             if placed is not None:  # nodes join when first sampled: wait for the engine to place them
                 if len(placed) >= min(want, self.task.num_clients):
                     self._count_joins(placed)
                     return
+                if not placed and time.monotonic() > grace and self.grid.get_node_ids():  # (another Flower)
+                    log.warning("the simulation engine has nodes but gave no placement: every node is queried")
+                    self.settings.placement = placed = None
+                    continue
                 if time.monotonic() > t_end:
                     raise RuntimeError(f"the simulation engine placed {len(placed)} of {want} nodes within "
                                        f"{self.settings.wait_nodes_s} s")
