@@ -134,6 +134,66 @@ def test_an_engine_that_gives_no_placement_falls_back_to_querying_every_node(tmp
     assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
 
 
+@needs_flwr
+def test_the_engines_dispatcher_asks_only_the_nodes_with_a_message(monkeypatch):
+    """Flower's dispatcher asks every node of the population for a message every 0.1 s
+    (scanning every stored message each time); under ``engine_patches`` it asks only the nodes
+    that have one waiting, delivers each message once, and the engine's placement reaches the
+    ServerApp's settings. Flower's own in-memory state and registration, 2,000 nodes."""
+    import threading
+    from queue import Empty, Queue
+
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.proto.task_pb2 import Task  # pylint: disable=E0611
+    from flwr.server.superlink.fleet.vce import vce_api
+    from flwr.server.superlink.linkstate import LinkStateFactory
+    from flwr.server.superlink.linkstate.in_memory_linkstate import RunRecord
+    from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME, NOOP_FEDERATION_ID
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.superlink.federation import NoOpFederationManager
+    from flwr.superlink.grid import InMemoryGrid
+
+    from hiso.flower.records import Settings
+    from hiso.flower.sim import engine_patches
+    factory = LinkStateFactory(FLWR_IN_MEMORY_DB_NAME, NoOpFederationManager(), ObjectStoreFactory())
+    state = factory.state()
+    run = Run.create_empty(run_id=4242)
+    run.primary_task_id, run.federation_id = 77, NOOP_FEDERATION_ID
+    state.run_ids[run.run_id] = RunRecord(run=run)
+    state.task_store[77] = Task(task_id=77, run_id=run.run_id)
+    for k, v in (("_task_id", 77), ("_run_id", run.run_id), ("_node_id", 1)):  # as run_simulation sets them
+        monkeypatch.setattr(TaskIdentity, k, v)
+    settings, original = Settings(out_dir="unused", placement={}), vce_api.add_messages_to_queue
+    with engine_patches(settings):
+        mapping = vce_api._register_nodes(num_nodes=2000, state_factory=factory)
+        assert settings.placement == {pid: nid for nid, pid in mapping.items()}
+        grid = InMemoryGrid(state_factory=factory)
+        grid.set_run(run)
+        dst = [settings.placement[p] for p in (3, 1999, 640, 77, 1000)]
+        grid.push_messages([Message(RecordDict({"hiso": ConfigRecord({"x": i})}), dst_node_id=n, message_type="train")
+                            for i, n in enumerate(dst)])
+        asked, ask = [], state.get_message_ins
+        state.get_message_ins = lambda node_id, limit: asked.append(node_id) or ask(node_id=node_id, limit=limit)
+        queue, stop = Queue(), threading.Event()
+        th = threading.Thread(target=vce_api.add_messages_to_queue, args=(state, queue, mapping, stop))
+        th.start()
+        got = []
+        try:
+            while len(got) < len(dst):
+                got.append(queue.get(timeout=10).metadata.dst_node_id)
+            stop.wait(0.3)  # a few more sweeps: nothing is handed out twice
+        except Empty:
+            pass
+        finally:
+            stop.set()
+            th.join()
+    assert vce_api.add_messages_to_queue is original  # the patch ends with the block
+    assert sorted(got) == sorted(dst) and queue.empty()
+    assert set(asked) == set(dst) and len(asked) == len(dst)
+
+
 @pytest.mark.slow
 @needs_flwr
 def test_simulation_engine_with_hundreds_of_nodes_matches_the_simulator(tmp_path):
