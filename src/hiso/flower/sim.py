@@ -25,6 +25,12 @@ from ..config import RunConfig
 from .app import Settings, make_apps
 
 
+# how often the ServerApp pulls replies and the patched dispatcher hands messages out (Flower's
+# own loop, and a deployment's ServerApp: 0.1 s): both are cheap in one process, and each round
+# waits for two of each (joins, then train messages)
+POLL_S = 0.02
+
+
 def run_simulation(cfg: RunConfig, out: str | Path, *, num_nodes: int | None = None, round_timeout: float = 60.0,
                    state_dir: str | Path | None = None, cpus_per_client: float = 1.0, num_cpus: int | None = None,
                    ray_address: str | None = None, wait_nodes_s: float = 300.0, verbose: bool = False) -> dict:
@@ -42,7 +48,7 @@ def run_simulation(cfg: RunConfig, out: str | Path, *, num_nodes: int | None = N
     state_dir = str(state_dir or tempfile.mkdtemp(prefix="hiso-flower-sim-"))
     os.environ["HISO_FLOWER_STATE_DIR"] = state_dir  # inherited by the Ray workers started below
     settings = Settings(out_dir=str(Path(out).resolve()), round_timeout=round_timeout, min_nodes=n,
-                        wait_nodes_s=wait_nodes_s, placement={})
+                        wait_nodes_s=wait_nodes_s, placement={}, poll_s=POLL_S)
     server_app, client_app = make_apps(cfg, settings)
     init_args: dict = {"include_dashboard": False}  # (Ray workers inherit HISO_FLOWER_STATE_DIR)
     if num_cpus is not None:
@@ -105,7 +111,7 @@ def engine_patches(settings):
                 if node_id in nodes_mapping:  # Flower's own call: expiry, one message a node a sweep
                     for msg in state.get_message_ins(node_id=node_id, limit=1):
                         queue.put(msg)
-            f_stop.wait(0.1)
+            f_stop.wait(POLL_S)
 
     vce_api._register_nodes, vce_api.add_messages_to_queue = register_nodes, add_messages_to_queue
     try:
