@@ -329,7 +329,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
     try:
         if args.simulation:
             from .flower.sim import run_simulation
-            run_simulation(cfg, out, round_timeout=args.round_timeout)
+            run_simulation(cfg, out, round_timeout=args.round_timeout,  # (the virtual nodes' replicas)
+                           state_dir=Path(args.workdir) / "replicas" if args.workdir else None)
         else:
             run_local(cfg, out, nodes, tls=args.tls, auth=args.auth,
                       round_timeout=args.round_timeout, workdir=args.workdir, verbose=args.verbose,

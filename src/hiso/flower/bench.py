@@ -27,16 +27,21 @@ def _cfg(args):
     from ..config import load_config
     over = {k: v for k, v in vars(args).items() if k in ("task", "algorithm", "clients", "sampled", "rounds", "dim",
                                                           "local_steps", "perturbations", "batch_size", "seed", "lr",
-                                                          "data_dir", "partition", "eval_max", "secagg",
-                                                          "secagg_shares", "secagg_bits")
+                                                          "data_dir", "partition", "alpha", "min_size",
+                                                          "eval_max", "secagg", "secagg_shares", "secagg_bits")
             and v is not None}
     return load_config(None, eval_every=10**6, threads=1, **over)
 
 
 def _same(a: Path, b: Path) -> bool:
+    """The two runs' final models (and H) and their logs are the same, bit for bit."""
     import torch
+    from ..core.history import read_history
     x, y = torch.load(a / "model.pt", weights_only=False), torch.load(b / "model.pt", weights_only=False)
-    return all(torch.equal(x["model"][k], y["model"][k]) for k in x["model"])
+    log = [[(r.participants, r.seeds.tobytes(), r.scalars.tobytes()) for r in read_history(d / "history.bin")[2]]
+           for d in (a, b)]
+    return (log[0] == log[1] and all(torch.equal(x["model"][k], y["model"][k]) for k in x["model"])
+            and all(torch.equal(x["h"][k], y["h"][k]) for k in x.get("h") or {}))
 
 
 def _inproc(cfg, out: Path) -> dict:
@@ -72,6 +77,7 @@ def _server_timings(run: Path) -> dict:
     t = json.loads((run / "flower.json").read_text())["flower"]["timings"]
     return {"median_send_and_receive_s": float(np.median([r["send_and_receive_s"] for r in t])),
             "median_aggregate_apply_s": float(np.median([r["aggregate_apply_s"] for r in t])),
+            "median_join_s": float(np.median([r.get("join_s", 0.0) for r in t])),
             "rounds_partial": sum(r["participants"] != r["sampled"] for r in t),
             **({"median_secagg_stage_s": [float(np.median([r["secagg_stages"][i]["s"] for r in t])) for i in range(4)],
                 "median_secagg_record_bytes_per_round": float(np.median([sum(s["bytes_down"] + s["bytes_up"]
@@ -180,20 +186,69 @@ def deploy(args) -> dict:
     }
 
 
+def _round_seconds(run: Path) -> list[float]:
+    """Each round's wall seconds, from the run's metrics rows (evaluations excluded)."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    walls = [0.0] + [r["wall_s"] for r in rows if r["round"] > 0]
+    return [b - a for a, b in zip(walls, walls[1:])]
+
+
+class _ChildMemory:
+    """The peak resident memory of this process's descendants (Ray's GCS, raylet and workers),
+    sampled every 0.5 s while it is entered: the largest process and their largest sum."""
+
+    def __enter__(self):
+        import threading
+        self.peak_sum = self.peak_one = 0.0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        import psutil
+        me = psutil.Process()
+        while not self._stop.wait(0.5):
+            rss = []
+            for p in me.children(recursive=True):
+                try:
+                    rss.append(p.memory_info().rss / 2**20)
+                except psutil.Error:
+                    pass
+            self.peak_sum, self.peak_one = max(self.peak_sum, sum(rss)), max([self.peak_one, *rss])
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
 def sim(args) -> dict:
+    """The simulation engine against the in-process run of the same configuration, which runs
+    first in a child process (so that each peak resident memory is its own run's)."""
+    import multiprocessing
     from .sim import run_simulation
     cfg = _cfg(args)
     load0 = _load()
     work = Path(tempfile.mkdtemp(prefix="hiso-flower-sim-bench-"))
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        s_ip = pool.apply(_inproc, (cfg, work / "inproc"))
     t0 = time.perf_counter()
-    s_fl = run_simulation(cfg, work / "flower", state_dir=work / "replicas", num_cpus=args.cpus,
-                          round_timeout=args.round_timeout)
+    with _ChildMemory() as ray_mem:
+        s_fl = run_simulation(cfg, work / "flower", state_dir=work / "replicas", num_cpus=args.cpus,
+                              round_timeout=args.round_timeout, wait_nodes_s=args.wait_nodes_s)
     t_all = time.perf_counter() - t0
-    s_ip = _inproc(cfg, work / "inproc")
+    rs_fl, rs_ip = _round_seconds(work / "flower"), _round_seconds(work / "inproc")
+    replicas = list((work / "replicas").glob("*/p*/replica.bin"))
     return {"what": "simulation engine", "virtual_nodes": cfg.clients, "sampled": cfg.sampled, "rounds": cfg.rounds,
             "s_per_round_flower_sim": s_fl["s_per_round"], "s_per_round_inproc": s_ip["s_per_round"],
+            "round_s_flower_sim": rs_fl, "round_s_inproc": rs_ip,
+            "median_round_s_after_first_flower_sim": float(np.median(rs_fl[1:] or rs_fl)),
+            "median_round_s_after_first_inproc": float(np.median(rs_ip[1:] or rs_ip)),
             "total_s_including_ray_start": t_all, "server": _server_timings(work / "flower"),
             "clients": _client_timings(work / "replicas"), "peak_rss_mb_server": s_fl["peak_rss_mb"],
+            "peak_rss_mb_inproc": s_ip["peak_rss_mb"], "peak_rss_mb_ray_largest_process": ray_mem.peak_one,
+            "peak_rss_mb_ray_all_processes": ray_mem.peak_sum, "replicas": len(replicas),
+            "replica_bytes": sum(f.stat().st_size for f in replicas),
             "bit_identical_to_inproc": _same(work / "flower", work / "inproc"), "workdir": str(work),
             "loadavg_before": load0, "loadavg_after": _load()}
 
@@ -328,8 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--idle-s", type=float, default=10.0, help="seconds of idle federation measured on the wire")
     for k, t in (("task", str), ("algorithm", str), ("clients", int), ("sampled", int), ("rounds", int), ("dim", int),
                  ("local_steps", int), ("perturbations", int), ("batch_size", int), ("seed", int), ("lr", float),
-                 ("data_dir", str), ("partition", str), ("eval_max", int), ("secagg_shares", int),
-                 ("secagg_bits", int)):
+                 ("data_dir", str), ("partition", str), ("alpha", float), ("min_size", int), ("eval_max", int),
+                 ("secagg_shares", int), ("secagg_bits", int)):
         p.add_argument("--" + k.replace("_", "-"), dest=k, type=t)
     args = p.parse_args(argv)
     out = {"deploy": deploy, "sim": sim, "replica": replica_cost, "secagg": secagg_cost}[args.what](args)

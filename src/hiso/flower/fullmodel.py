@@ -125,11 +125,7 @@ class FullModelFederation(FlowerFederation):
         self.server = _NoHistory()
         self.comm = self.sim.comm
         self.named = trainable_params(self.sim.model)
-        self._seen: set[int] = set()
-        self._suspects: set[int] = set()
-        self._queries: dict[str, int] = {}
-        self._asked: dict[int, tuple[int, float]] = {}
-        self.queries_resent = 0
+        self._init_nodes()
 
     def _train_message(self, arrays, fields: dict, node_id: int, group: str):
         from flwr.app import ConfigRecord, Message, RecordDict
@@ -162,6 +158,7 @@ class FullModelFederation(FlowerFederation):
             t1 = time.perf_counter()
             r = sim.round
             participants = sample_clients(sim._sampler, self.task.num_clients, self.cfg.sampled)
+            self.join_sampled(participants)
             arrays = to_arrays(self.named, dt)
             msgs, pids = [], {}
             for pid in participants:

@@ -32,6 +32,9 @@ class Settings:
     suspect_grace_s: float = 2.0  # how long a node that missed its last answer is waited for
     poll_s: float = 0.1  # how often replies are pulled from the SuperLink
     resume: bool = False  # out_dir holds an interrupted run of this config: continue it
+    # simulation engine: partition -> node id as the engine placed them (filled once it has);
+    # a node then joins when its partition is first sampled instead of all at the start
+    placement: dict[int, int] | None = None
 
 def noise_seed_refusal(cfg: RunConfig) -> str | None:
     """Why ``cfg`` cannot run on Flower (None: it can): an explicit DP noise key travels in the run

@@ -199,6 +199,7 @@ class SecAggFederation(FlowerFederation):
             t1 = time.perf_counter()
             plan = self.server.plan()
             self.check_budget(plan)
+            self.join_sampled(plan.participants)
             fitins = {}
             for pid in plan.participants:
                 nid = self.node_of.get(pid)

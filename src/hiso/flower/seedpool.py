@@ -65,11 +65,7 @@ class PoolFederation(FlowerFederation):
         self.server = _PoolServer(self.sim)
         self.welcome = None  # no join handshake: the node names its partition and round
         self.comm = self.sim.comm
-        self._seen: set[int] = set()
-        self._suspects: set[int] = set()
-        self._queries: dict[str, int] = {}
-        self._asked: dict[int, tuple[int, float]] = {}
-        self.queries_resent = 0
+        self._init_nodes()
 
     def _downlink(self, pid: int, rnd: int) -> bytes:
         """The pool records partition ``pid`` has not folded yet (FlowerFederation._send sends it)."""
@@ -84,6 +80,7 @@ class PoolFederation(FlowerFederation):
             t1 = time.perf_counter()
             r = len(sim.records)
             parts = sample_clients(sim._sampler, self.task.num_clients, self.cfg.sampled)
+            self.join_sampled(parts)
             replies = self._send(r, parts)
             behind = [pid for pid, f in replies.items() if "behind" in f]
             for pid in behind:  # its state is older than we thought: resend from its round

@@ -14,7 +14,8 @@ import numpy as np
 
 from ..config import RunConfig
 from ..core.history import RoundRecord
-from ..core.messages import MessageError, decode_hello, decode_uplink, encode_downlink, encode_welcome, welcome_for
+from ..core.messages import (Hello, MessageError, decode_hello, decode_uplink, encode_downlink, encode_hello,
+                             encode_welcome, welcome_for)
 from ..core.state import ModelState
 from ..methods.privacy import reports_loss
 from ..runners.accounting import privacy_ledger
@@ -52,11 +53,18 @@ class FlowerFederation:
         self.privacy = privacy_ledger(self.cfg)  # DP: participations, the epsilon reported, the budget
         self._loss_slot = 0.0 if reports_loss(self.zo.dp) else None  # an answer's loss, for its size only
         self.comm = Comm.zeros(M)
+        self._init_nodes()
+
+    def _init_nodes(self) -> None:
+        """No node known yet (every runner over a grid starts so)."""
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
         self._queries: dict[str, int] = {}  # query message id -> node id, awaiting a reply
         self._asked: dict[int, tuple[int, float]] = {}  # node id -> (times asked again, when next)
+        self._joining: set[int] = set()  # under a placement: node ids asked to join, not answered yet
+        self._counted: set[int] = set()  # under a placement: partitions whose join was counted when placed
         self.queries_resent = 0
+        self.join_s = 0.0  # under a placement: the last round's wait for its new nodes' joins
 
     def _message(self, fields: dict, node_id: int, kind: str, group: str | None = None):
         """A message to a node. A ``train`` message lives as long as its round waits for the
@@ -73,16 +81,23 @@ class FlowerFederation:
     # -- nodes
     def refresh_nodes(self) -> None:
         """Ask every node not seen yet for its partition and its replica's round (non-blocking:
-        a query is sent once per node; replies are collected whenever this is called)."""
-        ids = set(self.grid.get_node_ids())
-        for nid in list(self.part_of):
-            if nid not in ids:  # gone (offline: it may come back under the same id, and is asked again then)
-                pid = self.part_of.pop(nid)
-                self._seen.discard(nid)
-                self._asked.pop(nid, None)
-                if self.node_of.get(pid) == nid:
-                    del self.node_of[pid]
-        self._queries = {m: n for m, n in self._queries.items() if n in ids}
+        a query is sent once per node; replies are collected whenever this is called). Under a
+        placement (simulation engine) only the nodes :meth:`join_sampled` named are asked, and
+        the grid's node list (every node of the population) is not read: the engine's virtual
+        nodes never leave."""
+        if self.settings.placement is None:
+            ids = set(self.grid.get_node_ids())
+            for nid in list(self.part_of):
+                if nid not in ids:  # gone (offline: it may come back under the same id, and is asked again then)
+                    pid = self.part_of.pop(nid)
+                    self._seen.discard(nid)
+                    self._asked.pop(nid, None)
+                    if self.node_of.get(pid) == nid:
+                        del self.node_of[pid]
+            self._queries = {m: n for m, n in self._queries.items() if n in ids}
+        else:  # nothing per node of the population: only those asked to join and not answered yet
+            self._joining -= self._seen
+            ids = self._joining
         # Flower hands a message out once: one whose delivery to the node fails (a connection
         # reset as the node pulls it) is gone, so a query unanswered for round_timeout is sent
         # again (then after 2x, 4x ... as long: a slow node is not flooded), or the node would
@@ -130,13 +145,65 @@ class FlowerFederation:
                 self.part_of.pop(old, None)
             self.node_of[pid], self.part_of[nid] = nid, pid
             if getattr(self, "welcome", None) is not None:
-                self.comm.join(pid, rec["hello"], self.welcome)
+                if pid in self._counted:  # counted when placed: only a hello of another size differs
+                    self._counted.discard(pid)
+                    self.comm.up[pid] += len(rec["hello"]) - len(encode_hello(Hello(pid, 0)))
+                else:
+                    self.comm.join(pid, rec["hello"], self.welcome)
             self.server.client_holds(pid, min(held, self.server.round))
+
+    def join_sampled(self, pids) -> None:
+        """Under a placement: the nodes of the sampled partitions ``pids`` that have not joined
+        yet join now (their query answered before their first train message; at most
+        ``round_timeout``), so a partition's node is asked, and its replica made, only once it
+        is sampled. A node that failed its query is not asked again, as in a deployment. Until
+        a first node has joined the wait is ``wait_nodes_s``: the engine starts its workers then."""
+        placed, t0 = self.settings.placement, time.perf_counter()
+        self.join_s = 0.0
+        if placed is None:
+            return
+        want = {placed[p] for p in pids if p not in self.node_of and p in placed} - self._seen
+        if not want:
+            return
+        self._joining |= want
+        t_end = time.monotonic() + (self.settings.round_timeout if self.node_of else self.settings.wait_nodes_s)
+        while True:
+            self.refresh_nodes()
+            if not want - self._seen or time.monotonic() > t_end:
+                break
+            time.sleep(self.settings.poll_s)
+        self.join_s = time.perf_counter() - t0
+
+    def _count_joins(self, placed: dict[int, int]) -> None:
+        """Count every placed partition's join (welcome down, hello up) now, as the in-process
+        runner counts every client's at round 0 and a deployment's nodes join at the start:
+        the run's bytes are the protocol's, whenever the simulation sends the query."""
+        if getattr(self, "welcome", None) is None:
+            return
+        for pid in placed:
+            if 0 <= pid < self.task.num_clients and pid not in self.node_of:
+                self.comm.join(pid, encode_hello(Hello(pid, 0)), self.welcome)
+                self._counted.add(pid)
 
     def wait_for_nodes(self) -> None:
         want = self.settings.min_nodes or self.task.num_clients
+        placed = self.settings.placement
         t_end = time.monotonic() + self.settings.wait_nodes_s
+        grace = time.monotonic() + min(10.0, self.settings.wait_nodes_s / 2)
         while True:
+            if placed is not None:  # nodes join when first sampled: wait for the engine to place them
+                if len(placed) >= min(want, self.task.num_clients):
+                    self._count_joins(placed)
+                    return
+                if not placed and time.monotonic() > grace and self.grid.get_node_ids():  # (another Flower)
+                    log.warning("the simulation engine has nodes but gave no placement: every node is queried")
+                    self.settings.placement = placed = None
+                    continue
+                if time.monotonic() > t_end:
+                    raise RuntimeError(f"the simulation engine placed {len(placed)} of {want} nodes within "
+                                       f"{self.settings.wait_nodes_s} s")
+                time.sleep(self.settings.poll_s)
+                continue
             self.refresh_nodes()
             if len(self.node_of) >= want:
                 return
@@ -159,7 +226,8 @@ class FlowerFederation:
         t0, t1, t2 = times
         self.timings.append({"round": rec.round, "nodes_s": t1 - t0, "send_and_receive_s": t2 - t1,
                              "aggregate_apply_s": time.perf_counter() - t2, "participants": list(rec.participants),
-                             "sampled": list(plan.participants), **extra})
+                             "sampled": list(plan.participants), **({"join_s": self.join_s} if self.join_s else {}),
+                             **extra})
 
     def _downlink(self, pid: int, rnd: int) -> bytes:
         """Partition ``pid``'s encoded downlink for the planned round."""
@@ -241,6 +309,7 @@ class FlowerFederation:
             t1 = time.perf_counter()
             plan = self.server.plan()
             self.check_budget(plan)
+            self.join_sampled(plan.participants)
             replies = self._send(plan.round, plan.participants)
             behind = {}
             for pid, r in replies.items():
