@@ -92,9 +92,11 @@ def _cfg(**kw) -> RunConfig:
 
 
 def _first_loss(out) -> int:
-    """The first round (0-based) that closed without every sampled client's answer."""
+    """The first round (0-based) that closed without every sampled client's answer, or that was
+    planned again (a first attempt that timed out under load: fresh seeds, so not the simulator's)."""
     timings = json.loads((out / "flower.json").read_text())["flower"]["timings"]
-    lost = [i for i, t in enumerate(timings) if t["participants"] != t["sampled"]]
+    recs = read_history(out / "history.bin")[2]
+    lost = [i for i, (t, r) in enumerate(zip(timings, recs)) if t["participants"] != t["sampled"] or r.attempt]
     return lost[0] if lost else len(timings)
 
 
