@@ -140,6 +140,9 @@ class RunConfig(BaseModel, MethodRules):
     lr_decay: float | None = Field(None, gt=0, description=(
         "inverse-time lr decay over rounds: round r steps with lr / (1 + r / lr_decay), half of lr at round "
         "lr_decay (hiso, decomfl, feedsign; ferret and sketch: their clients' SGD lr; default: constant lr)"))
+    grad_clip: float | None = Field(None, gt=0, description=(
+        "clip each local SGD step's gradient to this L2 norm over the trainable tensors, as torch's "
+        "clip_grad_norm_ (ferret, sketch; default: not clipped)"))
     # client-level differential privacy of the scalars (hiso, decomfl; see hiso.methods.privacy)
     dp_clip: float | None = Field(None, gt=0, description=(
         "differential privacy: clip each client's scalars of a round to this L2 norm (turns DP on; default: off)"))

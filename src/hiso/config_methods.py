@@ -47,6 +47,8 @@ class MethodRules:
         if ((faults or self.byzantine) and "faults" not in can) or (self.aggregate != "mean" and "robust" not in can):
             raise ValueError(f"faults, attackers and robust aggregation are simulated for the seed-and-scalar "
                              f"methods ({', '.join(with_capability('faults'))}), not {self.algorithm}")
+        if self.grad_clip is not None and "grad_clip" not in can:
+            raise ValueError(f"grad_clip is for {in_words(with_capability('grad_clip'))}, not {self.algorithm}")
         if self.lr_decay is not None and "lr_decay" not in can:
             raise ValueError(f"lr_decay is for {in_words(with_capability('lr_decay'))}, not {self.algorithm}")
         if self.dp_clip is None:

@@ -25,7 +25,8 @@ def config_fingerprint(zo) -> bytes:
     included, whatever fields it has, and the class of its method): peers with different
     fingerprints must not mix. Checkpoints keep it, so a built-in method's blob is the one hiso
     wrote before methods were plugins (its ``legacy_key``: Ferret's fields under "ferret",
-    FeedSign's as ``signs: true``); any other method adds its class and fields under "method"."""
+    FeedSign's as ``signs: true``); any other method adds its class and fields under "method".
+    A method's ``later_fields`` count only when set."""
     return hashlib.sha256(f"hiso-protocol-{VERSION}|{config_blob(zo)}".encode()).digest()[:FINGERPRINT_BYTES]
 
 
@@ -33,6 +34,9 @@ def config_blob(zo) -> str:
     """The JSON text :func:`config_fingerprint` hashes (see there)."""
     fields = dataclasses.asdict(zo)
     method = fields.pop("method")
+    for name in getattr(zo.method, "later_fields", ()):
+        if method.get(name) is None:
+            method.pop(name)
     legacy = getattr(zo.method, "legacy_key", None)
     fields["signs"] = zo.signs
     fields["ferret"] = method if legacy == "ferret" else None

@@ -35,6 +35,7 @@ informative, and a 12,800-number tensor shares block 0's K directions with two s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -51,16 +52,21 @@ DEFAULT_BLOCKS = 8
 @dataclass(frozen=True)
 class FerretConfig(Method):
     """Ferret's hooks (:mod:`hiso.core.method`). steps: local SGD steps; server_lr: the global
-    step's scale; blocks: B (the record's tau)."""
+    step's scale; blocks: B (the record's tau); grad_clip: each local step's gradient clipped
+    to this L2 norm over the trainable tensors (None: not clipped)."""
 
     steps: int = 1
     server_lr: float = 1.0
     blocks: int = DEFAULT_BLOCKS
+    grad_clip: float | None = None
     legacy_key = "ferret"
+    later_fields = frozenset({"grad_clip"})
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.blocks < 1 or not self.server_lr > 0:
             raise ValueError(f"ferret needs steps >= 1, blocks >= 1 and server_lr > 0, got {self}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip!r}")
 
     def batches(self, cfg) -> int:
         return self.steps
@@ -105,6 +111,17 @@ class FerretResult:
         self.scalars, self.loss, self.work = scalars, loss, work
 
 
+def clip_grads(grads, max_norm: float) -> list:
+    """The gradients scaled by max_norm / ||g|| where their joint L2 norm ||g|| is above max_norm
+    (torch's ``clip_grad_norm_`` rule, the Hugging Face Trainer's ``max_grad_norm``, default 1.0);
+    unchanged below it."""
+    norm = math.sqrt(sum(float(torch.sum(g.double() ** 2)) for g in grads if g is not None))
+    if not norm > max_norm:  # NaN included: the caller's finiteness check reports it
+        return list(grads)
+    scale = max_norm / norm
+    return [None if g is None else g * scale for g in grads]
+
+
 def local_update(state, loss_fn: Callable, batches: list[Any], seeds: np.ndarray) -> FerretResult:
     """The client's SGD steps from x_r, the projections of its update ((B, K) float32);
     the model holds x_r again, bit for bit, when it returns."""
@@ -125,6 +142,8 @@ def local_update(state, loss_fn: Callable, batches: list[Any], seeds: np.ndarray
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 losses.append(float(loss.detach()))
                 with torch.no_grad():
+                    if cfg.method.grad_clip is not None:
+                        grads = clip_grads(grads, cfg.method.grad_clip)
                     for p, g in zip(params, grads):
                         if g is not None:
                             p.add_(g.to(p.dtype), alpha=-lr)

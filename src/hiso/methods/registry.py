@@ -39,6 +39,7 @@ CAPABILITIES = frozenset({
     "structured",  # sparse and lowrank direction families
     "one-seed",  # one seed per step: P = 1 and central differences by default
     "backprop",  # its clients backpropagate (a task without gradients cannot run it)
+    "grad_clip",  # its clients' local SGD clips each step's gradient norm
 })
 
 # options that only some methods read (the rest of RunConfig is every method's)
@@ -182,12 +183,13 @@ def _feedsign(cfg):
 
 def _ferret(cfg):
     from .ferret import FerretConfig
-    return FerretConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks)
+    return FerretConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, grad_clip=cfg.grad_clip)
 
 
 def _sketch(cfg):
     from .sketch import SketchConfig
-    return SketchConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, cfg.sketch_bits)
+    return SketchConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, grad_clip=cfg.grad_clip,
+                        bits=cfg.sketch_bits)
 
 
 register_method(MethodInfo("hiso", "HiSo", options=_ZO | {"preconditioner"}, can=_SCALAR | {"preconditioner"},
@@ -199,7 +201,7 @@ register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
                            doc="seeds and one sign bit per client-step, majority vote"))
 register_method(MethodInfo("ferret", "Ferret", gradient="first-order", options=frozenset({"server_lr", "ferret"}),
                            build=_ferret,
-                           can=frozenset({"faults", "robust", "weighted", "backprop", "lr_decay"}), server_lr=1.0,
+                           can=frozenset({"faults", "robust", "weighted", "backprop", "lr_decay", "grad_clip"}), server_lr=1.0,
                            doc="first-order local steps, K projections per block on the wire"))
 register_method(MethodInfo("fedkseed", "FedKSeed", "seed-pool", options=_ZO | {"seed_pool"},
                            can=frozenset({"one-seed"}), doc="a fixed pool of seeds, (index, scalar) pairs on the wire"))
@@ -218,5 +220,6 @@ register_method(MethodInfo("fedadagrad", "FedAdagrad", "full-model", "first-orde
 # methods added since the table above was fixed (its order is --help's)
 register_method(MethodInfo("sketch", "Sketch", gradient="first-order",
                            options=frozenset({"server_lr", "ferret", "sketch"}), build=_sketch,
-                           can=frozenset({"robust", "weighted", "backprop", "int8", "lowbit", "lr_decay"}), server_lr=1.0,
+                           can=frozenset({"robust", "weighted", "backprop", "int8", "lowbit", "lr_decay", "grad_clip"}),
+                           server_lr=1.0,
                            doc="first-order local steps, b-bit codes of K projections per block on the wire"))

@@ -80,7 +80,7 @@ DEFAULT_BITS = 1
 @dataclass(frozen=True)
 class SketchConfig(FerretConfig):
     """Ferret's local SGD and fold, b-bit codes of its projections on the uplink (see the
-    module's docstring). steps, server_lr, blocks: Ferret's; bits: b in (1, 2, 4, 8)."""
+    module's docstring). steps, server_lr, blocks, grad_clip: Ferret's; bits: b in (1, 2, 4, 8)."""
 
     bits: int = DEFAULT_BITS
     uplink = "codes"

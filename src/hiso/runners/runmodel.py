@@ -52,7 +52,7 @@ class RunModel:
 
 # RunConfig fields added after exports began to carry this hash: at their default they are left
 # out, so a run made before them keeps its hash (tests/test_legacy_runs.py checks old exports)
-HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares")
+HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares", "grad_clip")
 
 
 def config_sha256(cfg: RunConfig) -> str:
