@@ -212,8 +212,10 @@ def test_simulation_engine_with_hundreds_of_nodes_matches_the_simulator(tmp_path
     cfg = RunConfig(**{**CFG, "clients": 400, "sampled": 2, "rounds": 40, "seed": 1, "eval_every": 20,
                        "snapshot_after": 10**6})
     # a round that times out is planned again with other clients and the histories part: under a
-    # load of ~4 on 2 cores Ray's start and the first joins took over 60 s, so wait long
-    run_simulation(cfg, tmp_path / "flower", state_dir=tmp_path / "replicas", num_cpus=1, round_timeout=600)
+    # load of ~4 on 2 cores Ray's start and the first joins took over 60 s, so wait long, and fail
+    # at the first timeout (no replan) so that a dead engine costs one wait, not 21
+    run_simulation(cfg, tmp_path / "flower", state_dir=tmp_path / "replicas", num_cpus=1, round_timeout=300,
+                   max_replans=0)
     a, recs_f = _matches_the_simulator(cfg, tmp_path)
     assert _longest_gap(recs_f) > 25
     lineage = (tmp_path / "flower" / "flower-lineage").read_text().strip()

@@ -33,8 +33,10 @@ POLL_S = 0.02
 
 def run_simulation(cfg: RunConfig, out: str | Path, *, num_nodes: int | None = None, round_timeout: float = 60.0,
                    state_dir: str | Path | None = None, cpus_per_client: float = 1.0, num_cpus: int | None = None,
-                   ray_address: str | None = None, wait_nodes_s: float = 300.0, verbose: bool = False) -> dict:
-    """Run ``cfg`` on ``num_nodes`` (default ``cfg.clients``) virtual nodes into ``out``."""
+                   ray_address: str | None = None, wait_nodes_s: float = 300.0, verbose: bool = False,
+                   max_replans: int = Settings.max_replans) -> dict:
+    """Run ``cfg`` on ``num_nodes`` (default ``cfg.clients``) virtual nodes into ``out``
+    (``max_replans``: rounds in a row that no client answers before the run fails)."""
     from flwr.simulation import run_simulation as flwr_run_simulation
 
     from .records import noise_seed_refusal
@@ -48,7 +50,7 @@ def run_simulation(cfg: RunConfig, out: str | Path, *, num_nodes: int | None = N
     state_dir = str(state_dir or tempfile.mkdtemp(prefix="hiso-flower-sim-"))
     os.environ["HISO_FLOWER_STATE_DIR"] = state_dir  # inherited by the Ray workers started below
     settings = Settings(out_dir=str(Path(out).resolve()), round_timeout=round_timeout, min_nodes=n,
-                        wait_nodes_s=wait_nodes_s, placement={}, poll_s=POLL_S)
+                        wait_nodes_s=wait_nodes_s, placement={}, poll_s=POLL_S, max_replans=max_replans)
     server_app, client_app = make_apps(cfg, settings)
     init_args: dict = {"include_dashboard": False}  # (Ray workers inherit HISO_FLOWER_STATE_DIR)
     if num_cpus is not None:

@@ -115,7 +115,10 @@ def clip_grads(grads, max_norm: float) -> list:
     """The gradients scaled by max_norm / ||g|| where their joint L2 norm ||g|| is above max_norm
     (torch's ``clip_grad_norm_`` rule, the Hugging Face Trainer's ``max_grad_norm``, default 1.0);
     unchanged below it."""
-    norm = math.sqrt(sum(float(torch.sum(g.double() ** 2)) for g in grads if g is not None))
+    present = [g for g in grads if g is not None]
+    if not present:
+        return list(grads)
+    norm = math.sqrt(float(torch.stack([torch.sum(g.double() ** 2) for g in present]).sum()))  # one sync
     if not norm > max_norm:  # NaN included: the caller's finiteness check reports it
         return list(grads)
     scale = max_norm / norm
