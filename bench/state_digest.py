@@ -1,5 +1,6 @@
 """One line per file: the sha256 of every tensor a saved state holds (``model.pt``, a
-``hiso rebuild --out`` file, ``checkpoint.pt``), names flattened, bytes on the CPU.
+``hiso rebuild --out`` file, ``checkpoint.pt``: its state, so it matches ``hiso rebuild --round``
+at its round), names flattened, bytes on the CPU.
 
     python bench/state_digest.py RUN/model.pt /tmp/rebuilt.pt
 
@@ -32,6 +33,8 @@ def digest(path: str) -> tuple[str, int]:
     from hiso.tasks.lm import fingerprint
 
     state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state.get("state"), dict) and "format" in state:  # checkpoint.pt: the replica's state_dict inside
+        state = state["state"]
     tensors = flat(state)  # the model, H and every other slot; "base" holds names only
     return fingerprint(tensors), sum(t.numel() for t in tensors.values())
 

@@ -257,7 +257,7 @@ def test_grouped_triton_shift_gives_the_cpu_bits_under_the_interpreter():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pip install "
                     "triton): the GPU kernels cannot be compiled here")
-@pytest.mark.parametrize("kernel", ["_shift_all_kernel", "_shift_kernel", "_combine_kernel"])
+@pytest.mark.parametrize("kernel", ["_shift_all_kernel", "_shift_kernel", "_combine_kernel", "_fold_all_kernel"])
 def test_triton_kernels_compile_for_an_h100_without_fused_multiply_add(kernel):
     """Compiled ahead of time for sm_90 (no GPU needed: Triton ships ptxas), with the module's own
     options: the PTX has no fma (a multiply then an add, each rounded, as on the CPU) and its
@@ -273,8 +273,15 @@ def test_triton_kernels_compile_for_an_h100_without_fused_multiply_add(kernel):
            "_shift_kernel": {"out": ptr, "x": ptr, "delta": ptr, "h": ptr, "n": i64, "scale": "fp32", "k0": i64,
                              "k1": i64, "index": i64, "table": ptr},
            "_combine_kernel": {"out": ptr, "h": ptr, "n": i64, "keys0": "*i64", "keys1": "*i64", "coefs": ptr,
-                               "P": i64, "index": i64, "table": ptr}}[kernel]
-    consts = {"HAS_H": True, "GAUSS": True, "BLOCK": T.BLOCK, **({} if kernel == "_combine_kernel" else {"HAS_DELTA": True})}
+                               "P": i64, "index": i64, "table": ptr},
+           "_fold_all_kernel": {"slots": "*i64", "blocks": "*i64", "keys0": "*i64", "keys1": "*i64", "coefs": ptr,
+                                "P": i64, "table": ptr, **{k: "fp32" for k in ("neg_lr", "a", "b", "b_eps", "h_min", "h_max")}},
+           }[kernel]
+    consts = {"HAS_H": True, "GAUSS": True, "BLOCK": T.BLOCK}
+    if kernel == "_fold_all_kernel":
+        consts.update(UPDATE_H=True, HAS_EPS=True, HAS_MIN=True, HAS_MAX=True)
+    elif kernel != "_combine_kernel":
+        consts["HAS_DELTA"] = True
     src = ASTSource(fn=getattr(T, kernel), signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(T._OPTS))
     ptx = compiled.asm["ptx"]

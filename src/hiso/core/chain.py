@@ -94,6 +94,9 @@ def fold(state, record) -> None:
     step = state.stages[-1]
     slot = slots.get(step.name)
     precond = cfg.precond
+    if GROUPED and _fold_grouped(state, record, lr, step, precond, tau):
+        state.round += 1
+        return
     hstep = HStep(precond, record, state.round, tau) if precond is not None else None
     for i, p in enumerate(state.params):
         h = state.h_of(i)
@@ -109,6 +112,34 @@ def fold(state, record) -> None:
     if hstep is not None:
         hstep.close_round(state.h)
     state.round += 1
+
+
+GROUPED = True  # the one-launch fold where it applies (bench/fold_grouped.py turns it off to compare)
+
+
+def _fold_grouped(state, record, lr: float, step: Stage, precond, tau: int) -> bool:
+    """The chain for SGD (after the step-size stages) and no H or HiSo's coordinate-wise ghat**2
+    H, as one launch per local step over every tensor (CUDA, Triton): the same element
+    arithmetic in the same order as the loop in :func:`fold`, so the same bits. False (nothing
+    changed) where it does not apply."""
+    if type(step) is not Sgd:
+        return False
+    hs = state.h
+    if precond is not None and (precond.blockwise or precond.stat != "ghat2"
+                                or (precond.source == "every" and tau > 1)):
+        return False
+    if hs is not None and precond is None:
+        return False
+    for k in range(tau):
+        upd = None
+        if precond is not None and precond.updates_at(k, tau):  # source "last": H_r is fixed until the last step
+            a, b = precond.weights(state.round)  # one update a round in the cases taken here
+            upd = (a, b, precond.eps, precond.h_min, precond.h_max)
+        if not state.gen.fold_all(state.params, hs, record.seeds[k], record.scalars[k], lr, upd):
+            if k == 0:
+                return False
+            raise RuntimeError("grouped fold stopped after its first local step")  # cannot happen: same tensors
+    return True
 
 
 class HStep:

@@ -296,6 +296,27 @@ class DirectionGenerator:
                        None if deltas is None else deltas[j])
         return outs
 
+    def fold_all(self, params: list[torch.Tensor], hs: list[torch.Tensor] | None, seeds: np.ndarray,
+                 scalars: np.ndarray, lr: float, h_update: tuple | None) -> bool:
+        """One local step of the chain's plain fold (SGD through H, then H's coordinate-wise EMA
+        when ``h_update`` = (a, b, eps, h_min, h_max)) for every tensor in ONE launch, with the
+        bits of :meth:`combine`, ``exact.axpy_`` and ``preconditioner.update_`` per tensor.
+
+        Only on CUDA with Triton, for a Philox family and float32 contiguous tensors on one
+        device; returns False (nothing done) otherwise, and the caller folds tensor by tensor.
+        """
+        if not (self.philox and self._tr is not None and params):
+            return False
+        every = [*params, *(hs or ())]
+        dev = params[0].device
+        if not (all(t.device == dev for t in every) and self._use_triton(*every)):
+            return False
+        P = len(seeds)
+        coefs = (np.asarray(scalars, dtype=np.float64) / P).astype(np.float32)
+        self._tr.fold_all(self.family, params, hs, list(range(len(params))),
+                          [int(s) for s in np.asarray(seeds).tolist()], coefs, lr, h_update)
+        return True
+
     def combine(self, index: int, shape: torch.Size, seeds: np.ndarray, scalars: np.ndarray,
                 h: torch.Tensor | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
         """ghat_i = H_i^{-1/2} (1/P) sum_p g_p u_p, summed over p in order (float32 on ``device``).

@@ -1,5 +1,6 @@
 """Fused GPU kernels of the Philox direction families (Triton): fill, shift, combine, and the
-grouped shift of many tensors in one launch (:func:`shift_all`).
+grouped shift of many tensors in one launch (:func:`shift_all`), and the replica's fold of a
+round over every tensor in one launch (:func:`fold_all`).
 
 The same definition as :func:`hiso.kernels.philox.values_torch` and the numba CPU kernels, element
 by element: element ``i`` of tensor ``index`` for direction ``seed`` comes from Philox block
@@ -194,6 +195,77 @@ def shift_all(family: str, outs: list[torch.Tensor], xs: list[torch.Tensor], see
                                                   HAS_H=hs is not None, GAUSS=family == "philox-gaussian",
                                                   BLOCK=BLOCK, **_OPTS)
     return outs
+
+
+# The grouped fold: one local step of the replica's fold (hiso.core.chain) for every tensor in one
+# launch. Each slot is a row of 4 int64 words (numel, tensor index, parameter, H (data pointers));
+# the step's keys and coefficients are shared by all slots. Element by element it is the chain's
+# arithmetic: ghat = (sum_p z_p c_p) * H^{-1/2}; x <- x + fl(ghat * -lr); then, for HiSo's
+# coordinate-wise H, H <- fl(H * a) + fl(fl(ghat * ghat) * b) [+ b eps] [clamped].
+
+
+@triton.jit(do_not_specialize=["P", "neg_lr", "a", "b", "b_eps", "h_min", "h_max"])
+def _fold_all_kernel(slots, blocks, keys0, keys1, coefs, P, table, neg_lr, a, b, b_eps, h_min, h_max,
+                     HAS_H: tl.constexpr, UPDATE_H: tl.constexpr, HAS_EPS: tl.constexpr,
+                     HAS_MIN: tl.constexpr, HAS_MAX: tl.constexpr, GAUSS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = slots + tl.load(blocks + 2 * pid) * 4
+    i = tl.load(blocks + 2 * pid + 1) + tl.arange(0, BLOCK)
+    mask = i < tl.load(row + 0)
+    index = tl.load(row + 1)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for p in range(P):  # in order from p = 0, as _combine_kernel and the CPU kernels sum
+        acc = acc + _values(i, tl.load(keys0 + p), tl.load(keys1 + p), index, table, GAUSS) * tl.load(coefs + p)
+    if HAS_H:
+        hp = _slot_ptr(row, 3)
+        hv = tl.load(hp + i, mask=mask, other=1.0)
+        acc = acc * _rsqrt_exact(hv)
+    xp = _slot_ptr(row, 2)
+    tl.store(xp + i, tl.load(xp + i, mask=mask) + acc * neg_lr, mask=mask)
+    if UPDATE_H:
+        hn = hv * a + (acc * acc) * b
+        if HAS_EPS:
+            hn = hn + b_eps
+        if HAS_MIN:  # torch's clamp: a NaN stays NaN
+            hn = tl.where(hn < h_min, h_min, hn)
+        if HAS_MAX:
+            hn = tl.where(hn > h_max, h_max, hn)
+        tl.store(hp + i, hn, mask=mask)
+
+
+def _f32(v: float) -> float:
+    return float(np.float32(v))
+
+
+def fold_all(family: str, params: list[torch.Tensor], hs: list[torch.Tensor] | None, indices: list[int],
+             seeds: list[int], coefs: np.ndarray, lr: float, h_update: tuple | None) -> None:
+    """One local step of the fold for every tensor in one launch, in place: params[j] <- params[j]
+    + fl(ghat_j * float32(-lr)) with ghat_j = (sum_p u(seeds[p])_{indices[j]} coefs[p]) * hs[j]^{-1/2};
+    then, when ``h_update`` = (a, b, eps, h_min, h_max) is given, hs[j] <- fl(hs[j] a) +
+    fl(fl(ghat_j^2) b) [+ fl(b eps)] clamped to [h_min, h_max] (None: no bound), as
+    :func:`hiso.core.preconditioner.update_` computes it (its scalars rounded to float32 as torch
+    rounds a Python scalar against a float32 tensor).
+
+    All tensors float32, contiguous, on one CUDA device (or CPU tensors under Triton's interpreter).
+    """
+    if not params:
+        return
+    dev = params[0].device
+    rows = []
+    for j, p in enumerate(params):
+        rows += [p.numel(), int(indices[j]), p.data_ptr(), (p if hs is None else hs[j]).data_ptr()]
+    slots = torch.tensor(rows, dtype=torch.int64, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+    blocks = _block_table(tuple(p.numel() for p in params), dev)
+    if not blocks.numel():
+        return
+    k0, k1, c = _combine_args(seeds, coefs, dev)
+    a, b, eps, h_min, h_max = h_update if h_update is not None else (1.0, 0.0, 0.0, None, None)
+    _fold_all_kernel[(blocks.numel() // 2,)](
+        slots, blocks, k0, k1, c, len(seeds), _table(family, dev), _f32(-lr), _f32(a), _f32(b), _f32(b * eps),
+        _f32(0.0 if h_min is None else h_min), _f32(0.0 if h_max is None else h_max),
+        HAS_H=hs is not None, UPDATE_H=h_update is not None and hs is not None, HAS_EPS=bool(eps),
+        HAS_MIN=h_min is not None, HAS_MAX=h_max is not None, GAUSS=family == "philox-gaussian",
+        BLOCK=BLOCK, **_OPTS)
 
 
 _TABLES: dict[str, torch.Tensor] = {}
