@@ -34,7 +34,9 @@ def files(tmp_path_factory):
 
 def _task(files, lora):
     kw = {"lora_r": 2, "lora_targets": ["q_proj", "v_proj"]} if lora else {}
-    return LanguageTask("sst2", 3, model=files["lm"], data_dir=files["sst2"], label_words=WORDS, min_size=2, **kw)
+    # float32 forwards in both modes: "auto" takes bf16 for full parameters on a CPU with AMX
+    return LanguageTask("sst2", 3, model=files["lm"], data_dir=files["sst2"], label_words=WORDS, min_size=2,
+                        autocast="none", **kw)
 
 
 def _scalars(files, lora, mode, difference, tau, batch_memory=None):

@@ -69,6 +69,13 @@ def _differs(a, b) -> list[str]:
     return bad
 
 
+def _interpreter_env() -> dict:
+    """This process's environment with Triton's interpreter on and hiso's src first on the path
+    (the path kept: a GPU image may hold pydantic and the rest in a PYTHONPATH folder)."""
+    path = os.pathsep.join(p for p in (str(Path(hiso.__file__).parents[1]), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1"}
+
+
 _INTERPRETED = """
 import sys, torch
 sys.path.insert(0, {tests!r})
@@ -107,7 +114,7 @@ print("equal")
 def test_grouped_fold_gives_the_per_tensor_chains_bits_under_the_interpreter():
     code = _INTERPRETED.format(tests=str(Path(__file__).parent))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(Path(hiso.__file__).parents[1]), "TRITON_INTERPRET": "1"})
+                         env=_interpreter_env())
     assert out.returncode == 0 and out.stdout.strip().endswith("equal"), out.stdout[-2000:] + out.stderr[-2000:]
 
 

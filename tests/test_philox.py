@@ -212,6 +212,13 @@ def test_shift_all_gives_the_bits_of_shift_per_tensor(family, kernel):
         gen.shift_all([torch.empty(3)], [torch.empty(3), torch.empty(3)], 5, [0], 1.0)
 
 
+def _interpreter_env() -> dict:
+    """This process's environment with Triton's interpreter on and hiso's src first on the path
+    (the path kept: a GPU image may hold pydantic and the rest in a PYTHONPATH folder)."""
+    path = os.pathsep.join(p for p in (str(Path(hiso.__file__).parents[1]), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1"}
+
+
 _INTERPRETED = """
 import sys, numpy as np, torch
 sys.path.insert(0, {tests!r})
@@ -251,7 +258,7 @@ def test_grouped_triton_shift_gives_the_cpu_bits_under_the_interpreter():
     is imported, hence a fresh process)."""
     code = _INTERPRETED.format(tests=str(Path(__file__).parent))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(Path(hiso.__file__).parents[1]), "TRITON_INTERPRET": "1"})
+                         env=_interpreter_env())
     assert out.returncode == 0 and out.stdout.strip() == "equal", out.stderr[-2000:]
 
 
