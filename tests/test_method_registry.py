@@ -96,7 +96,9 @@ def test_a_users_method_is_loaded_from_module_colon_class(tmp_path):
                  "    def step_scalars(self, g):\n        return np.sign(g).astype(np.float32)\n")
     cfg = RunConfig(algorithm=f"{f}:Sign", rounds=2)
     assert cfg.scalar_only and cfg.method.display == "ZO-sign" and type(cfg.zo().method).__name__ == "Sign"
-    with pytest.raises(ConfigError, match="differential privacy is for"):
+    # a refusal names the capability the method does not declare, and how to declare it
+    with pytest.raises(ConfigError, match="differential privacy needs the capability 'dp', which ZO-sign does not "
+                       "declare: if it supports it, add 'dp' to its class's `can`"):
         load_config(None, algorithm=f"{f}:Sign", dp_clip=1.0, dp_noise_multiplier=1.0)
     (tmp_path / "bad.py").write_text("class NotAMethod:\n    pass\n")
     with pytest.raises(ConfigError, match="is not a subclass of hiso.core.method.Method"):

@@ -48,7 +48,12 @@ def _config(task: Task | str, config: RunConfig | str | Path | None, options: di
     metrics and default lr) or a task's name (built from the configuration); ``config`` (a
     RunConfig or a TOML file) < ``options``."""
     from .config import read_toml
+    from .methods.options import method_spec
     from .tasks.registry import TASK_OPTIONS, use_instance
+
+    if "algorithm" in options and not isinstance(options["algorithm"], str):  # a Method class or instance
+        spec, opts = method_spec(options["algorithm"])
+        options = {**options, "algorithm": spec, "method_opts": {**opts, **(options.get("method_opts") or {})}}
 
     if isinstance(config, RunConfig):
         given = {k: getattr(config, k) for k in config.model_fields_set}
@@ -266,6 +271,10 @@ def compare(task: str, out: str | Path, config: str | Path | None = None, algori
                         "seed of a comparison builds its own task")
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    if algorithms is not None:  # a Method class is named by its spec (an instance's options need a variant)
+        from .methods.options import method_spec
+        algorithms = [a if isinstance(a, str) else method_spec(a if isinstance(a, type) else type(a))[0]
+                      for a in algorithms]
     flags = {k: v for k, v in dict(algorithms=algorithms, seeds=seeds, lr_grid=lr_grid, reference=reference,
                                     metric=metric, select_on=select_on).items() if v is not None}
     plan = build_plan(config, {**options, "task": task}, flags)

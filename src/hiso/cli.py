@@ -51,7 +51,7 @@ def field_help(name: str) -> str:
     field = RunConfig.model_fields[name]
     text = (field.description or "").replace("%", "%%")  # argparse formats help with %
     if "default:" not in text:
-        text += f" (default: {shown_default(field.default)})"
+        text += f" (default: {shown_default(field.get_default(call_default_factory=True))})"
     return text
 
 
@@ -70,6 +70,10 @@ def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) ->
             continue
         flag = "--" + name.replace("_", "-")
         ann = field.annotation
+        if name == "method_opts":  # KEY=VALUE, repeatable: RunConfig types them by the method's fields
+            group.add_argument("--method-opt", dest=name, action="append", default=None, metavar="KEY=VALUE",
+                               help=field_help(name).replace(" (default: {})", " (default: none)"))
+            continue
         if ann is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                                help=field_help(name))
@@ -104,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--show-partition", action="store_true", help="print each client's label histogram")
+    _add_accept_flag(run)
     _add_tracking_flags(run)
     _add_run_flags(run)
     cmp = sub.add_parser("compare", allow_abbrev=False,
@@ -164,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
     rb.add_argument("--round", type=int, help="rebuild x_R, the model after the first R logged rounds (default: all)")
+    _add_accept_flag(rb)
     ex = sub.add_parser("export", help="a run's model (any round) as a PEFT adapter, a Hugging Face model directory "
                         "or safetensors")
     ex.add_argument("run_dir")
@@ -174,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--round", type=int, help="export x_R, rebuilt from the first R logged rounds (default: the last)")
     ex.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export "
                     "(a directory holding anything else is refused)")
+    _add_accept_flag(ex)
     ev = sub.add_parser("eval", help="evaluate a run's model (any round) on its task, or on other data of the task")
     ev.add_argument("run_dir")
     ev.add_argument("--round", type=int, help="evaluate x_R, rebuilt from the first R logged rounds "
@@ -185,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "--val-fraction); test: the held-out examples a run reports (eval_*). Default: both")
     ev.add_argument("--out", help="file for the metrics (default: RUN/eval.json)")
     ev.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    _add_accept_flag(ev)
     dg = sub.add_parser("diagnose", help="what a HiSo run's preconditioner H learned: its range over rounds, the "
                         "effective step lr/H, per tensor, and against measured curvature (PNG + text)")
     dg.add_argument("run_dir")
@@ -257,9 +265,19 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _de
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    with warnings.catch_warnings():
-        warnings.showwarning = _show_warning
-        return _command(args)
+    from .methods.identity import ACCEPT
+    token = ACCEPT.set(bool(getattr(args, "accept_method_change", False)))
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return _command(args)
+    finally:
+        ACCEPT.reset(token)
+
+
+def _add_accept_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accept-method-change", action="store_true", help="read a run whose method file (your own "
+                   "Method subclass) changed since it was made; a resumed run records the change in config.json")
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -59,6 +59,9 @@ class RunConfig(BaseModel, MethodRules):
         "seeds, (index, scalar) pairs on the wire; ferret: first-order local steps, K projections per block on "
         "the wire; sketch: ferret's projections as b-bit codes; the others send the model); or your own hiso.core.method.Method subclass as module:Class or "
         "path/to/file.py:Class"))
+    method_opts: dict[str, Any] = Field(default_factory=dict, description=(
+        "your method's own options, the fields of its Method subclass: --method-opt KEY=VALUE (repeatable), a "
+        "[method] table in TOML"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -296,6 +299,7 @@ class RunConfig(BaseModel, MethodRules):
         if (name := absolute_task_name(self.algorithm)) != self.algorithm:  # a user's method, from anywhere later
             self.algorithm = name
         info = self.method  # an unknown method, or a user's that cannot be imported: one line
+        self._method_opts_checks()
         can = info.can
         if (name := absolute_task_name(self.task)) != self.task:  # path/to/file.py:Class, read from anywhere later
             self.task = name
@@ -354,12 +358,26 @@ class RunConfig(BaseModel, MethodRules):
             raise ValueError(f"{name} = {getattr(self, name)!r}: task {self.task} does not use it"
                              f"{' (it is for ' + ', '.join(where) + ')' if where else ''}{hint}")
 
+    def _method_opts_checks(self) -> None:
+        """Type a user's method's options by its fields; a built-in method has none of its own."""
+        from .methods.options import check_options
+        from .methods.registry import is_user_method, user_method_class
+        if not self.method_opts:
+            return
+        if not is_user_method(self.algorithm):
+            raise ValueError(f"method_opts: {self.algorithm} has no options of its own (its options are flags: "
+                             "hiso run --help); method_opts is for a Method subclass's fields")
+        self.method_opts = check_options(user_method_class(self.algorithm), self.method_opts, self.algorithm)
+
     @model_validator(mode="before")
     @classmethod
     def _no_bool_numbers(cls, values: Any) -> Any:
         """``rounds = true`` in a TOML file is a mistake, not 1 round: a number option refuses a
         bool (pydantic would coerce it)."""
         if isinstance(values, dict):
+            if "method_opts" in values and not isinstance(values["method_opts"], dict):
+                from .methods.options import parse_pairs  # --method-opt c=0.5 d=1: a list of KEY=VALUE
+                values = {**values, "method_opts": parse_pairs(values["method_opts"])}
             for name, value in values.items():
                 field = cls.model_fields.get(name)
                 if isinstance(value, bool) and field is not None and field.annotation is not bool:
@@ -438,7 +456,16 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     values = read_toml(path)
     if isinstance(values.get("compare"), dict):
         values.pop("compare")
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    if isinstance(values.get("method"), dict):  # the [method] table: the method's own options
+        values["method_opts"] = {**values.pop("method"), **(values.get("method_opts") or {})}
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given.get("method_opts") is not None and values.get("method_opts"):  # flags add to the file's, key by key
+        from .methods.options import parse_pairs
+        try:
+            given["method_opts"] = {**values["method_opts"], **parse_pairs(given["method_opts"])}
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    values.update(given)
     try:
         return RunConfig(**values)
     except ValidationError as e:

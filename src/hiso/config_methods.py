@@ -32,6 +32,16 @@ class MethodRules:
             return self.server_lr
         return self.method.server_lr if self.method.server_lr is not None else 0.01
 
+    def _lacks(self, cap: str, what: str, builtin_msg: str) -> ValueError:
+        """The refusal of ``what`` for a method without capability ``cap``: a built-in method's
+        ``builtin_msg`` (which names the methods that have it), or, for a user's method, the
+        capability it does not declare and how to declare it."""
+        from .methods.registry import is_user_method
+        if not is_user_method(self.algorithm):
+            return ValueError(builtin_msg)
+        return ValueError(f"{what} needs the capability {cap!r}, which {self.method.display} does not declare: if it "
+                          f"supports it, add {cap!r} to its class's `can` (hiso.methods.registry.CAPABILITIES)")
+
     def _method_checks(self, faults: float) -> None:
         """What the run's method can be combined with, asked of its registry entry
         (:mod:`hiso.methods.registry`): each option that needs a capability it lacks is refused."""
@@ -44,13 +54,20 @@ class MethodRules:
         if self.sends_signs and self.byzantine and (bad := [a for a in attacks if a in ("scale", "nan")]):
             raise ValueError(f"{self.algorithm}'s clients send signs: attack {' and '.join(bad)} cannot be sent as one "
                              "(a scaled sign is the same sign, a NaN packs as -1): give --attack sign-flip or random")
-        if ((faults or self.byzantine) and "faults" not in can) or (self.aggregate != "mean" and "robust" not in can):
-            raise ValueError(f"faults, attackers and robust aggregation are simulated for the seed-and-scalar "
-                             f"methods ({', '.join(with_capability('faults'))}), not {self.algorithm}")
+        if (faults or self.byzantine) and "faults" not in can:
+            raise self._lacks("faults", "simulated faults and attackers", f"faults, attackers and robust aggregation "
+                              f"are simulated for the seed-and-scalar methods ({', '.join(with_capability('faults'))}), "
+                              f"not {self.algorithm}")
+        if self.aggregate != "mean" and "robust" not in can:
+            raise self._lacks("robust", f"aggregate {self.aggregate}", f"faults, attackers and robust aggregation are "
+                              f"simulated for the seed-and-scalar methods ({', '.join(with_capability('faults'))}), "
+                              f"not {self.algorithm}")
         if self.grad_clip is not None and "grad_clip" not in can:
-            raise ValueError(f"grad_clip is for {in_words(with_capability('grad_clip'))}, not {self.algorithm}")
+            raise self._lacks("grad_clip", "grad_clip", f"grad_clip is for {in_words(with_capability('grad_clip'))}, "
+                              f"not {self.algorithm}")
         if self.lr_decay is not None and "lr_decay" not in can:
-            raise ValueError(f"lr_decay is for {in_words(with_capability('lr_decay'))}, not {self.algorithm}")
+            raise self._lacks("lr_decay", "lr_decay", f"lr_decay is for {in_words(with_capability('lr_decay'))}, "
+                              f"not {self.algorithm}")
         if self.dp_clip is None:
             given = [n for n in ("dp_noise_multiplier", "dp_epsilon", "dp_delta", "dp_noise_seed")
                      if getattr(self, n) is not None]
@@ -58,7 +75,8 @@ class MethodRules:
                 raise ValueError(f"{', '.join(given)} need dp_clip (the clip norm that turns DP on)")
         else:
             if "dp" not in can:
-                raise ValueError(f"differential privacy is for {in_words(with_capability('dp'))}, not {self.algorithm}")
+                raise self._lacks("dp", "differential privacy", f"differential privacy is for "
+                                  f"{in_words(with_capability('dp'))}, not {self.algorithm}")
             if (self.dp_noise_multiplier is None) == (self.dp_epsilon is None):
                 raise ValueError("DP needs exactly one of dp_noise_multiplier and dp_epsilon")
             if self.dp_epsilon is not None and self.dp_delta is None:
@@ -70,22 +88,25 @@ class MethodRules:
                 raise ValueError("DP is accounted for the plain mean: use aggregate mean without weighted")
         self._secagg_checks()
         if self.step_norm is not None and "step_norm" not in can:
-            raise ValueError(f"step_norm is for {in_words(with_capability('step_norm'))}, not {self.algorithm}")
+            raise self._lacks("step_norm", "step_norm", f"step_norm is for {in_words(with_capability('step_norm'))}, "
+                              f"not {self.algorithm}")
         if self.step_norm is not None and self.local_steps > 1:
             raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
         if self.momentum is not None and "momentum" not in can and info.scalar_only:
-            raise ValueError(f"momentum is for {in_words(with_capability('momentum'))}, not {self.algorithm}")
+            raise self._lacks("momentum", "momentum", f"momentum is for {in_words(with_capability('momentum'))}, "
+                              f"not {self.algorithm}")
         if self.scalar_dtype == "int8" and "int8" not in can:
-            raise ValueError(f"scalar_dtype int8 is for {in_words(with_capability('int8'))}, not {self.algorithm}")
+            raise self._lacks("int8", "scalar_dtype int8", f"scalar_dtype int8 is for "
+                              f"{in_words(with_capability('int8'))}, not {self.algorithm}")
         if self.scalar_dtype in ("int4", "int2", "sign") and "lowbit" not in can:
-            raise ValueError(f"scalar_dtype {self.scalar_dtype} is for {in_words(with_capability('lowbit'))}, not "
-                             f"{self.algorithm}")
+            raise self._lacks("lowbit", f"scalar_dtype {self.scalar_dtype}", f"scalar_dtype {self.scalar_dtype} is "
+                              f"for {in_words(with_capability('lowbit'))}, not {self.algorithm}")
         if self.scalar_dtype in ("int4", "int2", "sign") and self.secagg:
             raise ValueError(f"scalar_dtype {self.scalar_dtype}: secure aggregation sums answers on its own grid; use "
                              "float32, float16, bfloat16 or int8 with it")
         if self.direction_refresh is not None and "refresh" not in can:
-            raise ValueError(f"direction_refresh reads the round from seeds derived per round: not for "
-                             f"{self.algorithm}")
+            raise self._lacks("refresh", "direction_refresh", f"direction_refresh reads the round from seeds derived "
+                              f"per round: not for {self.algorithm}")
         if "one-seed" in can:
             self._one_seed_defaults()
         if "ferret" in info.options:
@@ -103,9 +124,11 @@ class MethodRules:
         if self.directions in ("sparse", "lowrank") and "structured" not in can:
             what = "draws its pool's directions from a dense family" if info.family == "seed-pool" else \
                 "projects on a dense direction family"
-            raise ValueError(f"{self.algorithm} {what}, not {self.directions}")
+            raise self._lacks("structured", f"directions {self.directions}", f"{self.algorithm} {what}, not "
+                              f"{self.directions}")
         if self.weighted and "weighted" not in can:
-            raise ValueError(f"{self.algorithm} runs with the plain mean only (no weighted aggregation)")
+            raise self._lacks("weighted", "weighted", f"{self.algorithm} runs with the plain mean only (no weighted "
+                              "aggregation)")
 
     def _secagg_checks(self) -> None:
         """Secure aggregation gives the server the sum of the answers and nothing else: only the
@@ -120,8 +143,8 @@ class MethodRules:
             from .methods.registry import in_words, with_capability
             why = ("its majority vote counts +-1 per client, which a secure sum cannot check"
                    if self.sends_signs else "its server needs more than the plain sum")
-            raise ValueError(f"secure aggregation is for {in_words(with_capability('secagg'))}, not {self.algorithm}: "
-                             f"{why}")
+            raise self._lacks("secagg", "secure aggregation", f"secure aggregation is for "
+                              f"{in_words(with_capability('secagg'))}, not {self.algorithm}: {why}")
         if self.aggregate != "mean" or self.weighted:
             raise ValueError("secure aggregation gives the server only the sum: use aggregate mean without weighted "
                              f"(not {'weighted' if self.weighted else self.aggregate})")

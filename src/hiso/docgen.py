@@ -112,7 +112,8 @@ def _command_section(path: str, text: str, parser: argparse.ArgumentParser) -> l
         out += ["| flag | meaning |", "| --- | --- |", *rows, ""]
     if shared:
         from .config import RunConfig
-        missing = [n for n in RunConfig.model_fields if f"--{n.replace('_', '-')}" not in parser._option_string_actions]
+        dests = {a.dest for a in parser._actions}
+        missing = [n for n in RunConfig.model_fields if n not in dests]
         also = "every [run option](#run-options)"
         if missing:
             also += " but " + ", ".join(f"`--{n.replace('_', '-')}`" for n in missing)
@@ -127,13 +128,14 @@ def _option_rows(names: list[str]) -> list[str]:
     rows = ["| option (TOML key) | values | default | meaning |", "| --- | --- | --- | --- |"]
     for name in names:
         field = RunConfig.model_fields[name]
-        flag = f"`--{name.replace('_', '-')}`"
+        flag = "`--method-opt KEY=VALUE`" if name == "method_opts" else f"`--{name.replace('_', '-')}`"
         if field.annotation is bool:
             flag += f" / `--no-{name.replace('_', '-')}`"
         choices = field_choices(name)
         values = ", ".join(f"`{c}`" for c in choices) if choices else _kind(field.annotation)
         description = field.description or ""
-        default = "(in meaning)" if "default:" in description else f"`{shown_default(field.default)}`"
+        default = "(in meaning)" if "default:" in description else \
+            f"`{shown_default(field.get_default(call_default_factory=True))}`"
         rows.append(f"| {flag} (`{name}`) | {_cell(values)} | {default} | {_cell(description)} |")
     return rows
 

@@ -17,6 +17,9 @@ hook                called by, and when
                     robust rule (FeedSign: the majority vote)
 ``apply_``          every replica: fold one logged record into the state (None: the chain
                     of :mod:`hiso.core.chain`, the default fold)
+``stages``          every replica, once: the chain's stages (step-size stages, then the step
+                    stage); a method adds a stage with state of its own or replaces the step
+                    (its state is saved in model.pt and checkpoint.pt, sent in snapshots)
 ``uplink``          the wire: ``"scalars"`` (the run's scalar dtype), ``"signs"`` (one bit) or
                     ``"codes"`` (b-bit codes with a scale per row of the record, b the
                     method's ``bits`` field; :func:`hiso.core.scalars.encode_codes`)
@@ -78,6 +81,12 @@ class Method:
     def apply_(self, state: "ModelState", record: "RoundRecord") -> Any:
         """Fold ``record`` into ``state`` and return True, or return None for the chain fold."""
         return None
+
+    def stages(self, chain: list) -> list:
+        """The fold's stages in chain order (:mod:`hiso.core.chain`): the run's own by default.
+        Each stage with a ``name`` keeps ``init(params)``'s value (a tensor or a list of tensors)
+        as the replica's state under that name."""
+        return chain
 
 
 DECOMFL = Method()

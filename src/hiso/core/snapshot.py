@@ -9,12 +9,14 @@ from .wire import MessageError
 
 
 def _state_tensors(state) -> list[torch.Tensor]:
-    """What a snapshot carries: the trainable tensors, H (HiSo), the server momentum's
-    buffer (when the run uses momentum) and the step normalisation's (v, w) (float64, when
-    used), in protocol order."""
-    sn = getattr(state, "sn", None)
-    return (list(state.params) + (list(state.h) if state.h is not None else [])
-            + list(getattr(state, "m", None) or []) + ([sn] if sn is not None else []))
+    """What a snapshot carries: the trainable tensors, then each stage's state in the replica's
+    slot order (H for HiSo, the server momentum's buffer, a method's own stage, the step
+    normalisation's float64 (v, w)), in protocol order."""
+    out = list(state.params)
+    for slot in getattr(state, "slots", {}).values():
+        if slot is not None:
+            out += list(slot) if isinstance(slot, (list, tuple)) else [slot]
+    return out
 
 
 def state_size(state) -> int:

@@ -57,7 +57,12 @@ class ModelState:
         self.named = trainable_params(model)
         self.params = [p for _, p in self.named]
         self.stages = stages_of(cfg)  # the fold's chain (hiso.core.chain), H aside
+        if cfg.method is not None:  # a method may add stages of its own or replace the step
+            self.stages = list(cfg.method.stages(list(self.stages)))
         self.slots: dict = {"h": pc.init(self.params)} if cfg.precond is not None else {}
+        names = [st.name for st in self.stages if st.name is not None]
+        if len(set(names)) != len(names) or "h" in names or "round" in names or "model" in names:
+            raise ValueError(f"the fold's stages need distinct names other than h, round and model, got {names}")
         named = {st.name: st for st in self.stages if st.name is not None}
         for name in sorted(named, key=lambda n: (n != "momentum", n)):  # model.pt's order: h, momentum, step_norm
             self.slots[name] = named[name].init(self.params)

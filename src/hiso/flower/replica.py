@@ -10,7 +10,8 @@ restarted on the same disk finds its replica at the round it last reached.
 
 Layout of ``DIR/<key>/p<partition>/``:
 
-* ``replica.bin``: the trainable tensors in protocol order, then H (HiSo), each 64-byte aligned;
+* ``replica.bin``: the trainable tensors in protocol order, then each stage's state (H for HiSo,
+  a momentum buffer, a method's own), each 64-byte aligned;
 * ``meta.json``: ``{"round", "dirty", "key", "layout"}``, replaced atomically.
 
 ``dirty`` is set before the replica is touched and cleared, with the new round, once the
@@ -47,12 +48,24 @@ def run_key(cfg_json: str, run_id: int | str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _layout(state: ModelState) -> list[dict]:
+_PREFIX = {"h": "h", "momentum": "m"}  # the names replicas made before any other stage kept
+
+
+def _tensors(state: ModelState) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of everything the replica keeps: the trainable tensors, then each stage's
+    state in slot order (H, the momentum buffer, a method's own stage, ...)."""
     tensors = [(n, p) for n, p in state.named]
-    if state.h is not None:
-        tensors += [(f"h:{n}", h) for (n, _), h in zip(state.named, state.h)]
-    if getattr(state, "m", None) is not None:  # server momentum's buffer (hiso.methods.momentum)
-        tensors += [(f"m:{n}", m) for (n, _), m in zip(state.named, state.m)]
+    for slot, value in state.slots.items():
+        prefix = _PREFIX.get(slot, slot)
+        if isinstance(value, (list, tuple)):
+            tensors += [(f"{prefix}:{n}", t) for (n, _), t in zip(state.named, value)]
+        elif isinstance(value, torch.Tensor):
+            tensors.append((prefix, value))
+    return tensors
+
+
+def _layout(state: ModelState) -> list[dict]:
+    tensors = _tensors(state)
     out, off = [], 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
@@ -99,8 +112,7 @@ class Replica:
             with open(data_p, "wb") as f:
                 f.truncate(size)
         mm = np.memmap(data_p, dtype=np.uint8, mode="r+", shape=(size,))
-        nh = len(state.h) if state.h is not None else 0
-        tensors = list(state.params) + (list(state.h) if state.h is not None else []) + list(state.m or [])
+        tensors = [t for _, t in _tensors(state)]
         views = []
         for e, t in zip(layout, tensors):
             raw = torch.from_numpy(mm[e["offset"]:e["offset"] + e["nbytes"]])
@@ -112,10 +124,11 @@ class Replica:
         with torch.no_grad():
             for p, v in zip(state.params, views[:n]):
                 p.data = v
-        if state.h is not None:
-            state.h = views[n:n + nh]
-        if state.m is not None:
-            state.m = views[n + nh:]
+        for slot, value in state.slots.items():  # each stage's state now lives in the mapping too
+            if isinstance(value, (list, tuple)):
+                state.slots[slot], n = views[n:n + len(value)], n + len(value)
+            elif isinstance(value, torch.Tensor):
+                state.slots[slot], n = views[n], n + 1
         rep = cls(path, state, key, mm, reason)
         if fresh:
             state.round = 0

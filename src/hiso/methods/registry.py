@@ -137,17 +137,26 @@ def method_info(name: str) -> MethodInfo:
                      "path/to/file.py:Class for your own)")
 
 
-def _user_method_info(spec: str) -> MethodInfo:
+def user_method_class(spec: str) -> type:
+    """The :class:`hiso.core.method.Method` subclass ``module:Class`` or ``file.py:Class`` names."""
     from ..core.method import Method
     from ..plugins import import_object
 
     obj = import_object(spec, "algorithm")
     if not (isinstance(obj, type) and issubclass(obj, Method)):
         raise ValueError(f"algorithm {spec!r}: {obj!r} is not a subclass of hiso.core.method.Method")
-    build = getattr(obj, "from_config", None) or (lambda cfg: obj())
+    return obj
+
+
+def _user_method_info(spec: str) -> MethodInfo:
+    from .options import build_user_method
+
+    obj = user_method_class(spec)
+    # P, mu and the difference shape every scalar method's record and estimate: always read
+    options = frozenset(getattr(obj, "options", ())) | {"zo_estimate"}
     return MethodInfo(spec, getattr(obj, "display", obj.__name__), "scalar", getattr(obj, "gradient", "zo"),
-                      frozenset(getattr(obj, "options", {"zo_estimate"})), frozenset(getattr(obj, "can", ())),
-                      build, doc=(obj.__doc__ or "").strip().split("\n")[0])
+                      options, frozenset(getattr(obj, "can", ())),
+                      lambda cfg: build_user_method(obj, cfg), doc=(obj.__doc__ or "").strip().split("\n")[0])
 
 
 def with_capability(cap: str) -> list[str]:

@@ -330,6 +330,7 @@ def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: 
     elif reference not in spec.algorithms:
         raise ConfigError(f"compare.reference: {reference!r} is not one of the compared algorithms ({', '.join(spec.algorithms)})")
 
+    arms, reference = _named_by_display(arms, reference, spec.variants)
     task = shared.get("task", RunConfig.model_fields["task"].default)
     metrics = task_info(task).metrics  # the task registers its metrics (validated above)
     metric = spec.metric or next(iter(metrics))
@@ -342,6 +343,29 @@ def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: 
         for lr in arm.lrs:
             plan.config(arm, lr, spec.seeds[0])
     return plan
+
+
+def _named_by_display(arms: list, reference: str, variants: dict) -> tuple[list, str]:
+    """A user's method given as an arm by its spec (``path/to/file.py:Class``) is named by its
+    display name (made unique), so its runs stay under --out and tables name it as it names
+    itself; variants and built-in methods keep their names."""
+    import dataclasses
+    import re
+
+    from ..methods.registry import method_info
+    taken = {a.name for a in arms if not (is_user_method(a.name) and a.name not in variants)}
+    out, renamed = [], {}
+    for a in arms:
+        if is_user_method(a.name) and a.name not in variants:
+            base = re.sub(r"[^A-Za-z0-9.+_-]", "_", method_info(a.algorithm).display) or "method"
+            name, k = base, 2
+            while name in taken:
+                name, k = f"{base}-{k}", k + 1
+            taken.add(name)
+            renamed[a.name] = name
+            a = dataclasses.replace(a, name=name)
+        out.append(a)
+    return out, renamed.get(reference, reference)
 
 
 def recorded(out: str | Path) -> dict[str, Any]:

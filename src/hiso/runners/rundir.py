@@ -55,6 +55,8 @@ from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task, higher_is_better
 from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one import path for a run directory)
+from ..methods.identity import source_of
+from .runfiles import config_text, method_source
 from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp_secret,  # noqa: F401
                        extend_refusal, made_before, not_a_dir, overwrites_run, read_run_history, resume_point,
                        same_run, saved_config, write_atomic)
@@ -126,7 +128,7 @@ def _extend(out: Path, done: int, cfg: RunConfig, info: dict) -> None:
         raise ValueError(f"{out} cannot be continued to {cfg.rounds} rounds: {why}")
     if cfg.scalar_only:  # its model.pt: where the continuation starts
         keep_final(out, cfg)
-    write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
+    write_atomic(out / "config.json", config_text(cfg, info, out))
     (out / "summary.json").unlink(missing_ok=True)
 
 
@@ -177,13 +179,15 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     else:
         kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
     saved = saved_config(out) if resume and (out / "config.json").exists() else None
+    if saved is not None and (method_source(out) or {}).get("sha256") != (source_of(cfg.algorithm) or {}).get("sha256"):
+        write_atomic(out / "config.json", config_text(cfg, saved[1], out, len(kept) - 1 if kept else 0))  # accepted
     if saved is not None:  # continuing it on another task would mix two runs
         check_run_task(task, saved[1], out, given=given, resume=True)
     saved_rounds = saved[0].rounds if saved is not None else None
     if saved_rounds is not None and saved_rounds != cfg.rounds:
         _extend(out, saved_rounds, cfg, info)
     elif not resume or saved_rounds is None:
-        write_atomic(out / "config.json", json.dumps({**cfg.model_dump(), "task_info": info}, indent=2))
+        write_atomic(out / "config.json", config_text(cfg, info, out))
     best: dict[str, float] = {}
     last_eval: dict = {}
     t0 = time.perf_counter()

@@ -75,12 +75,34 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     raw = _raw_config(path)
     older = _made_before(raw)
     info = raw.pop("task_info", None) or {}
+    source = raw.pop("method_source", None)
     try:
-        return RunConfig(**{**raw, **older, **_as_it_ran(raw, info)}), info
+        cfg = RunConfig(**{**raw, **older, **_as_it_ran(raw, info)})
     except ValidationError as e:  # one line: the first field refused
         err = e.errors()[0]
         where = ".".join(map(str, err.get("loc", ()))) or "a field"
         raise ConfigError(f"{path} is damaged ({where}: {err.get('msg')}; {e.error_count()} error(s))") from None
+    from ..methods.identity import MethodChanged, check_source
+    try:
+        check_source(source, cfg.algorithm, run_dir)
+    except MethodChanged as e:
+        raise ConfigError(str(e)) from None
+    return cfg, info
+
+
+def config_text(cfg: RunConfig, info: dict, out: str | Path, round: int | None = None) -> str:
+    """``config.json``'s text: the configuration, the task's description and, for a user's
+    method, its file's digest (:mod:`hiso.methods.identity`; a change accepted on resume kept)."""
+    from ..methods.identity import record
+    return json.dumps({**cfg.model_dump(), "task_info": info, **record(cfg, method_source(out), round)}, indent=2)
+
+
+def method_source(run_dir: str | Path) -> dict | None:
+    """``config.json``'s record of a user's method file (None: a built-in method, or an older run)."""
+    try:
+        return _raw_config(Path(run_dir) / "config.json").get("method_source")
+    except (OSError, ValueError):
+        return None
 
 
 def _raw_config(path: Path) -> dict:

@@ -52,7 +52,7 @@ class RunModel:
 
 # RunConfig fields added after exports began to carry this hash: at their default they are left
 # out, so a run made before them keeps its hash (tests/test_legacy_runs.py checks old exports)
-HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares", "grad_clip")
+HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares", "grad_clip", "method_opts")
 
 
 def config_sha256(cfg: RunConfig) -> str:
@@ -60,7 +60,7 @@ def config_sha256(cfg: RunConfig) -> str:
     same experiment. A field added later (:data:`HASH_LATER_FIELDS`) counts only when it is set."""
     values = cfg.model_dump()
     for name in HASH_LATER_FIELDS:
-        if values.get(name) == type(cfg).model_fields[name].default:
+        if values.get(name) == type(cfg).model_fields[name].get_default(call_default_factory=True):
             values.pop(name)
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
