@@ -24,20 +24,23 @@ def config_fingerprint(zo) -> bytes:
     """16 bytes naming the whole algorithm configuration (every field of ZOConfig, nested ones
     included, whatever fields it has, and the class of its method): peers with different
     fingerprints must not mix. Checkpoints keep it, so a built-in method's blob is the one hiso
-    wrote before methods were plugins (its ``legacy_key``: Ferret's fields under "ferret",
-    FeedSign's as ``signs: true``); any other method adds its class and fields under "method".
-    A method's ``later_fields`` count only when set."""
+    wrote before methods were plugins (:data:`hiso.compat.FINGERPRINT_LEGACY_KEY`: Ferret's fields
+    under "ferret", FeedSign's as ``signs: true``); any other method adds its class and fields
+    under "method". Fields added to a method later (:data:`hiso.compat.FINGERPRINT_LATER_FIELDS`)
+    count only when set."""
     return hashlib.sha256(f"hiso-protocol-{VERSION}|{config_blob(zo)}".encode()).digest()[:FINGERPRINT_BYTES]
 
 
 def config_blob(zo) -> str:
     """The JSON text :func:`config_fingerprint` hashes (see there)."""
+    from ..compat import FINGERPRINT_LATER_FIELDS, FINGERPRINT_LEGACY_KEY, class_key
     fields = dataclasses.asdict(zo)
     method = fields.pop("method")
-    for name in getattr(zo.method, "later_fields", ()):
+    key = class_key(zo.method)
+    for name in FINGERPRINT_LATER_FIELDS.get(key, ()):
         if method.get(name) is None:
             method.pop(name)
-    legacy = getattr(zo.method, "legacy_key", None)
+    legacy = FINGERPRINT_LEGACY_KEY.get(key) if zo.method is not None else None
     fields["signs"] = zo.signs
     fields["ferret"] = method if legacy == "ferret" else None
     if zo.method is not None and legacy is None:

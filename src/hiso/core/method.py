@@ -54,12 +54,6 @@ class Method:
     chain fold on every replica. Subclass it and override a hook to make another method."""
 
     uplink: ClassVar[str] = "scalars"  # or "signs", or "codes" (then the method has ``bits``)
-    # a built-in method's place in the configuration fingerprint hiso wrote before methods were
-    # plugins ("ferret", "signs"), so old checkpoints stay this run's (hiso.core.join)
-    legacy_key: ClassVar[str | None] = None
-    # fields added after runs were written with this method: left out of the fingerprint while
-    # None, so those runs' checkpoints and peers stay this configuration's (hiso.core.join)
-    later_fields: ClassVar[frozenset[str]] = frozenset()
 
     def batches(self, cfg) -> int:
         """Minibatches a client's answer takes (one per local step)."""

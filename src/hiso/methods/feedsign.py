@@ -50,7 +50,6 @@ class FeedSign(Method):
     server logs the (weighted) majority vote; the fold is DeComFL's with the vote as scalar."""
 
     uplink = "signs"
-    legacy_key = "signs"
 
     def step_scalars(self, g):
         return signs(g)

@@ -59,8 +59,6 @@ class FerretConfig(Method):
     server_lr: float = 1.0
     blocks: int = DEFAULT_BLOCKS
     grad_clip: float | None = None
-    legacy_key = "ferret"
-    later_fields = frozenset({"grad_clip"})
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.blocks < 1 or not self.server_lr > 0:

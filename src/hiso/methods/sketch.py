@@ -84,7 +84,6 @@ class SketchConfig(FerretConfig):
 
     bits: int = DEFAULT_BITS
     uplink = "codes"
-    legacy_key = None  # a new method: its class and fields name it in the fingerprint
 
     def __post_init__(self) -> None:
         super().__post_init__()

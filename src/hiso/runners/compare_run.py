@@ -77,7 +77,7 @@ def _state(spec: RunSpec, fix: str = "use --force to rerun, or another --out") -
     new = json.loads(json.dumps(spec.cfg.model_dump()))
     diff = []
     for k in sorted(set(old) | set(new)):
-        if k in RESUME_IGNORED or k in ("task_info", "method_source"):
+        if k in RESUME_IGNORED or k in ("task_info", "method_source", "schema"):
             continue
         if k not in old and k in RunConfig.model_fields and new[k] == RunConfig.model_fields[k].get_default(
                 call_default_factory=True):

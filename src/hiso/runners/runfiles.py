@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from ..compat import SCHEMA, migrate
 from ..config import RUNTIME_ONLY, ConfigError, RunConfig, load_config
 from ..core.history import parse_history
 from .atomic import torch_tmp, write_atomic  # noqa: F401 (write_atomic re-exported: the run files' writer)
@@ -59,21 +60,15 @@ def not_a_dir(out: str | Path) -> str | None:
     return None
 
 
-# options added later with a default that computes differently: what a run of those tasks made
-# before them did, so that `hiso run --resume DIR` continues such a run as it began (tasks None:
-# every task; a config.json without `directions` predates the option, when torch-normal was the
-# only family, so its run is rebuilt with that family, not today's default)
-_MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False), "directions": (None, "torch-normal"),
-                "strip_text": ({"sst2", "qqp", "squad"}, False)}
-
-
 def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     """A run directory's configuration and task description (``config.json``)."""
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a hiso run directory?")
-    raw = _raw_config(path)
-    older = _made_before(raw)
+    try:
+        raw, older = migrate(_raw_config(path))
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
     info = raw.pop("task_info", None) or {}
     source = raw.pop("method_source", None)
     try:
@@ -94,7 +89,8 @@ def config_text(cfg: RunConfig, info: dict, out: str | Path, round: int | None =
     """``config.json``'s text: the configuration, the task's description and, for a user's
     method, its file's digest (:mod:`hiso.methods.identity`; a change accepted on resume kept)."""
     from ..methods.identity import record
-    return json.dumps({**cfg.model_dump(), "task_info": info, **record(cfg, method_source(out), round)}, indent=2)
+    return json.dumps({"schema": SCHEMA, **cfg.model_dump(), "task_info": info,
+                       **record(cfg, method_source(out), round)}, indent=2)
 
 
 def method_source(run_dir: str | Path) -> dict | None:
@@ -172,30 +168,11 @@ def _as_it_ran(raw: dict, info: dict) -> dict:
     return out
 
 
-# task defaults changed since: task -> (option, its default before), for runs that took the default
-# (None in config.json) when it was the old value (task_info records the value used)
-_DEFAULT_BEFORE = {"squad": ("max_length", 256)}  # 640 since 2026-11-25: 256 cut the answer out of 4 % of contexts
-
-
-def _made_before(raw: dict) -> dict:
-    """The options a saved configuration predates, at the values its run was made with, and the
-    task defaults it took that have changed since (:data:`_DEFAULT_BEFORE`), at the old values."""
-    task = raw.get("task", "quadratic")
-    if not isinstance(task, str):  # (damaged: RunConfig refuses it)
-        return {}
-    out = {k: v for k, (tasks, v) in _MADE_BEFORE.items() if k not in raw and (tasks is None or task in tasks)}
-    if task in _DEFAULT_BEFORE:
-        name, old = _DEFAULT_BEFORE[task]
-        if raw.get(name) is None and (raw.get("task_info") or {}).get(name) == old:
-            out[name] = old
-    return out
-
-
 def made_before(run_dir: str | Path) -> dict:
-    """What :func:`_made_before` gives for ``run_dir``'s ``config.json`` ({} if it has none):
+    """What :func:`hiso.compat.predates` gives for ``run_dir``'s ``config.json`` ({} if it has none):
     a resumed run takes these values, so it continues as it began."""
     try:
-        return _made_before(_raw_config(Path(run_dir) / "config.json"))
+        return migrate(_raw_config(Path(run_dir) / "config.json"))[1]
     except (OSError, ValueError):
         return {}
 

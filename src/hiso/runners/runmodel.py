@@ -21,6 +21,7 @@ from torch import nn
 
 from pydantic import ValidationError
 
+from ..compat import HASH_LATER_FIELDS
 from ..config import ConfigError, RunConfig, one_line
 from ..tasks.base import Task
 from ..tasks.device import on_device
@@ -50,14 +51,11 @@ class RunModel:
         return out
 
 
-# RunConfig fields added after exports began to carry this hash: at their default they are left
-# out, so a run made before them keeps its hash (tests/test_legacy_runs.py checks old exports)
-HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares", "grad_clip", "method_opts")
 
 
 def config_sha256(cfg: RunConfig) -> str:
     """sha256 of the resolved run configuration (keys sorted): two runs with equal hashes ran the
-    same experiment. A field added later (:data:`HASH_LATER_FIELDS`) counts only when it is set."""
+    same experiment. A field added later (:data:`hiso.compat.HASH_LATER_FIELDS`) counts only when set."""
     values = cfg.model_dump()
     for name in HASH_LATER_FIELDS:
         if values.get(name) == type(cfg).model_fields[name].get_default(call_default_factory=True):

@@ -1,0 +1,71 @@
+"""Reading what older versions of hiso wrote: config.json's schema version and the ledgers of
+options, defaults and fingerprint fields added or changed since, in one place.
+
+A run directory is read as it ran: :func:`migrate` turns an older ``config.json`` into today's
+(the options it predates at the values its run was made with, task defaults it took that have
+changed since at their old values), so rebuild, resume and export give what the run gave. The
+tables below are the only record of what changed; a change that would make an old run read
+differently adds a row here (and a fixture in tests/fixtures/legacy). No hiso imports: every
+layer may read these tables.
+"""
+
+from __future__ import annotations
+
+SCHEMA = 2  # config.json's "schema"; a file without one was written before schema versions (1)
+
+# options added later whose default computes differently: option -> (the tasks it applies to, None
+# for every task; the value runs made before it had). A config.json without `directions` predates
+# the option, when torch-normal was the only family, so its run is rebuilt with that family.
+MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False), "directions": (None, "torch-normal"),
+               "strip_text": ({"sst2", "qqp", "squad"}, False)}
+
+# task defaults changed since: task -> (option, its default before), for runs that took the default
+# (None in config.json) when it was the old value (task_info records the value used).
+# squad's max_length is 640 since 2026-11-25: 256 cut the answer out of 4 % of contexts.
+DEFAULT_BEFORE = {"squad": ("max_length", 256)}
+
+# RunConfig fields added after exports began to carry the configuration's hash
+# (runners.runmodel.config_sha256): at their default they are left out, so older runs keep theirs
+HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares", "grad_clip", "method_opts")
+
+# a built-in method's place in the protocol fingerprint hiso wrote before methods were plugins
+# (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`
+FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.FerretConfig": "ferret", "hiso.methods.feedsign.FeedSign": "signs"}
+
+# method fields added after runs were written with that method: left out of the fingerprint while
+# None, so those runs' checkpoints and peers stay this configuration's
+FINGERPRINT_LATER_FIELDS = {"hiso.methods.ferret.FerretConfig": ("grad_clip",),
+                            "hiso.methods.sketch.SketchConfig": ("grad_clip",)}
+
+
+def class_key(obj) -> str:
+    """``module.QualName`` of an object's class: how the fingerprint tables name a method."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def predates(raw: dict) -> dict:
+    """The options a saved configuration predates (:data:`MADE_BEFORE`), at the values its run was
+    made with, and the task defaults it took that have changed since (:data:`DEFAULT_BEFORE`)."""
+    task = raw.get("task", "quadratic")
+    if not isinstance(task, str):  # (damaged: RunConfig refuses it)
+        return {}
+    out = {k: v for k, (tasks, v) in MADE_BEFORE.items() if k not in raw and (tasks is None or task in tasks)}
+    if task in DEFAULT_BEFORE:
+        name, old = DEFAULT_BEFORE[task]
+        if raw.get(name) is None and (raw.get("task_info") or {}).get(name) == old:
+            out[name] = old
+    return out
+
+
+def migrate(raw: dict) -> tuple[dict, dict]:
+    """An older config.json's object as today's: (the object without its schema key, the options it
+    predates at their old values, :func:`predates`). ValueError for a schema newer than this hiso's."""
+    raw = dict(raw)
+    schema = raw.pop("schema", 1)
+    if not isinstance(schema, int) or isinstance(schema, bool) or schema < 1:
+        raise ValueError(f"schema {schema!r} is not a config.json schema version")
+    if schema > SCHEMA:
+        raise ValueError(f"written by a newer hiso (config.json schema {schema}, this hiso reads up to {SCHEMA}): "
+                         "upgrade hiso to read it")
+    return raw, predates(raw)
