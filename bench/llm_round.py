@@ -44,7 +44,7 @@ def main() -> None:
 
     from direction_timer import DirectionTimer
     from hiso.core.state import ModelState
-    from hiso.runners.compare import _reset_peak_rss, _vm_hwm_mb
+    from hiso.experiments.compare import _reset_peak_rss, _vm_hwm_mb
     from hiso.runners.simulate import Simulation
     from hiso.tasks.registry import build_task
 

@@ -24,7 +24,7 @@ peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 if what == "torch":
     import torch
 elif what == "hiso":
-    import hiso.cli, hiso.runners.rundir, hiso.runners.compare, hiso.config
+    import hiso.cli, hiso.runners.rundir, hiso.experiments.compare, hiso.config
     getattr(hiso.config, "task_names", lambda: None)()  # loads the task modules (where there is a registry)
 elif what == "run":
     from hiso.cli import main

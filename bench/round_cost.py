@@ -23,7 +23,7 @@ def worker(args) -> dict:
     import torch
 
     from hiso.config import RunConfig
-    from hiso.runners.compare import _reset_peak_rss, _vm_hwm_mb
+    from hiso.experiments.compare import _reset_peak_rss, _vm_hwm_mb
     from hiso.runners.simulate import Simulation
     from hiso.tasks.registry import build_task
 

@@ -221,7 +221,7 @@ def test_a_finished_run_continued_to_more_rounds_starts_from_its_model_pt(tmp_pa
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_checkpoints_not_the_run(tmp_path, capsys, monkeypatch):
     from hiso.runners import checkpoint as ck
-    from hiso.runners.atomic import torch_tmp
+    from hiso.atomic import torch_tmp
 
     def full_disk(path, blob):
         torch_tmp(path).write_bytes(b"half")

@@ -11,8 +11,8 @@ from cli_helpers import run_cli
 from hiso.report.table import (Reach, best_of, build_table, csv_columns, first_reach, human_bytes,
                                load_run_result, rounds_to_own_best, rounds_to_reach, speedup)
 from hiso.report.table import ArmResult
-from hiso.runners import compare as cmp
-from hiso.runners.compare import build_plan, parse_cli, select_lr
+from hiso.experiments import compare as cmp
+from hiso.experiments.compare import build_plan, parse_cli, select_lr
 
 # a small quadratic: ~50 ms a run
 TINY = {"task": "quadratic", "dim": 20, "clients": 4, "sampled": 2, "rounds": 30, "eval_every": 10}
@@ -429,7 +429,7 @@ def test_the_recorded_plan_rebuilds_the_same_plan(tmp_path):
     per-algorithm overrides, grids, select_on) comes back the same from it."""
     from pathlib import Path
 
-    from hiso.runners.compare_plan import table_plan
+    from hiso.experiments.compare_plan import table_plan
     for conf in sorted((Path(__file__).parent.parent / "configs").glob("*.toml")):
         plan = build_plan(conf)
         (tmp_path / "compare.json").write_text(json.dumps(plan.to_json()))

@@ -9,7 +9,7 @@ import pytest
 
 from cli_helpers import run_cli
 from hiso.report.table import ArmResult, RunResult, build_table, csv_columns, footer, to_csv, to_markdown
-from hiso.runners import compare as cmp
+from hiso.experiments import compare as cmp
 
 TINY_FLAGS = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2",
               "--rounds", "30", "--eval-every", "10"]
@@ -263,7 +263,7 @@ def test_a_compare_worker_draws_progress_bars_without_a_semaphore(monkeypatch):
     stopped compare of a language task (its evaluation draws a bar in the worker)."""
     import multiprocessing.synchronize as mps
 
-    from hiso.runners import compare_run
+    from hiso.experiments import compare_run
     from tqdm import tqdm
     from tqdm.std import TqdmDefaultWriteLock
 

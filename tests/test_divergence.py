@@ -221,7 +221,7 @@ def test_the_resolved_lr_is_recorded_and_used(tmp_path, capsys, monkeypatch):
 
 
 def test_a_comparison_gives_each_arm_without_a_grid_its_own_default(monkeypatch):
-    from hiso.runners.compare import build_plan, parse_cli
+    from hiso.experiments.compare import build_plan, parse_cli
     plan = build_plan(None, {"task": "mnist"}, parse_cli("hiso,decomfl,fedavg", "0"))
     assert {a.name: a.lrs for a in plan.arms} == {alg: (default_lr("mnist", alg),) for alg in ("hiso", "decomfl", "fedavg")}
     # no table entry is needed where every arm has a grid; an arm without one is told to give one
@@ -233,7 +233,7 @@ def test_a_comparison_gives_each_arm_without_a_grid_its_own_default(monkeypatch)
 
 
 def test_a_comparison_resumes_runs_made_before_diverge_factor_existed(tmp_path):
-    from hiso.runners.compare import _finished, build_plan, parse_cli
+    from hiso.experiments.compare import _finished, build_plan, parse_cli
     plan = build_plan(None, {"dim": 5, "rounds": 2}, parse_cli("hiso", "0", ["hiso=0.05"]))
     spec = plan.runs(tmp_path)[0]
     run_to_dir(spec.cfg, spec.dir)

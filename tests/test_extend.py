@@ -10,8 +10,8 @@ import json
 import pytest
 
 from cli_helpers import run_cli
-from hiso.runners import compare as cmp
-from hiso.runners.compare import build_plan, parse_cli
+from hiso.experiments import compare as cmp
+from hiso.experiments.compare import build_plan, parse_cli
 from test_resume import QUAD, WALL, _cut, _rows, assert_same_run
 
 

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "hiso"
 REGISTRY = {SRC / "methods" / "registry.py"}
 # the comparisons that stay, each with its reason
 SURVIVORS = {
-    ("runners/compare_plan.py", "decomfl"): "the comparison's default reference arm is DeComFL, the paper's baseline",
+    ("experiments/compare_plan.py", "decomfl"): "the comparison's default reference arm is DeComFL, the paper's baseline",
 }
 
 

@@ -16,7 +16,7 @@ import pytest
 from cli_helpers import run_cli
 from hiso.config import RunConfig
 from hiso.report.table import build_table, csv_columns, selected_row, selected_value, val_metric
-from hiso.runners import compare as cmp
+from hiso.experiments import compare as cmp
 
 ROUNDS, EVERY = 30, 10  # evaluated at rounds 0, 10, 20, 30
 FLAGS = ["--task", "mnist", "--clients", "4", "--sampled", "2", "--rounds", str(ROUNDS),

@@ -248,7 +248,7 @@ class Comparison:
 
     def run(self, arm: str, lr: float, seed: int) -> Run:
         """One run of the comparison."""
-        from .runners.compare_plan import run_dir
+        from .experiments.compare_plan import run_dir
         return Run(run_dir(self.dir, arm, lr, seed))
 
 
@@ -264,7 +264,7 @@ def compare(task: str, out: str | Path, config: str | Path | None = None, algori
     (each seed builds its own task, so not an object); ``config``: a TOML file with a
     ``[compare]`` table; ``options``: shared :class:`RunConfig` fields (``rounds=40``, ...);
     ``target``: the frontier's second target (``--target``; :mod:`hiso.report.frontier`)."""
-    from .runners.compare import build_plan, compare as compare_runs
+    from .experiments.compare import build_plan, compare as compare_runs
 
     if not isinstance(task, str):
         raise TypeError("task: a task's name (a built-in one, or module:Class / path/file.py:Class): each "

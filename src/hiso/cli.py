@@ -302,8 +302,8 @@ def _command(args: argparse.Namespace) -> int:
         return cmd_rebuild(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:  # DataError is a ValueError
         return _fail(str(e))
-    except OSError as e:  # a full disk: named in one line; every file written so far is whole (runners.atomic)
-        from .runners.atomic import disk_full
+    except OSError as e:  # a full disk: named in one line; every file written so far is whole (hiso.atomic)
+        from .atomic import disk_full
         if not disk_full(e):
             raise
         out = getattr(args, "out", None) or getattr(args, "resume", None)

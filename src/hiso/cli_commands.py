@@ -153,7 +153,7 @@ def _ending_note(cfg: RunConfig, out: Path) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .runners.compare import build_plan, compare, parse_cli, table_plan
+    from .experiments.compare import build_plan, compare, parse_cli, table_plan
 
     if args.table_only and args.force:
         return _fail("--table-only runs nothing and --force reruns everything: choose one")
@@ -179,7 +179,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         return _fail(f"--jobs must be >= 1, got {args.jobs}")
     if at_round == "latest":  # resolved once here: the runs go on logging meanwhile
-        from .runners.compare import reached_part
+        from .experiments.compare import reached_part
         at_round = reached_part(plan, args.out, "latest")[2]
     try:
         text = compare(plan, args.out, force=args.force, quiet=args.quiet, jobs=args.jobs,
@@ -215,7 +215,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         return _fail(f"--out {out}: {out.parent} is not a directory")
-    from .runners.atomic import save_atomic
+    from .atomic import save_atomic
     save_atomic(out, ckpt)
     print(f"rebuilt round {state.round} model from {args.run_dir} into {args.out}")
     return 0

@@ -358,17 +358,6 @@ class RunConfig(BaseModel, MethodRules):
             raise ValueError(f"{name} = {getattr(self, name)!r}: task {self.task} does not use it"
                              f"{' (it is for ' + ', '.join(where) + ')' if where else ''}{hint}")
 
-    def _method_opts_checks(self) -> None:
-        """Type a user's method's options by its fields; a built-in method has none of its own."""
-        from .methods.options import check_options
-        from .methods.registry import is_user_method, user_method_class
-        if not self.method_opts:
-            return
-        if not is_user_method(self.algorithm):
-            raise ValueError(f"method_opts: {self.algorithm} has no options of its own (its options are flags: "
-                             "hiso run --help); method_opts is for a Method subclass's fields")
-        self.method_opts = check_options(user_method_class(self.algorithm), self.method_opts, self.algorithm)
-
     @model_validator(mode="before")
     @classmethod
     def _no_bool_numbers(cls, values: Any) -> Any:
@@ -456,16 +445,11 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     values = read_toml(path)
     if isinstance(values.get("compare"), dict):
         values.pop("compare")
-    if isinstance(values.get("method"), dict):  # the [method] table: the method's own options
-        values["method_opts"] = {**values.pop("method"), **(values.get("method_opts") or {})}
-    given = {k: v for k, v in overrides.items() if v is not None}
-    if given.get("method_opts") is not None and values.get("method_opts"):  # flags add to the file's, key by key
-        from .methods.options import parse_pairs
-        try:
-            given["method_opts"] = {**values["method_opts"], **parse_pairs(given["method_opts"])}
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    values.update(given)
+    from .methods.options import merge_options
+    try:
+        values = merge_options(values, {k: v for k, v in overrides.items() if v is not None})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         return RunConfig(**values)
     except ValidationError as e:

@@ -32,6 +32,17 @@ class MethodRules:
             return self.server_lr
         return self.method.server_lr if self.method.server_lr is not None else 0.01
 
+    def _method_opts_checks(self) -> None:
+        """Type a user's method's options by its fields; a built-in method has none of its own."""
+        from .methods.options import check_options
+        from .methods.registry import is_user_method, user_method_class
+        if not self.method_opts:
+            return
+        if not is_user_method(self.algorithm):
+            raise ValueError(f"method_opts: {self.algorithm} has no options of its own (its options are flags: "
+                             "hiso run --help); method_opts is for a Method subclass's fields")
+        self.method_opts = check_options(user_method_class(self.algorithm), self.method_opts, self.algorithm)
+
     def _lacks(self, cap: str, what: str, builtin_msg: str) -> ValueError:
         """The refusal of ``what`` for a method without capability ``cap``: a built-in method's
         ``builtin_msg`` (which names the methods that have it), or, for a user's method, the
@@ -45,11 +56,10 @@ class MethodRules:
     def _method_checks(self, faults: float) -> None:
         """What the run's method can be combined with, asked of its registry entry
         (:mod:`hiso.methods.registry`): each option that needs a capability it lacks is refused."""
+        from .config_parse import parse_attacks
         from .methods.registry import in_words, with_capability
-        from .runners.faults import parse_attacks
         info = self.method
         can = info.can
-        from .runners.faults import parse_attacks
         attacks = parse_attacks(self.attack)
         if self.sends_signs and self.byzantine and (bad := [a for a in attacks if a in ("scale", "nan")]):
             raise ValueError(f"{self.algorithm}'s clients send signs: attack {' and '.join(bad)} cannot be sent as one "

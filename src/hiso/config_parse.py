@@ -1,4 +1,5 @@
-"""The units of a run's options: ``checkpoint_every`` (rounds or a time) and sizes (``512M``)."""
+"""The units of a run's options: ``checkpoint_every`` (rounds or a time), sizes (``512M``) and the
+simulated attackers' attacks (``scale,sign-flip``)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,17 @@ def parse_size(text: str) -> int:
     if n < 1:
         raise ValueError(f"size must be at least one byte: {text!r}")
     return int(n)
+
+
+ATTACKS = ("scale", "sign-flip", "random", "nan")  # what a simulated Byzantine client does (runners.faults)
+
+
+def parse_attacks(spec: str) -> tuple[str, ...]:
+    """``"scale,sign-flip"`` -> ("scale", "sign-flip"); one-line error on an unknown attack."""
+    names = tuple(a.strip() for a in spec.split(",") if a.strip())
+    if not names:
+        raise ValueError("attack: give at least one of " + ", ".join(ATTACKS))
+    for a in names:
+        if a not in ATTACKS:
+            raise ValueError(f"unknown attack {a!r} (choose from {', '.join(ATTACKS)})")
+    return names

@@ -14,7 +14,7 @@ from ..core.client import Client
 from ..core.messages import (Hello, MessageError, Wire, check_welcome, decode_uplink, decode_welcome, encode_hello,
                              tensors_fingerprint)
 from ..core.state import ModelState
-from ..runners.atomic import write_atomic
+from ..atomic import write_atomic
 from ..methods.privacy import reports_loss
 
 from .records import REC, _cfg_json, _partition, _records, _state_dir, _task_for, log

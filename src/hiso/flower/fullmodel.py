@@ -41,7 +41,7 @@ from ..config import RunConfig
 from ..core.perturb import Perturber
 from ..core.server import sample_clients
 from ..core.state import ModelState, trainable_params
-from ..runners.atomic import write_atomic
+from ..atomic import write_atomic
 from ..runners.fullmodel import FullModelSimulation, fedzo_config
 from .records import REC, Settings, _task_for
 from .server_app import FlowerFederation

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..core.state import ModelState
-from ..runners.atomic import write_atomic
+from ..atomic import write_atomic
 
 ALIGN = 64
 # fields that do not change the trajectory: a longer run or other logging reuses the replica

@@ -31,7 +31,7 @@ from ..methods.fedkseed import PoolReplica, decode_pool_downlink, decode_pool_up
 from ..core.messages import MessageError
 from ..core.perturb import Perturber
 from ..core.server import sample_clients
-from ..runners.atomic import write_atomic
+from ..atomic import write_atomic
 from ..runners.fedkseed import FedKSeedSimulation, pool_answer, pool_config
 from .records import Settings, _task_for
 from .server_app import FlowerFederation

@@ -19,7 +19,7 @@ from ..core.messages import (Hello, MessageError, decode_hello, decode_uplink, e
 from ..core.state import ModelState
 from ..methods.privacy import reports_loss
 from ..runners.accounting import privacy_ledger
-from ..runners.atomic import write_atomic
+from ..atomic import write_atomic
 from ..runners.common import Comm, metric_rows
 from ..runners.simulate import protocol_server
 from ..tasks.base import Task

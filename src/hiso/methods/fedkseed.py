@@ -280,7 +280,7 @@ class PoolLogWriter:
         for rec in keep or ():
             head += self._encode(rec)
             self.round += 1
-        from ..runners.atomic import write_atomic
+        from ..atomic import write_atomic
         write_atomic(path, head)  # replaced whole: a kill here leaves the old log or the kept one
         self._f = open(path, "ab")
 

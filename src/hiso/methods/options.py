@@ -30,6 +30,17 @@ def parse_pairs(items) -> dict[str, str]:
     return out
 
 
+def merge_options(values: dict, given: dict) -> dict:
+    """A TOML file's values with the ``[method]`` table as ``method_opts``, then the flags
+    ``given`` on top; ``--method-opt`` adds to the file's options key by key."""
+    values = dict(values)
+    if isinstance(values.get("method"), dict):
+        values["method_opts"] = {**values.pop("method"), **(values.get("method_opts") or {})}
+    if given.get("method_opts") is not None and values.get("method_opts"):
+        given = {**given, "method_opts": {**values["method_opts"], **parse_pairs(given["method_opts"])}}
+    return {**values, **given}
+
+
 def fields_of(cls: type) -> dict[str, Any]:
     """The options a method class declares: its dataclass fields (name -> type)."""
     if not dataclasses.is_dataclass(cls):

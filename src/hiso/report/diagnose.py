@@ -314,7 +314,7 @@ def write(d: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = out_dir / "diagnose.json", out_dir / "diagnose.txt", out_dir / "diagnose.png"
-    from ..runners.atomic import write_atomic
+    from ..atomic import write_atomic
     write_atomic(paths[0], json.dumps({k: v for k, v in d.items() if not k.startswith("_")}, indent=2))
     write_atomic(paths[1], summary_text(d) + "\n")
     plot(d, paths[2])

@@ -1,7 +1,7 @@
 """The comparison table (``DIR/table.md``, ``DIR/table.csv``) and the pure functions behind it.
 
 One row per arm (algorithm or variant), at the lr chosen for it (see
-:mod:`hiso.runners.compare`), over its seeds. ``metric`` is the evaluation metric of the
+:mod:`hiso.experiments.compare`), over its seeds. ``metric`` is the evaluation metric of the
 comparison (``eval_acc`` for classifiers: higher is better; ``eval_loss`` or the quadratic's
 ``gap``: lower is better). ``select`` is the metric the choices go by: ``metric`` itself
 (selection on test, the header says "selected on test") or its validation counterpart
@@ -317,7 +317,7 @@ def write_table(out: str | Path, table: Table) -> str:
     """Write ``table.md`` (table and footer) and ``table.csv``; returns the markdown."""
     out = Path(out)
     text = to_markdown(table) + "\n\n" + footer(table) + "\n"
-    from ..runners.atomic import write_atomic
+    from ..atomic import write_atomic
     write_atomic(out / "table.md", text)
     write_atomic(out / "table.csv", to_csv(table))
     return text

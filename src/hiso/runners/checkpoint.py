@@ -44,7 +44,7 @@ import torch
 
 from ..config import parse_every
 from ..core.join import config_fingerprint
-from .atomic import save_atomic, torch_tmp
+from ..atomic import save_atomic, torch_tmp
 from .runfiles import on_cpu
 
 FILE = "checkpoint.pt"

@@ -43,10 +43,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config_parse import ATTACKS, parse_attacks  # noqa: F401 (the spec is the configuration's)
 from ..core.messages import MessageError
 
 FATES = ("ok", "drop", "late", "duplicate", "corrupt")
-ATTACKS = ("scale", "sign-flip", "random", "nan")
 _SALT_FAULT, _SALT_DAMAGE, _SALT_BYZ, _SALT_ATTACK = 0xFA17, 0xDA3A, 0xB12A, 0xA77C
 
 
@@ -104,17 +104,6 @@ class Faults:
         for bit in rng.choice(8 * len(out), size=min(k, 8 * len(out)), replace=False):
             out[bit // 8] ^= 1 << (bit % 8)
         return bytes(out)
-
-
-def parse_attacks(spec: str) -> tuple[str, ...]:
-    """``"scale,sign-flip"`` -> ("scale", "sign-flip"); one-line error on an unknown attack."""
-    names = tuple(a.strip() for a in spec.split(",") if a.strip())
-    if not names:
-        raise ValueError("attack: give at least one of " + ", ".join(ATTACKS))
-    for a in names:
-        if a not in ATTACKS:
-            raise ValueError(f"unknown attack {a!r} (choose from {', '.join(ATTACKS)})")
-    return names
 
 
 class Attackers:

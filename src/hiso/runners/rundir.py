@@ -60,7 +60,7 @@ from .runfiles import config_text, method_source
 from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp_secret,  # noqa: F401
                        extend_refusal, made_before, not_a_dir, overwrites_run, read_run_history, resume_point,
                        same_run, saved_config, write_atomic)
-from .atomic import save_atomic
+from ..atomic import save_atomic
 from .checkpoint import FILE as CHECKPOINT
 from .checkpoint import Checkpoints, CheckpointUnusable, final_marker, keep_final, load_start
 from .accounting import ledger_of_run, privacy_ledger

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from ..compat import SCHEMA, migrate
 from ..config import RUNTIME_ONLY, ConfigError, RunConfig, load_config
 from ..core.history import parse_history
-from .atomic import torch_tmp, write_atomic  # noqa: F401 (write_atomic re-exported: the run files' writer)
+from ..atomic import torch_tmp, write_atomic  # noqa: F401 (write_atomic re-exported: the run files' writer)
 
 
 # the files a run writes into its directory (see hiso.runners.rundir; flower*: a run over Flower)

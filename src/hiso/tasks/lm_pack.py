@@ -182,7 +182,7 @@ def pack(model: str, out: str | Path, part_size: int | str = DEFAULT_PART_SIZE, 
             close_part()
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": name, "hiso_version": __version__,
                     "part_size": size, "total_size": total, "files": entries, "parts": parts, **extra}
-        from ..runners.atomic import write_atomic
+        from ..atomic import write_atomic
         write_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")  # last: no manifest, no pack
     except BaseException:
         if part is not None:

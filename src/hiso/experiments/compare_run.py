@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from ..config import ConfigError, RunConfig
 
-from .atomic import write_atomic
+from ..atomic import write_atomic
 from .compare_plan import NOT_TASK_FIELDS, RESUME_IGNORED, Plan, RunSpec, lr_dirname
 
 
@@ -68,7 +68,7 @@ def _state(spec: RunSpec, fix: str = "use --force to rerun, or another --out") -
     continued, or a partial run of another configuration). A finished run of another
     configuration is an error (:class:`ConfigError`) whose message ends with ``fix`` (``{option}``
     in it: the option that differs)."""
-    from .runfiles import ended_early, extend_refusal, resume_point
+    from ..runners.runfiles import ended_early, extend_refusal, resume_point
 
     try:
         old = json.loads((spec.dir / "config.json").read_text())
@@ -187,7 +187,7 @@ def _round_reporter(label: str, rounds: int, every_s: float = 0.2) -> Callable[[
 def _run_in_worker(spec: RunSpec, tracking=None, resume: bool = False) -> dict:
     """One run in a worker process (``--jobs`` > 1): its own task, its own peak memory."""
     from ..tasks.registry import build_task
-    from .rundir import run_to_dir
+    from ..runners.rundir import run_to_dir
 
     reset = _reset_peak_rss()
     task = build_task(spec.cfg)
@@ -309,7 +309,7 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
     from tqdm import tqdm
 
     from ..tasks.registry import build_task
-    from .rundir import clear_run, run_to_dir
+    from ..runners.rundir import clear_run, run_to_dir
 
     out = Path(out)
     specs = plan.runs(out)

@@ -1,8 +1,8 @@
 """``hiso compare``: several algorithms x an lr grid x seeds on one task, each algorithm's lr
 chosen on the grid, then a table and plots.
 
-Three rooms: :mod:`hiso.runners.compare_plan` (the configuration and the plan),
-:mod:`hiso.runners.compare_run` (running it, resumable) and this module (choosing each arm's lr,
+Three rooms: :mod:`hiso.experiments.compare_plan` (the configuration and the plan),
+:mod:`hiso.experiments.compare_run` (running it, resumable) and this module (choosing each arm's lr,
 then the table and the plots).
 
 Selection and outputs
@@ -36,7 +36,7 @@ Selection and outputs
   and ``select_metric``; ``selection.json`` records them too, and, selecting on validation,
   each lr's per-seed test metric at the selected round). Written
   only once the plan is known to fit the runs already in ``DIR`` (a refused compare leaves it as
-  it was). ``--table-only`` tabulates ``DIR`` by this plan (:func:`~hiso.runners.compare_plan.table_plan`),
+  it was). ``--table-only`` tabulates ``DIR`` by this plan (:func:`~hiso.experiments.compare_plan.table_plan`),
   not by the config file, which may have changed since; flags given override it.
 """
 
@@ -51,7 +51,7 @@ from ..config import ConfigError
 from ..report.table import ArmResult, RunResult, best_of, load_run_result, selected_value
 
 # names callers import from here (hiso.cli, tests, bench)
-from .atomic import write_atomic
+from ..atomic import write_atomic
 from .compare_plan import Arm, CompareSpec, Plan, RunSpec, build_plan, lr_dirname, parse_cli, run_dir  # noqa: F401
 from .compare_plan import table_plan  # noqa: F401
 from .compare_run import _finished, _reset_peak_rss, _vm_hwm_mb, execute  # noqa: F401

@@ -1,0 +1,1 @@
+"""Experiments over many runs: ``hiso compare`` (plan, run, select, tabulate)."""
