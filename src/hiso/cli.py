@@ -26,7 +26,27 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        first = next((w for w in message.split()[2:] if w.startswith("--")), None)
+        if message.startswith("unrecognized arguments:") and first is not None:
+            message += self._hint(first.partition("=")[0])
         self.exit(2, f"hiso: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)  # for _hint: which command was asked
+        return super().parse_args(args, namespace)
+
+    def _hint(self, flag: str) -> str:
+        """Where an unknown flag belongs: the nearest flag of the command given, and the other
+        commands that take it as it is."""
+        from .config_parse import nearest
+        subs = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        command = next((w for w in getattr(self, "_argv", []) if w in subs), None)
+        if command is None:
+            return ""
+        own = {o for a in subs[command]._actions for o in a.option_strings}
+        elsewhere = [c for c, p in subs.items() if c != command and flag in p._option_string_actions]
+        where = f" ({flag} is for hiso {', '.join(elsewhere)})" if elsewhere else ""
+        return where + nearest(flag, own)
 
 
 def field_choices(name: str) -> tuple[str, ...] | None:
@@ -312,14 +332,15 @@ def _command(args: argparse.Namespace) -> int:
         where = f"{e.filename}: " if e.filename else ""
         return _fail(f"a write failed: {where}{e.strerror or 'no space left on device'}{kept}")
     except KeyboardInterrupt as e:
-        if sig := _stopped_by(e):
-            print(f"hiso: stopped by {signal.Signals(sig).name}; every process it started is stopped, "
-                  "the run directory holds every round logged so far", file=sys.stderr)
-            return 128 + sig
         out = getattr(args, "out", None) or getattr(args, "resume", None)
         kept = (f"; {out} holds every round logged so far" if isinstance(out, str) and Path(out).is_dir()
                 else "")
-        print(f"hiso: interrupted{kept}", file=sys.stderr)
+        again = f" (continue it: hiso run --resume {out})" if kept and args.command in ("run", "flower") else ""
+        if sig := _stopped_by(e):
+            print(f"hiso: stopped by {signal.Signals(sig).name}; every process it started is stopped{kept}{again}",
+                  file=sys.stderr)
+            return 128 + sig
+        print(f"hiso: interrupted{kept}{again}", file=sys.stderr)
         return 128 + signal.SIGINT  # 130, as a shell reports Ctrl-C (2 is a usage error)
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from .config_methods import MethodRules
-from .config_parse import parse_every, parse_size  # noqa: F401  (hiso.config.parse_* as ever)
+from .config_parse import kind as _kind, nearest, parse_every, parse_size  # noqa: F401  (hiso.config.parse_*)
 from .core.config import ZOConfig
 from .core.preconditioner import PreconditionerConfig
 from .methods.momentum import MomentumConfig
@@ -407,23 +407,20 @@ class RunConfig(BaseModel, MethodRules):
                     self.direction_mask)
 
 
-def _kind(annotation: Any) -> str:
-    """A field's type in words, for messages: number, integer, text."""
-    from typing import get_args
-    kinds = {a for a in (annotation, *get_args(annotation)) if a in (int, float, str)}
-    return "an integer" if kinds == {int} else "a number" if kinds & {int, float} else "a value"
-
-
 # options that change how a run is carried out, never its results: a resumed run may take others
 RUNTIME_ONLY = ("checkpoint_every",)
 
 
 def one_line(err: ValidationError, prefix: str | None = None) -> str:
-    """A pydantic validation error as one line: ``where: what`` (``where`` under ``prefix``)."""
+    """A pydantic validation error as one line: ``where: what`` (``where`` under ``prefix``); an
+    unknown option names the nearest known one."""
     e = err.errors()[0]
     where = ".".join(str(x) for x in (*([prefix] if prefix else []), *e["loc"]))
     msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden" and e["loc"]:
+        msg = "not an option" + nearest(str(e["loc"][-1]), RunConfig.model_fields)
     return f"{where}: {msg}" if where else msg
+
 
 
 def read_toml(path: str | Path | None) -> dict[str, Any]:
@@ -453,4 +450,6 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     try:
         return RunConfig(**values)
     except ValidationError as e:
-        raise ConfigError(one_line(e)) from None
+        key = (e.errors()[0].get("loc") or ("",))[0]
+        given = {k for k, v in overrides.items() if v is not None}
+        raise ConfigError((f"{path}: " if path is not None and key not in given else "") + one_line(e)) from None

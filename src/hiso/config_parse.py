@@ -48,3 +48,17 @@ def parse_attacks(spec: str) -> tuple[str, ...]:
         if a not in ATTACKS:
             raise ValueError(f"unknown attack {a!r} (choose from {', '.join(ATTACKS)})")
     return names
+
+
+def nearest(word: str, known) -> str:
+    """`` (did you mean X?)`` for the known name closest to ``word``, or "" if none is close."""
+    import difflib
+    close = difflib.get_close_matches(word, [k for k in known if k != word], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def kind(annotation) -> str:
+    """A field's type in words, for messages: number, integer, text."""
+    from typing import get_args
+    kinds = {a for a in (annotation, *get_args(annotation)) if a in (int, float, str)}
+    return "an integer" if kinds == {int} else "a number" if kinds & {int, float} else "a value"
