@@ -90,6 +90,8 @@ def test_peft_export_on_its_base_gives_hisos_logits(runs, tmp_path, capsys):
     code, _, err = run_cli(["export", str(runs["lora"]), "--out", str(out), "--format", "peft", "--round", "3"], capsys)
     assert code == 0, err
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "hiso.json"} <= {p.name for p in out.iterdir()}
+    # the adapter names the model the run was given (here a directory of the user's), never a cache
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(runs["files"]["lm"])
     base = AutoModelForCausalLM.from_pretrained(runs["files"]["lm"])
     model = PeftModel.from_pretrained(base, out).eval()
     assert torch.allclose(_logits(model), _hiso_logits(runs["lora"], 3), atol=1e-5, rtol=0)
@@ -178,3 +180,13 @@ def test_export_onto_another_base_is_refused(runs, tmp_path, capsys):
     run = _lm_run({**runs["files"], "lm": str(lm)}, tmp_path / "run", "--lora-r", "2", "--lr", "0.5", "--rounds", "1")
     write_tiny_lm(lm, seed=2)  # the base changed under the run's feet
     _refused(["export", str(run), "--out", str(tmp_path / "x"), "--format", "peft"], capsys, tmp_path, "base model")
+
+
+def test_an_adapter_of_a_short_name_names_it_and_its_card_loads_it_with_hiso():
+    from hiso.runners.export import adapter_base, model_card
+    info = {"model": "smollm2-135m", "model_source": "/root/.cache/hiso/models/smollm2-135m"}
+    assert adapter_base(info) == "smollm2-135m"
+    meta = {"format": "peft", "base_model": "smollm2-135m", "task": "sst2", "algorithm": "hiso", "round": 3,
+            "run_dir": "r", "seed": 0, "config_sha256": "x", "base_fingerprint": "y"}
+    card = model_card(meta, info)
+    assert "base = base_model('smollm2-135m')" in card and ".cache" not in card.split("## Load")[1]

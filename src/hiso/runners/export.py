@@ -112,6 +112,12 @@ def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
     return meta
 
 
+def adapter_base(info: dict) -> str | None:
+    """The base an adapter names: the model the run was given (a hub id, hiso's short name, or
+    the user's own directory), never the cache a short name's weights were read from."""
+    return info.get("model") or info.get("model_source")
+
+
 def model_card(meta: dict, info: dict) -> str:
     """A short README.md (Hugging Face model card) naming the base, the run and how to load it."""
     from ..tasks.lm import SHORT_NAMES
@@ -148,9 +154,13 @@ def model_card(meta: dict, info: dict) -> str:
         lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer",
                   "model = AutoModelForCausalLM.from_pretrained(DIR)", "tok = AutoTokenizer.from_pretrained(DIR)"]
     elif meta["format"] == "peft":
-        lines += ["from peft import PeftModel", "from transformers import AutoModelForCausalLM",
-                  f"base = AutoModelForCausalLM.from_pretrained({info.get('model_source', base)!r})",
-                  "model = PeftModel.from_pretrained(base, DIR)"]
+        if base in SHORT_NAMES:  # hiso's dequantized GGUF, rebuilt from its pip package wherever the cache is
+            lines += ["from peft import PeftModel", "from hiso.tasks.lm import base_model",
+                      f"base = base_model({base!r})", "model = PeftModel.from_pretrained(base, DIR)"]
+        else:
+            lines += ["from peft import PeftModel", "from transformers import AutoModelForCausalLM",
+                      f"base = AutoModelForCausalLM.from_pretrained({adapter_base(info)!r})",
+                      "model = PeftModel.from_pretrained(base, DIR)"]
     else:
         lines += ["from safetensors.torch import load_file",
                   "model.load_state_dict(load_file(DIR + '/model.safetensors'))"]
@@ -164,7 +174,7 @@ def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict) -> None:
         rm.model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
         cfg_path = tmp / "adapter_config.json"
         acfg = json.loads(cfg_path.read_text())
-        acfg["base_model_name_or_path"] = rm.info.get("model_source") or acfg.get("base_model_name_or_path")
+        acfg["base_model_name_or_path"] = adapter_base(rm.info) or acfg.get("base_model_name_or_path")
         cfg_path.write_text(json.dumps(acfg, indent=2))
     elif fmt == "merged":
         model = _plain_model(rm)

@@ -176,6 +176,12 @@ def load_model(name: str, source: str) -> nn.Module:
     return _loading(name, _model, source)
 
 
+def base_model(name: str) -> nn.Module:
+    """The base model ``name`` (a short name such as ``smollm2-135m``, a hub id or a directory) in
+    float32, as hiso runs it: what an exported adapter is loaded onto (``PeftModel.from_pretrained``)."""
+    return load_model(name, resolve_model(name))
+
+
 def add_lora(model: nn.Module, r: int, alpha: float, targets: list[str], seed: int) -> nn.Module:
     """Wrap ``model`` with LoRA adapters (peft); only the adapters stay trainable.
 
