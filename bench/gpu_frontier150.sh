@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 42's 150-round SST-2 rows on a lent GPU, in one device call after the set-up call
-# (docs/gpu.md, "The frontier's 150-round rows"). Usage, in the repository root there:
+# (bench/gpu.md, "The frontier's 150-round rows"). Usage, in the repository root there:
 #   bash bench/gpu_frontier150.sh PART_DIR BUDGET_S [SEEDS] [JOBS]
 # PART_DIR holds the pack's last part; /tmp/x/pack already holds the others and manifest.json,
 # /tmp/x/sst2 the TSVs and /tmp/site the wheels (the set-up call). The compare runs for at most

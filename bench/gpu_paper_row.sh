@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 58 on a lent GPU, in one device call after the set-up call (docs/gpu.md, "The paper row
+# Issue 58 on a lent GPU, in one device call after the set-up call (bench/gpu.md, "The paper row
 # with real weights"): the grouped fold against the per-tensor fold, a round against its forwards,
 # and the paper's SST-2 full-parameter row (SmolLM2-135M, real weights) for the rest of the budget.
 #

@@ -3,7 +3,7 @@
 #
 #   bench/gpu_session.sh XFER [BUDGET_S]      (on the device machine, from the repository root)
 #
-# XFER is the folder prepared here (docs/gpu.md, "One call"): whl/ (pydantic and what it needs,
+# XFER is the folder prepared here (bench/gpu.md, "One call"): whl/ (pydantic and what it needs,
 # which the GPU image lacks), sst2/ (train.tsv, dev.tsv) and smollm2-shape/ (SmolLM2-135M's config
 # and tokenizer, `bench/lm_shape.py save`). The model is built there with random weights of that
 # shape (timings do not depend on the values; no weights travel). Each step has its own timeout;
@@ -52,7 +52,7 @@ step tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_philox.py tes
 step round_hooks 75 python3 bench/llm_round.py --data-dir $D --model $M --device $dev --rounds 3 --autocast none --threads 8
 step round_batched 75 python3 bench/llm_round.py --data-dir $D --model $M --device $dev --rounds 3 --autocast none --threads 8 --perturb-mode batched --batch-memory 8G
 # a HiSo run on this device (LoRA with checkpoints, then full parameters), its state's digest and
-# log into $OUT/rebuild.tgz: rebuilt on a CPU elsewhere, bit for bit (docs/gpu.md, "Rebuilt on a CPU")
+# log into $OUT/rebuild.tgz: rebuilt on a CPU elsewhere, bit for bit (bench/gpu.md, "Rebuilt on a CPU")
 runs() {
   local R=$OUT/rebuild; mkdir -p $R
   python3 -m hiso.cli run --task sst2 --model $M --data-dir $D --lora-r 8 --device $dev --rounds ${LORA_ROUNDS:-30} \

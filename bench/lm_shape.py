@@ -3,7 +3,7 @@
 The benches' timings (a round against its forwards, batched against hooks perturbation, grouped
 shifts, compiled forwards) depend on the model's architecture and the token counts, not on the
 weights' values. Moving the weights to a lent GPU machine costs parts of 60 MB and a call each
-(docs/gpu.md); the shape costs 3.5 MB (SmolLM2-135M's config and tokenizer), so the timing
+(bench/gpu.md); the shape costs 3.5 MB (SmolLM2-135M's config and tokenizer), so the timing
 checks fit one device call:
 
     python bench/lm_shape.py save smollm2-135m --out .xfer-setup/smollm2-shape     # here

@@ -6,7 +6,7 @@ at its round), names flattened, bytes on the CPU.
 
 Two files print the same digest exactly when their tensors are bit for bit equal, whatever the
 device that wrote them or the archive's layout: how a run made on a GPU is checked against its
-rebuild on a CPU when the model itself is too large to carry back (docs/gpu.md).
+rebuild on a CPU when the model itself is too large to carry back (bench/gpu.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A resumed run rebuilds the server's model and H by replaying the log from x_0 (s
 :mod:`hiso.runners.rundir`). That costs one update per logged round: negligible for small
 models, but for an LLM with all parameters trainable it is one direction-combination of d
 values per round, so a run resumed at round 2,000 spent minutes replaying before its first new
-round (docs/gpu.md). ``DIR/checkpoint.pt`` cuts that to the rounds since the last checkpoint.
+round (bench/gpu.md). ``DIR/checkpoint.pt`` cuts that to the rounds since the last checkpoint.
 
 What it holds: the server replica's :meth:`~hiso.core.state.ModelState.state_dict` (model or
 adapter, H, momentum, step normalisation) at a round c whose history record and metrics row are
