@@ -72,3 +72,38 @@ def test_every_method_learns_with_its_defaults(tmp_path, tasks, task, algorithm)
     assert list(losses)[-1] == rounds and losses[rounds] < min(losses[0], CHANCE.get(task, math.inf)), \
         f"{algorithm} at lr {cfg.lr:g} on {task}: eval loss by round {losses}"
 
+
+
+def _defaults_in(line: str) -> dict[str, float]:
+    """``hiso, fedzo 0.002; decomfl 0.0015`` (or ``every method 0.05``) as method -> lr."""
+    found = {}
+    for part in line.split("; "):
+        names, lr = part.rsplit(" ", 1)
+        for name in method_names() if names == "every method" else names.split(", "):
+            found[name] = float(lr)
+    return found
+
+
+def _lr_help(args, capsys) -> list[str]:
+    """The lines of --lr's entry in ``hiso ARGS --help``."""
+    from cli_helpers import run_cli
+    code, out, _ = run_cli([*args, "--help"], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip().startswith("--lr "))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("  -"))
+    return [line.strip() for line in lines[start:end]]
+
+
+def test_run_help_lists_every_methods_default_lr_for_the_task(capsys, monkeypatch):
+    from hiso.config import task_names
+    monkeypatch.setenv("COLUMNS", "1000")  # one line a task
+    lines = _lr_help(["run", "--task", "mnist"], capsys)
+    mnist = [line.removeprefix("mnist: ") for line in lines if line.startswith("mnist: ")]
+    assert len(mnist) == 1 and not any(line.startswith("quadratic: ") for line in lines)
+    assert _defaults_in(mnist[0]) == {m: default_lr("mnist", m) for m in method_names()}
+    lines = _lr_help(["run"], capsys)  # no --task: every task's line
+    assert {t for line in lines if ": " in line for t in line.split(": ")[0].split(", ")} >= set(task_names())
+    quadratic = next(line for line in lines if line.startswith("quadratic: ")).removeprefix("quadratic: ")
+    assert _defaults_in(quadratic) == {m: default_lr("quadratic", m) for m in method_names()}
+
