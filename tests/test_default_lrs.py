@@ -107,3 +107,15 @@ def test_run_help_lists_every_methods_default_lr_for_the_task(capsys, monkeypatc
     quadratic = next(line for line in lines if line.startswith("quadratic: ")).removeprefix("quadratic: ")
     assert _defaults_in(quadratic) == {m: default_lr("quadratic", m) for m in method_names()}
 
+
+def test_a_diverging_run_suggests_the_lr_the_grids_chose(tmp_path, capsys):
+    from cli_helpers import run_cli
+    from hiso.report.footer import loss_rise_note
+    code, _, err = run_cli(["run", "--out", str(tmp_path / "run"), "--task", "quadratic", "--dim", "20", "--clients", "4",
+                            "--sampled", "2", "--rounds", "6", "--lr", "100", "--quiet"], capsys)
+    assert code == 1 and "diverged in round" in err
+    assert f"try --lr {default_lr('quadratic', 'hiso'):g}, the one the project's lr grids chose" in err
+    rise = {"round": 4, "eval_loss": 9.0}
+    assert "try --lr 0.03," in loss_rise_note(2.3, rise, 0.1, 0.03)
+    assert "try --lr" not in loss_rise_note(2.3, rise, 0.03, 0.03)  # at the grids' own lr: a smaller one
+    assert "a smaller --lr" in loss_rise_note(2.3, rise, 0.1, None)  # a task without a default

@@ -237,6 +237,16 @@ def default_lr(task: str, algorithm: str, lora: bool = False, model: str | None 
     raise ValueError(f"no default lr for {algorithm} on task {what}: give one (--lr, or lr = ... in the config file)")
 
 
+def run_default_lr(cfg: "RunConfig") -> float | None:
+    """The lr ``cfg``'s task and algorithm give a run without --lr (None: none), for messages."""
+    try:
+        info = task_info(cfg.task)
+        model = cfg.model if info.options is None or "model" in info.options else None
+        return default_lr(cfg.task, cfg.algorithm, cfg.lora_r is not None, model)
+    except (ValueError, ImportError):
+        return None
+
+
 def default_lr_line(task: str) -> str:
     """The default lr of every built-in method on ``task`` in one line, methods of the same
     defaults together (``hiso, fedzo 0.002; decomfl 0.0015; ...``); a table with LoRA or
