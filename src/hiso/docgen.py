@@ -191,7 +191,8 @@ def render() -> str:
               "What a run without `--lr` takes, by task and method: the lr each method's grid chose in the "
               "project's measurements (docs/results; the source of each is beside its task's table, e.g. in "
               "`hiso/tasks/vision.py`). `hiso run --task TASK --help` lists its task's.", "",
-              "| task | default lr |", "| --- | --- |", *(f"| {tasks} | {_cell(line)} |" for tasks, line in lr_defaults()), ""]
+              "| task | default lr |", "| --- | --- |",
+              *(f"| {tasks} | {_cell(line)} |" for tasks, line in lr_defaults()), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
