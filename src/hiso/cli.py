@@ -11,7 +11,7 @@ from pathlib import Path
 from .cli_commands import (_ending_note, _fail, _new_run_refusal, _stopped_by, _tracking,  # noqa: F401
                            _warn_unused, cmd_compare, cmd_diagnose, cmd_eval, cmd_export, cmd_flower,
                            cmd_plan, cmd_rebuild, cmd_run)
-from .config import ALGORITHMS, ConfigError, RunConfig, task_names
+from .config import ALGORITHMS, ConfigError, RunConfig, read_toml, task_names
 
 
 # RunConfig fields whose values are checked by name (not a Literal): their choices for --help
@@ -19,10 +19,19 @@ CHOICES = {"task": lambda: (*task_names(), "module:Class", "file.py:Class"),
            "algorithm": lambda: (*ALGORITHMS, "module:Class", "file.py:Class")}
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's, keeping a help text's own line breaks (--lr's defaults: one line a task)."""
+
+    def _split_lines(self, text, width):
+        split = super()._split_lines
+        return [line for part in text.split("\n") for line in split(part, width)]
+
+
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         # no prefixes: `hiso run --round 5` would silently mean --rounds (--round is rebuild's, export's, eval's)
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
@@ -80,7 +89,45 @@ def shown_default(value) -> str:
     return "off" if value is False else "none" if value is None else str(value)
 
 
-def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+def lr_defaults(task: str | None = None) -> list[tuple[str, str]]:
+    """(tasks, every built-in method's default lr on them) for ``task`` (None: each built-in
+    task, tasks of the same defaults together): what --lr's help and docs/cli.md list."""
+    from .tasks.registry import default_lr_line
+    lines: dict[str, list[str]] = {}
+    for name in [task] if task else task_names():
+        lines.setdefault(default_lr_line(name), []).append(name)
+    return [(", ".join(names), line) for line, names in lines.items()]
+
+
+def lr_help(task: str | None = None) -> str:
+    """--lr's help: its meaning, then the defaults of :func:`lr_defaults` (a task that cannot be
+    read, e.g. a user's that does not import, shows every built-in task's)."""
+    try:
+        lines = lr_defaults(task)
+    except (ValueError, ImportError):
+        lines = lr_defaults()
+    return (field_help("lr") + "\ndefaults, from the project's lr grids (docs/results):\n"
+            + "\n".join(f"{tasks}: {line}" for tasks, line in lines))
+
+
+def _help_task(argv: list[str]) -> str | None:
+    """The task of ``hiso run --task X --help`` (or of its --config file), whose defaults --lr's
+    help then lists alone; None without --help or a task."""
+    if not {"-h", "--help"} & set(argv):
+        return None
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--task")
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.task is None and known.config:
+        try:
+            known.task = read_toml(known.config).get("task")
+        except ConfigError:
+            return None
+    return known.task if isinstance(known.task, str) else None
+
+
+def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = (), lr_task: str | None = None) -> None:
     """One flag per RunConfig field; every default is None so the config file can show through.
 
     Choices are shown, not enforced here: RunConfig validates them (also for the TOML file)."""
@@ -102,7 +149,8 @@ def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) ->
         if typ is None and ann in (float | None, int | None):
             typ = float if ann == (float | None) else int
         choices = field_choices(name)
-        group.add_argument(flag, dest=name, type=typ or str, default=None, help=field_help(name),
+        group.add_argument(flag, dest=name, type=typ or str, default=None,
+                           help=lr_help(lr_task) if name == "lr" else field_help(name),
                            metavar="{" + ",".join(choices) + "}" if choices else None)
 
 
@@ -113,7 +161,8 @@ def _add_tracking_flags(p: argparse.ArgumentParser) -> None:
                    "for a local file store (pip install 'hiso[track]')")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
+    """``hiso``'s parser; ``lr_task``: the task whose default lrs --lr's help lists (None: every one)."""
     parser = _Parser(prog="hiso", description="Federated zeroth-order fine-tuning with scalar-only communication.")
     from . import __version__
     parser.add_argument("--version", action="version", version=f"hiso {__version__}")
@@ -130,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--show-partition", action="store_true", help="print each client's label histogram")
     _add_accept_flag(run)
     _add_tracking_flags(run)
-    _add_run_flags(run)
+    _add_run_flags(run, lr_task=lr_task)
     cmp = sub.add_parser("compare", allow_abbrev=False,
                          help="run algorithms x lr grid x seeds into --out DIR; table and plots")
     cmp.add_argument("--out", required=True, help="comparison directory (reused: finished runs are skipped)")
@@ -167,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "--jobs 2 can be slower than serial; set --threads 1 with it")
     cmp.add_argument("--quiet", action="store_true", help="no progress output, only the table")
     _add_tracking_flags(cmp)
-    _add_run_flags(cmp, exclude=("algorithm", "seed"))
+    _add_run_flags(cmp, exclude=("algorithm", "seed"), lr_task=lr_task)
     fl = sub.add_parser("flower", help="run on a Flower federation: a SuperLink and --nodes SuperNodes on 127.0.0.1 "
                         "(or --simulation: Flower's simulation engine)")
     fl.add_argument("--out", help="run directory to create (same files as hiso run)")
@@ -184,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "behind a thin relay ClientApp (scalar-only algorithms)")
     fl.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     fl.add_argument("--verbose", action="store_true", help="print the Flower commands and where their logs are")
-    _add_run_flags(fl)
+    _add_run_flags(fl, lr_task=lr_task)
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
     rb.add_argument("run_dir")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
@@ -284,7 +333,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _de
 
 
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(_help_task(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     from .methods.identity import ACCEPT
     token = ACCEPT.set(bool(getattr(args, "accept_method_change", False)))
     try:

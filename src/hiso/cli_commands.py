@@ -28,9 +28,10 @@ def _tracking(args: argparse.Namespace, name: str):
 def cmd_run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from .report.footer import smaller_lr
     from .report.table import loss_rise_note
     from .runners.rundir import clear_run, run_to_dir
-    from .tasks.registry import build_task
+    from .tasks.registry import build_task, run_default_lr
 
     overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
     if args.resume is True:  # --out DIR --resume: resume or start, whichever DIR calls for
@@ -82,12 +83,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                disable=args.quiet, dynamic_ncols=True)
 
     rise = {"first": None, "said": False}
+    chosen = run_default_lr(cfg)  # what a message about too large an lr suggests
 
     def progress(row: dict) -> None:
         if row["round"] == 0:
             rise["first"] = row.get("eval_loss")
             return
-        if not rise["said"] and (note := loss_rise_note(rise["first"], row, cfg.lr)):
+        if not rise["said"] and (note := loss_rise_note(rise["first"], row, cfg.lr, chosen)):
             rise["said"] = True
             bar.write(f"hiso: {note}", file=sys.stderr)
         if bar.n == 0 and row["round"] > 1:  # a resumed run
@@ -108,7 +110,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     comm = summary["communication_per_client"]
     if summary["diverged"]:
         print(f"hiso: {cfg.algorithm} diverged in round {summary['diverged']['round']} "
-              f"({summary['diverged']['error']}); rounds so far are kept in {out}/", file=sys.stderr)
+              f"({summary['diverged']['error']}); rounds so far are kept in {out}/; the lr ({cfg.lr:g}) is likely "
+              f"too large ({smaller_lr(cfg.lr, chosen)})", file=sys.stderr)
         return 1
     final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items())
     print(f"{cfg.algorithm} on {cfg.task}: {cfg.rounds} rounds, {final}; "

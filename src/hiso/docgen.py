@@ -56,7 +56,8 @@ override the file. `hiso run --config FILE` reads a comparison's file too: its t
 configure the run and its `[compare]` table is left to `hiso compare`. Without `--lr` a run takes
 its task's and algorithm's default (the `default_lr` each task registers with, e.g. in
 `hiso/tasks/vision.py`: the best lr measured here; a model may have its own, as Gemma-3-270M's
-LoRA 1e-3; `config.json` records the value used); a task with no default asks for `--lr`.
+LoRA 1e-3; `config.json` records the value used), listed under [Default lr](#default-lr); a task
+with no default asks for `--lr`.
 """
 
 
@@ -187,6 +188,13 @@ def render() -> str:
             section, title = [], starts.get(name)
         if name is not None:
             section.append(name)
+    from .cli import lr_defaults
+    lines += ["### Default lr", "",
+              "What a run without `--lr` takes, by task and method: the lr each method's grid chose in the "
+              "project's measurements (docs/results; the source of each is beside its task's table, e.g. in "
+              "`hiso/tasks/vision.py`). `hiso run --task TASK --help` lists its task's.", "",
+              "| task | default lr |", "| --- | --- |",
+              *(f"| {tasks} | {_cell(line)} |" for tasks, line in lr_defaults()), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

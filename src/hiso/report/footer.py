@@ -201,18 +201,27 @@ def run_ending_note(rows: list[dict], metric: str, higher: bool, rebuild_from: s
 RISE_WARN = 1.5  # say so during a run when an evaluation's loss reaches this times round 0's
 
 
-def loss_rise_note(first_loss: float | None, row: dict, lr: float | None) -> str | None:
+def smaller_lr(lr: float | None, chosen: float | None) -> str:
+    """What to try for an lr too large: ``chosen`` (the lr the project's grids chose for the
+    method on the task, its default) when ``lr`` is above it, else a smaller lr."""
+    if lr is not None and chosen is not None and lr > chosen:
+        return f"try --lr {chosen:g}, the one the project's lr grids chose and the default without --lr, or --lr-decay"
+    return "a smaller --lr, or --lr-decay"
+
+
+def loss_rise_note(first_loss: float | None, row: dict, lr: float | None, chosen: float | None = None) -> str | None:
     """One line, the first time a run's held-out loss climbs to ``RISE_WARN`` x its round-0 value
     (None otherwise). Of the 153 runs measured for docs/results.md (README), the 16 that crossed it all
     ended far below their best (an lr too large for the model, e.g. Gemma-3 LoRA at SmolLM2's 1e-2,
-    or for the horizon); none that held its best crossed it. Said while the run can still be stopped."""
+    or for the horizon); none that held its best crossed it. Said while the run can still be stopped.
+    ``chosen``: the task's default lr for the method (:func:`smaller_lr`)."""
     loss = row.get("eval_loss")
     if first_loss is None or loss is None or not first_loss > 0 or loss < RISE_WARN * first_loss:
         return None
     what = f"the lr ({lr:g})" if lr is not None else "the lr"
     return (f"note: eval_loss {loss:.4g} at round {row['round']} is {loss / first_loss:.1f}x round 0's "
             f"({first_loss:.4g}): runs whose held-out loss rose this far ended well below their best; {what} is "
-            "likely too large for this model or horizon (a smaller --lr, or --lr-decay). The run goes on")
+            f"likely too large for this model or horizon ({smaller_lr(lr, chosen)}). The run goes on")
 
 
 def lr_warnings(table: Table) -> list[str]:

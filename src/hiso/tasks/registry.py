@@ -237,6 +237,44 @@ def default_lr(task: str, algorithm: str, lora: bool = False, model: str | None 
     raise ValueError(f"no default lr for {algorithm} on task {what}: give one (--lr, or lr = ... in the config file)")
 
 
+def run_default_lr(cfg: "RunConfig") -> float | None:
+    """The lr ``cfg``'s task and algorithm give a run without --lr (None: none), for messages."""
+    try:
+        info = task_info(cfg.task)
+        model = cfg.model if info.options is None or "model" in info.options else None
+        return default_lr(cfg.task, cfg.algorithm, cfg.lora_r is not None, model)
+    except (ValueError, ImportError):
+        return None
+
+
+def default_lr_line(task: str) -> str:
+    """The default lr of every built-in method on ``task`` in one line, methods of the same
+    defaults together (``hiso, fedzo 0.002; decomfl 0.0015; ...``); a table with LoRA or
+    per-model keys adds those in brackets (``5e-06 (LoRA 0.01, LoRA on gemma3-270m 0.001)``)."""
+    from ..methods.registry import method_names
+    table = task_info(task).default_lr
+    variants: list[tuple[str, bool, str | None]] = [("", False, None)]
+    if any("+lora" in k for k in table):
+        variants.append(("LoRA ", True, None))
+    variants += [(f"LoRA on {m} ", True, m) for m in sorted({k.split("@", 1)[1] for k in table if "@" in k})]
+
+    def lr(name: str, lora: bool, model: str | None) -> float | None:
+        try:
+            return default_lr(task, name, lora, model)
+        except ValueError:
+            return None
+    groups: dict[tuple, list[str]] = {}
+    for name in method_names():
+        groups.setdefault(tuple(lr(name, lora, model) for _, lora, model in variants), []).append(name)
+    parts = []
+    for lrs, names in groups.items():
+        who = "every method" if len(groups) == 1 else ", ".join(names)
+        shown = [f"{label}{x:g}" for (label, _, _), x in zip(variants, lrs) if x is not None]
+        parts.append(f"{who} {shown[0]}" + (f" ({', '.join(shown[1:])})" if shown[1:] else "") if shown
+                     else f"{who}: give --lr")
+    return "; ".join(parts)
+
+
 def higher_is_better(metric: str, task: str | None = None) -> bool:
     """Whether ``metric`` is maximised: as ``task`` declares it if it does, else by name (names
     ending in ``acc``, ``_em``, ``_f1`` are maximised; losses, gaps and the rest minimised). The
