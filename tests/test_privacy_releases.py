@@ -115,3 +115,25 @@ def test_flower_counts_an_answer_it_dropped_in_local_mode(tmp_path, monkeypatch,
     assert priv["participations_max"] == 4
     from hiso.runners.accounting import ledger_of_run  # client 2: 3 rounds logged, and the answer dropped
     assert list(ledger_of_run(tmp_path / "f", cfg, 4).counts) == ([4, 4, 4] if mode == "local" else [4, 4, 3])
+
+
+@pytest.mark.parametrize("mode", ["local", "central", None])
+def test_under_dp_no_clients_seconds_or_memory_enter_the_files(tmp_path, capsys, mode):
+    """A client's compute time and transient memory depend on its data (padding to the longest
+    prompt): under DP the rows carry no client_s and summary.json no seconds or transient peak;
+    the data-independent counts stay. Without DP all are there."""
+    dp = [] if mode is None else ["--dp-clip", "1", "--dp-noise-multiplier", "1", "--dp-mode", mode]
+    code, _, err = run_cli(["run", "--quiet", "--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2",
+                            "--rounds", "3", "--out", str(tmp_path / "r"), *dp], capsys)
+    assert code == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    client = json.loads((tmp_path / "r" / "summary.json").read_text())["client"]
+    assert all(r["client_answers"] == 2 * r["round"] for r in rows[1:])
+    timed = mode is None
+    assert all(("client_s" in r) == timed for r in rows[1:])
+    assert (client["s_per_round"] is not None) == timed and client["forwards_per_round"] > 0
+    if client["memory_measured_by"] != "torch profiler without allocation events":
+        assert (client["transient_peak_bytes"] is not None) == timed
+    from hiso.report.runs import summary_at  # a report read from the rows: no seconds either
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert (summary_at(tmp_path / "r", config, rows, None)["client"]["s_per_round"] is not None) == timed

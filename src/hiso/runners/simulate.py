@@ -110,7 +110,8 @@ class Simulation:
         self.out_of_sync = 0  # faithful mode: (round, client) replica checks that failed
         self.round_out_of_sync = 0
         self.sync_checks = 0
-        self.cost = ClientCost()  # forwards, backwards and seconds per client-round; a client's memory
+        # forwards, backwards and seconds per client-round; a client's memory (under DP no seconds)
+        self.cost = ClientCost(timed=self.zo.dp is None)
         for c in range(M):  # every client joins once, at x_0
             self.comm.join(c, encode_hello(Hello(c, 0)), self.welcome)
 
