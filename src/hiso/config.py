@@ -339,6 +339,7 @@ class RunConfig(BaseModel, MethodRules):
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None,
                                  model=self.model if task.options is None or "model" in task.options else None)
             self._lr_defaulted = True  # (a RunConfig reused for another task takes that task's default)
+        self._honour_checks()
         return self
 
     def changed(self, names) -> list[str]:

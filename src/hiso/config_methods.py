@@ -140,6 +140,17 @@ class MethodRules:
             raise self._lacks("weighted", "weighted", f"{self.algorithm} runs with the plain mean only (no weighted "
                               "aggregation)")
 
+    def _honour_checks(self) -> None:
+        """Refuse an option whose capability the method declares but whose construction drops
+        (:mod:`hiso.methods.honour`): the run would compute as without it while its files say otherwise."""
+        if not self.method.scalar_only:
+            return
+        from .methods.honour import unhonoured
+        if (bad := unhonoured(self, self.zo())) is not None:
+            cap, option, what = bad
+            raise ValueError(f"{self.algorithm}: {option} {what}, so the run would compute as without it "
+                             f"({self.method.display} declares {cap!r} but does not honour it): refused")
+
     def _secagg_checks(self) -> None:
         """Secure aggregation gives the server the sum of the answers and nothing else: only the
         plain (unweighted) mean of hiso and decomfl can use it; its defaults are resolved here

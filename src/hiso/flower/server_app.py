@@ -330,6 +330,8 @@ class FlowerFederation:
                 try:
                     data = reply_bytes(r, "up")
                     self.comm.up[pid] += len(data)
+                    if self.privacy is not None:  # local DP: every answer that reaches the server is a release
+                        self.privacy.released(plan.round, plan.attempt, pid)
                     up = decode_uplink(data, self.server.wire, expect_round=plan.round)
                 except MessageError as e:
                     log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
@@ -356,8 +358,11 @@ class FlowerFederation:
         every = self.cfg.eval_every
 
         def extra() -> dict:  # the DP figures of an evaluated row, as the simulator's
-            r = self.server.round
-            return self.privacy.row() if self.privacy is not None and (r % every == 0 or r == rounds) else {}
+            r, p = self.server.round, self.privacy
+            row = p.row() if p is not None and (r % every == 0 or r == rounds) else {}
+            if p is not None and p.unlogged:  # local DP: answers released that the log does not list
+                row["dp_unlogged"] = {str(c): n for c, n in p.unlogged.items()}
+            return row
 
         return metric_rows(self.task, self.state.model, self.comm, self.step, rounds, every, start=start, wall=wall,
                            extra=extra)

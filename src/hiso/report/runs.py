@@ -116,7 +116,7 @@ def summary_at(run_dir: Path, config: dict, rows: list[dict], summary: dict | No
         mem = {k: (done.get("client") or {}).get(k) for k in ("resident_bytes", "transient_peak_bytes", "peak_bytes")}
         out["client"] = {"answers": n, "forwards_per_round": row.get("client_forwards", 0) / n,
                          "backwards_per_round": row.get("client_backwards", 0) / n,
-                         "s_per_round": row.get("client_s", 0.0) / n, **mem}
+                         "s_per_round": row["client_s"] / n if "client_s" in row else None, **mem}  # (none under DP)
     if config.get("dp_clip") is not None:
         from ..runners.runfiles import saved_config
         from ..runners.accounting import ledger_of_run

@@ -4,9 +4,15 @@ for the run's reader, the budget check, and what ``metrics.jsonl`` and ``summary
 The reader of a hiso run may know who took part in each round (the sample follows from the run
 seed every client is given; ``history.bin`` lists the participants), so the epsilon reported is
 the one without amplification by sampling, of the client that took part in the most rounds
-(``public-sample``: :mod:`hiso.methods.privacy`, "Threat models"). A client counts for a round
-when its answer entered the logged aggregate (the record's participants): a sampled client whose
-answer was lost or rejected released nothing that round.
+(``public-sample``: :mod:`hiso.methods.privacy`, "Threat models").
+
+What counts as a release depends on where the noise is added. Central mode: a client counts for
+a round when its answer entered the logged aggregate (the record's participants), the only thing
+the noise covers; an answer lost or rejected released nothing that the reader sees. Local mode
+holds against the server too, which reads every answer that reaches it: a client counts once for
+each answer it sent that reached the server or was on its way when the run stopped (logged, late,
+rejected, of an attempt planned again; a duplicate is the same release, counted once). Those the
+log does not list are in their round's metrics row (``dp_unlogged``: client -> answers).
 
 The runners (the simulator, the Flower ServerApp) call :meth:`PrivacyLedger.record` for every
 record they log or replay, and :meth:`PrivacyLedger.refusal` with each planned round's sample
@@ -33,10 +39,39 @@ class PrivacyLedger:
     def __init__(self, cfg):
         self.cfg = cfg
         self.counts = np.zeros(cfg.clients, dtype=np.int64)
+        self.local = cfg.dp_mode == "local"
+        self._released: set[tuple[int, int, int]] = set()  # local: (round, attempt, client) counted, open rounds
+        self._since: set[tuple[int, int, int]] = set()  # local: those counted since the last record
+        self.unlogged: dict[int, int] = {}  # local: the last round's answers counted that its record does not list
+
+    def released(self, round: int, attempt: int, client: int) -> None:
+        """Local mode: client ``client``'s answer to ``(round, attempt)`` reached the server (or is on
+        its way): counted once, however often it arrives. Central mode: nothing (the record counts)."""
+        key = (int(round), int(attempt), int(client))
+        if self.local and key not in self._released:
+            self._released.add(key)
+            self._since.add(key)
+            self.counts[key[2]] += 1
 
     def record(self, rec) -> None:
         """Count a logged round (:class:`~hiso.core.history.RoundRecord`): its participants took part."""
-        self.counts[list(rec.participants)] += 1
+        if not self.local:
+            self.counts[list(rec.participants)] += 1
+            return
+        logged = {(int(rec.round), int(rec.attempt), int(c)) for c in rec.participants}
+        for key in sorted(logged):
+            self.released(*key)
+        self.unlogged = {}
+        for _, _, c in sorted(self._since - logged):
+            self.unlogged[c] = self.unlogged.get(c, 0) + 1
+        self._since = set()
+        self._released = {k for k in self._released if k[0] >= rec.round}  # later answers are of later rounds
+
+    def add_unlogged(self, row: dict) -> None:
+        """Local mode: count a metrics row's ``dp_unlogged`` (a run read back from its files)."""
+        if self.local:
+            for c, n in (row.get("dp_unlogged") or {}).items():
+                self.counts[int(c)] += int(n)
 
     def worst(self) -> tuple[int | None, int]:
         """The client that took part in the most rounds so far (the lowest id of a tie; None
@@ -90,6 +125,8 @@ def privacy_ledger(cfg) -> PrivacyLedger | None:
 def ledger_of_run(run_dir: str | Path, cfg, rounds: int) -> PrivacyLedger | None:
     """The ledger of ``run_dir``'s first ``rounds`` logged rounds (its ``history.bin``), or None
     where the log cannot be read."""
+    import json
+
     from .runfiles import read_run_history
     try:
         records = read_run_history(run_dir, cfg).records
@@ -98,4 +135,13 @@ def ledger_of_run(run_dir: str | Path, cfg, rounds: int) -> PrivacyLedger | None
     ledger = PrivacyLedger(cfg)
     for rec in records[:rounds]:
         ledger.record(rec)
+    if ledger.local:  # the answers the log does not list (late, rejected), from their rounds' rows
+        try:
+            lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return None
+        for line in lines:
+            row = json.loads(line) if line.strip() else {}
+            if 0 < row.get("round", 0) <= rounds:
+                ledger.add_unlogged(row)
     return ledger

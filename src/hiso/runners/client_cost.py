@@ -19,6 +19,11 @@ can be compared at equal client work (``summary.json`` ``client``, ``hiso compar
   torch's profiler (``profile_memory``). Neither counts the client's data or the Python and
   torch runtime (a few hundred MB of a process's resident memory; the table's "peak memory"
   column is that process-wide figure).
+
+Under DP (``timed=False``) the seconds and the transient peak are withheld: a client's compute
+time and memory depend on its data (a language batch is padded to its longest prompt), and the
+run's log is what central DP's epsilon claims to cover. The rows then carry no ``client_s`` and
+``summary.json`` null seconds and transient peak; the counts (data-independent) stay.
 """
 
 from __future__ import annotations
@@ -117,6 +122,7 @@ class ClientCost:
     resident_bytes: int | None = None
     transient_bytes: int | None = None
     memory_how: str = "not measured"
+    timed: bool = True  # False under DP: seconds and transient memory withheld (see the module docstring)
 
     def add(self, work: Work, seconds: float) -> None:
         self.answers += 1
@@ -128,7 +134,10 @@ class ClientCost:
 
     def row(self) -> dict:
         """The run's totals so far, for a metrics row (a resumed run starts from its last kept row)."""
-        return dict(zip(self.ROW, (self.answers, self.forwards, self.backwards, self.seconds)))
+        row = dict(zip(self.ROW, (self.answers, self.forwards, self.backwards, self.seconds)))
+        if not self.timed:
+            del row["client_s"]
+        return row
 
     def resume_from(self, row: dict) -> None:
         """Continue the totals of a kept metrics row (rows of runs before these columns: from 0)."""
@@ -139,6 +148,9 @@ class ClientCost:
     def measure(self, answer: Callable[[], object], resident_bytes: int, device) -> None:
         """Resident bytes, and the transient peak of one (untimed, uncounted) ``answer()``."""
         self.resident_bytes = int(resident_bytes)
+        if not self.timed:
+            self.memory_how = "transient peak withheld under DP (it depends on a client's data)"
+            return
         self.transient_bytes, self.memory_how = transient_peak(answer, device)
 
     def summary(self) -> dict:
@@ -149,7 +161,7 @@ class ClientCost:
         return {"answers": n,
                 "forwards_per_round": self.forwards / n if n else None,
                 "backwards_per_round": self.backwards / n if n else None,
-                "s_per_round": self.seconds / n if n else None,
+                "s_per_round": self.seconds / n if n and self.timed else None,
                 "resident_bytes": self.resident_bytes, "transient_peak_bytes": self.transient_bytes,
                 "peak_bytes": peak, "memory_measured_by": self.memory_how}
 

@@ -267,6 +267,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                 print(f"hiso: {why}; replaying the log from round 0", file=sys.stderr)
             if start is None:
                 sim.resume(*args)
+            if not getattr(sim, "unreliable", False) and getattr(sim, "privacy", None) is not None:
+                for line in kept:  # local DP over Flower: answers released that the log does not list
+                    sim.privacy.add_unlogged(json.loads(line))
             if diverged is None:
                 rows = sim.run(cfg.rounds, start=row["round"], wall=row["wall_s"])
         cost = getattr(sim, "cost", None)

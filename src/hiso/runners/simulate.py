@@ -110,7 +110,8 @@ class Simulation:
         self.out_of_sync = 0  # faithful mode: (round, client) replica checks that failed
         self.round_out_of_sync = 0
         self.sync_checks = 0
-        self.cost = ClientCost()  # forwards, backwards and seconds per client-round; a client's memory
+        # forwards, backwards and seconds per client-round; a client's memory (under DP no seconds)
+        self.cost = ClientCost(timed=self.zo.dp is None)
         for c in range(M):  # every client joins once, at x_0
             self.comm.join(c, encode_hello(Hello(c, 0)), self.welcome)
 
@@ -268,6 +269,8 @@ class Simulation:
             self.comm.up[cid] += len(data) * (2 if fate == "duplicate" else 1)
             if fate == "drop":
                 continue
+            if self.privacy is not None:  # local DP: every answer that reaches the server is a release
+                self.privacy.released(plan.round, plan.attempt, cid)
             if fate == "late":
                 self.pending.append((plan.round, data))
                 continue
@@ -322,6 +325,8 @@ class Simulation:
             self.round_stats["corrupt_decodable"] = int(self.totals["corrupt_decodable"] - decodable)
         if self.round_out_of_sync:
             self.round_stats["out_of_sync"] = self.round_out_of_sync
+        if self.privacy is not None and self.privacy.unlogged:  # local DP: released, not in the log
+            self.round_stats["dp_unlogged"] = {str(c): n for c, n in self.privacy.unlogged.items()}
         kept = {u.client: u.loss for u in reversed(ups) if u.client in rec.participants and u.round == rec.round}
         return rec, self._mean_loss(list(kept.values()))
 
