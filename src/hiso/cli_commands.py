@@ -63,8 +63,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if plan.finished is not None:
             print(plan.finished)
             return 1 if plan.diverged else 0
-        if plan.note and not args.quiet:
-            print(plan.note, file=sys.stderr)
+        if plan.note and (not args.quiet or "was cut" in plan.note):  # a cut log is said even when quiet
+            print(f"hiso: note: {plan.note}", file=sys.stderr)
         cfg = plan.cfg
     else:
         cfg = load_config(args.config, **overrides)

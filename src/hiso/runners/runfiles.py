@@ -243,6 +243,11 @@ def continuation(out: Path, given: dict) -> Continuation:
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
     if summary is None or not (ended_early(summary) or summary["rounds_done"] >= cfg.rounds):
         return Continuation(asked if longer else cfg)  # cut short (or killed while being extended)
+    if cfg.scalar_only and (out / "history.bin").is_file() and not ended_early(summary):
+        from ..core.history import parse_history
+        logged = len(parse_history(out / "history.bin").records)
+        if (why := short_log(out, logged)) is not None:  # finished, then its log cut: continue from the log
+            return Continuation(asked if longer else cfg, note=f"{why}: continuing from round {logged}")
     done = summary["rounds_done"]
     if longer and done >= cfg.rounds:  # finished at its horizon: on to the new one
         return Continuation(asked, note=f"{out}: continuing its {done} rounds to {asked.rounds}")
@@ -350,4 +355,23 @@ def read_run_history(run_dir: str | Path, cfg: RunConfig):
     if log.version >= 3 and (log.seed, log.scalar_dtype, log.directions) != (cfg.seed, cfg.scalar_dtype, cfg.direction_spec):
         raise ValueError(f"history is of run seed {log.seed}, {log.scalar_dtype} scalars, directions "
                          f"{log.directions!r}, but config.json says {cfg.seed}, {cfg.scalar_dtype}, {cfg.direction_spec!r}")
+    if (why := short_log(run_dir, len(log.records))) is not None:
+        warnings.warn(f"{why}: what is read back is round {len(log.records)}", ShortLogWarning, stacklevel=2)
     return log
+
+
+class ShortLogWarning(UserWarning):
+    """A finished run's log holds fewer rounds than its summary reports (it was cut afterwards)."""
+
+
+def short_log(run_dir: str | Path, records: int) -> str | None:
+    """Why ``run_dir``'s log of ``records`` rounds is shorter than the run it belongs to (its
+    ``summary.json``'s rounds), or None."""
+    try:
+        done = json.loads((Path(run_dir) / "summary.json").read_text())["rounds_done"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(done, int) or records >= done:
+        return None
+    return (f"{Path(run_dir) / 'history.bin'} holds {records} rounds but summary.json reports {done} (the log was "
+            "cut after the run ended)")
