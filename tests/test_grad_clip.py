@@ -88,3 +88,39 @@ def test_the_cli_records_it_rebuilds_the_run_and_refuses_it_elsewhere(tmp_path, 
     rc = main(["run", "--task", "quadratic", "--algorithm", "decomfl", "--grad-clip", "1", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "grad_clip is for ferret and sketch" in err[0]
+
+
+def test_each_of_two_local_steps_is_clipped_as_computed_by_hand():
+    """Two local SGD steps, each gradient above the clip: x_2 = x_1 - lr clip(g(x_1)) after
+    x_1 = x_0 - lr clip(g(x_0)), computed here step by step; Ferret's answer is the projections
+    of x_0 - x_2, which a client clipping only its first step would not give (sketch quantises
+    the same steps' projections: methods/sketch.py calls Ferret's local update)."""
+    task = TinyTask()
+    batches = [task.batch(2, 5, k, 8) for k in range(2)]
+    cfg = zo("ferret", lr=0.5, local_steps=2, grad_clip=0.05)
+    seeds = np.random.default_rng(3).integers(0, 2**31, cfg.shape)
+
+    def by_hand(clip_steps):
+        from hiso.methods.ferret import blocks_of
+        model = task.build_model()
+        params = [p for p in model.parameters() if p.requires_grad]
+        start = [p.detach().clone() for p in params]
+        for k, batch in enumerate(batches):
+            g = torch.autograd.grad(task.loss(model, batch), params)
+            norm = float(torch.linalg.vector_norm(torch.cat([x.double().reshape(-1) for x in g])))
+            assert norm > 0.05  # the clip binds at both steps
+            scale = 0.05 / norm if k in clip_steps else 1.0
+            with torch.no_grad():
+                for p, gi in zip(params, g):
+                    p.sub_(0.5 * scale * gi)
+        delta = [(s - p.detach()).reshape(-1).double() for s, p in zip(start, params)]
+        gen = ModelState(task.build_model(), cfg).gen
+        out = np.zeros(cfg.shape)
+        for i, b in enumerate(blocks_of(params, cfg.shape[0])):
+            for k in range(cfg.shape[1]):
+                out[b, k] += float(torch.dot(delta[i], gen.fill(int(seeds[b, k]), i, params[i].shape).reshape(-1).double()))
+        return out
+
+    got = cfg.method.local_update(ModelState(task.build_model(), cfg), None, task.loss, batches, seeds).scalars
+    assert np.allclose(got, by_hand({0, 1}), rtol=1e-4, atol=1e-6)  # float32 steps, up to the order of float ops
+    assert not np.allclose(got, by_hand({0}), rtol=1e-4, atol=1e-6)
