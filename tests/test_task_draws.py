@@ -1,5 +1,14 @@
-"""hiso.tasks.draws: torch's draws and a correctly rounded exp, the same bits on every CPU."""
+"""The built-in tasks' x_0 and buffers are the same bits on every CPU (hiso.tasks.draws).
 
+torch draws ``randn``, ``normal_`` and ``uniform_`` with kernels that differ with the CPU's vector
+unit, and its ``exp`` rounds differently with it; a task built from them gives another x_0 (and
+so another model for the same log) on another CPU. The digests below were computed once and are
+written here, not on the machine running the test; they are the same under
+ATEN_CPU_CAPABILITY=default, avx2 and avx512 (torch's kernels as on a CPU without AVX2, with
+AVX2, with AVX-512), which is what makes them pins and not this machine's numbers.
+"""
+
+import hashlib
 import json
 import os
 import subprocess
@@ -12,6 +21,63 @@ import pytest
 import torch
 
 from hiso.tasks import draws
+
+
+def _digest(tensors: dict) -> str:
+    """sha256 (16 hex digits) over names, dtypes, shapes and bytes."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().contiguous().cpu()
+        h.update(f"{k}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _quadratic(**kw):
+    from hiso.tasks.quadratic import QuadraticTask
+    task = QuadraticTask(5, **kw)
+    return {**task.build_model().state_dict(), "task.b": task.b}  # x_0, the buffer lam, and the data
+
+
+def _noise():
+    from hiso.tasks.quadratic import QuadraticTask
+    return {"xi": QuadraticTask(5, dim=40, noise=0.1).batch(2, 4, 0)[1]}
+
+
+def _mnist():
+    from hiso.tasks.vision import VisionTask
+    return VisionTask("mnist", 4, seed=0, eval_max=50).build_model().state_dict()
+
+
+def _lora(tmp_path_factory):
+    pytest.importorskip("peft")
+    from lm_fixtures import write_sst2, write_tiny_lm
+
+    from hiso.tasks.language import LanguageTask
+    d = tmp_path_factory.mktemp("lm")
+    # hidden 24: LoRA A's bound 1/sqrt(24) (1/sqrt(16) would make torch's two roundings one)
+    task = LanguageTask("sst2", 3, seed=5, model=str(write_tiny_lm(d / "lm", hidden=24)),
+                        data_dir=str(write_sst2(d / "sst2")), label_words=[" terrible", " great"], min_size=2,
+                        lora_r=2)
+    return {n: p for n, p in task.build_model().named_parameters() if p.requires_grad}  # x_0: the adapters
+
+
+PINS = {  # what: (build, digest of its tensors)
+    "quadratic as the legacy fixtures (dim 24, seed 0)": (lambda f: _quadratic(dim=24), "3255fc09cb9ee3b1"),
+    "quadratic, the default dim (1000), seed 3": (lambda f: _quadratic(seed=3), "d28c6d13c62ae33c"),
+    "quadratic, dim 7 (under 16 numbers: torch's scalar path), sigma 2.5": (
+        lambda f: _quadratic(dim=7, sigma=2.5, seed=1), "a6c8950fce335f21"),
+    "quadratic, noise 0.1: client 2's noise in round 4": (lambda f: _noise(), "ed01c738459008e0"),
+    "mnist CNN, seed 0": (lambda f: _mnist(), "fa1c7bd085936955"),
+    "sst2 with LoRA r 2: the adapters": (_lora, "46ad22f872974391"),
+}
+
+
+@pytest.mark.parametrize("what", list(PINS))
+def test_a_built_in_tasks_x0_and_buffers_are_the_pinned_bits(tmp_path_factory, what):
+    """Any bit of them changed (another draw, another rounding) changes the digest."""
+    build, want = PINS[what]
+    assert _digest(build(tmp_path_factory)) == want
 
 
 # ------------------------------------------------------------------------- the arithmetic
