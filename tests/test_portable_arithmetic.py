@@ -6,13 +6,13 @@ different model. :mod:`hiso.core.exact` rounds every product and every sum once,
 """
 
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import run_within
 from hiso.core import exact
 
 
@@ -61,8 +61,7 @@ def test_a_run_is_rebuilt_bit_for_bit_without_the_cpus_vector_kernels(tmp_path, 
     assert main(["run", "--out", str(run), "--task", "quadratic", "--dim", "20000", "--clients", "4", "--sampled", "2",
                  "--rounds", "6", "--eval-every", "3", "--quiet", *CASES[case]]) == 0
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
-    r = subprocess.run([sys.executable, "-c", REBUILD, str(run), str(tmp_path / "rebuilt.pt")], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = run_within([sys.executable, "-c", REBUILD, str(run), str(tmp_path / "rebuilt.pt")], 300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-1] == "DEFAULT"  # the replay did run torch's default kernels
     a, b = torch.load(run / "model.pt"), torch.load(tmp_path / "rebuilt.pt")

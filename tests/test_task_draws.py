@@ -11,7 +11,6 @@ AVX2, with AVX-512), which is what makes them pins and not this machine's number
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from decimal import Decimal, localcontext
 from fractions import Fraction
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import run_within
 from hiso.tasks import draws
 
 
@@ -175,7 +175,7 @@ def test_the_draws_are_torchs_own_where_it_runs_its_vector_kernels():
     env = dict(os.environ)
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         env["ATEN_CPU_CAPABILITY"] = "avx2"  # this run is on the default kernels: compare with AVX2's
-    r = subprocess.run([sys.executable, "-c", COMPARE], env=env, capture_output=True, text=True, timeout=600)
+    r = run_within([sys.executable, "-c", COMPARE], 600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.splitlines()[-1])
     if got["capability"] == "DEFAULT":
