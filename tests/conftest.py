@@ -63,6 +63,28 @@ def pytest_configure(config):
         signal.signal(sig, stop)
 
 
+def machine() -> str:
+    """The CPU, its vector extensions and the kernels torch runs on it: what float bits depend on."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        info = []
+    field = lambda name: next((l.split(":", 1)[1].strip() for l in info if l.startswith(name)), "")  # noqa: E731
+    vector = sorted(f for f in field("flags").split() if f.startswith(("avx", "fma", "amx")))
+    chosen = os.environ.get("ATEN_CPU_CAPABILITY")
+    return (f"{field('model name') or 'CPU ?'} ({' '.join(vector) or 'no AVX'}); torch {torch.__version__}, "
+            f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+            + (f" (ATEN_CPU_CAPABILITY={chosen})" if chosen else ""))
+
+
+def pytest_report_header(config):
+    return [f"machine: {machine()}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.write_line(f"machine: {machine()}")  # (also under -q, which hides the header)
+
+
 def pytest_sessionfinish(session, exitstatus):
     procs.stop_tree(grace=5.0)  # anything a test started and left behind, orphans included
     procs.reap_children()
