@@ -31,6 +31,7 @@ from torch import nn
 
 import hiso
 from hiso import procs
+from hiso.patience import Patience
 from hiso.tasks.base import Task
 
 SRC = str(Path(hiso.__file__).parents[1])
@@ -60,6 +61,28 @@ def pytest_configure(config):
         raise procs.Stopped(signum)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
+
+
+def machine() -> str:
+    """The CPU, its vector extensions and the kernels torch runs on it: what float bits depend on."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        info = []
+    field = lambda name: next((l.split(":", 1)[1].strip() for l in info if l.startswith(name)), "")  # noqa: E731
+    vector = sorted(f for f in field("flags").split() if f.startswith(("avx", "fma", "amx")))
+    chosen = os.environ.get("ATEN_CPU_CAPABILITY")
+    return (f"{field('model name') or 'CPU ?'} ({' '.join(vector) or 'no AVX'}); torch {torch.__version__}, "
+            f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+            + (f" (ATEN_CPU_CAPABILITY={chosen})" if chosen else ""))
+
+
+def pytest_report_header(config):
+    return [f"machine: {machine()}"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.write_line(f"machine: {machine()}")  # (also under -q, which hides the header)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -132,22 +155,62 @@ def wait_progress(progress, target, what: str, proc: subprocess.Popen | None = N
                   poll: float = 0.2):
     """Wait until ``progress()`` (a count: rounds logged, processes up) reaches ``target``.
 
-    The limit is on progress, not on the total: the clock restarts whenever the count grows, so
-    a slow, busy machine only makes the wait longer, while a stuck run fails after ``stall_s``
-    seconds without progress; a process ``proc`` that exits first fails at once."""
-    last, t_last = None, time.monotonic()
+    The limit is on progress, not on the total: the clock restarts whenever the count grows,
+    and it runs at the speed the machine offers (:class:`hiso.patience.Patience`: on a loaded
+    machine a second counts less), so a slow, busy machine only makes the wait longer, while a
+    stuck run fails after ``stall_s`` such seconds without progress; a process ``proc`` that
+    exits first fails at once."""
+    last, clock = None, Patience(stall_s)
     while True:
         v = progress()
         if v >= target:
             return v
         if v != last:
-            last, t_last = v, time.monotonic()
+            last = v
+            clock.restart()
         if proc is not None and proc.poll() is not None:
             log = Path(proc.log).read_text(errors="replace") if hasattr(proc, "log") else ""
             raise AssertionError(f"{what}: the process exited {proc.returncode} first\n{log[-4000:]}")
-        if time.monotonic() - t_last > stall_s:
-            raise AssertionError(f"{what}: no progress for {stall_s} s (at {last!r} of {target!r})")
+        if clock.spent():
+            raise AssertionError(f"{what}: no progress for {stall_s} s (at {last!r} of {target!r}; "
+                                 "seconds counted at the share of a core the machine's load leaves)")
         time.sleep(poll)
+
+
+def wait_until(done, what: str, within_s: float, poll: float = 0.1) -> None:
+    """Wait until ``done()``, for at most ``within_s`` seconds counted at the speed the machine
+    offers (a loaded machine lengthens the wait; see :class:`hiso.patience.Patience`)."""
+    clock = Patience(within_s)
+    while not done():
+        if clock.spent():
+            raise AssertionError(f"{what}: not within {within_s} s (counted at the share of a core "
+                                 "the machine's load leaves)")
+        time.sleep(poll)
+
+
+def wait_exit(proc: subprocess.Popen, within_s: float = 300.0) -> int:
+    """``proc``'s exit code, waiting at most ``within_s`` seconds counted as :func:`wait_until` does."""
+    wait_until(lambda: proc.poll() is not None, f"process {proc.pid} to exit", within_s)
+    return proc.returncode
+
+
+def run_within(argv, within_s: float = 300.0, clock: Patience | None = None, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, **kw)``, killed (and failing) after
+    ``within_s`` seconds counted as :func:`wait_until` does instead of a wall-clock ``timeout``
+    (``clock``: a Patience to count on instead, whose ``used`` then tells how long it took)."""
+    clock = clock or Patience(within_s)
+    within_s = clock.seconds
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as p:
+        while True:
+            try:
+                out, err = p.communicate(timeout=1.0)  # (retried: no output is lost)
+                return subprocess.CompletedProcess(argv, p.returncode, out, err)
+            except subprocess.TimeoutExpired:
+                if clock.spent():
+                    p.kill()
+                    out, err = p.communicate()
+                    raise AssertionError(f"{argv[:4]}: not done within {within_s} s (counted at the share of "
+                                         f"a core the machine's load leaves)\n{err[-3000:]}") from None
 
 
 def rows_logged(path: Path) -> int:

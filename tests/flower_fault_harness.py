@@ -30,6 +30,7 @@ from hiso.config import RunConfig
 from hiso.core.history import read_history
 from hiso.flower.faultproxy import FaultProxy
 from hiso.flower.launch import LocalFederation, free_port, rounds_logged
+from hiso.patience import Patience
 
 
 def can_make_namespaces() -> bool:
@@ -91,12 +92,14 @@ def rounds_done(out: Path) -> int:
 
 
 def wait_rounds(out: Path, n: int, stall_s: float = 240.0) -> None:
-    """Until ``n`` rounds are logged; fails after ``stall_s`` seconds without a new one."""
-    last, t_last = rounds_done(out), time.monotonic()
+    """Until ``n`` rounds are logged; fails after ``stall_s`` seconds without a new one, counted at
+    the speed the machine offers (hiso.patience: a loaded machine lengthens the wait)."""
+    last, clock = rounds_done(out), Patience(stall_s)
     while (now := rounds_done(out)) < n:
         if now != last:
-            last, t_last = now, time.monotonic()
-        elif time.monotonic() - t_last > stall_s:
+            last = now
+            clock.restart()
+        elif clock.spent():
             raise TimeoutError(f"{out}: no round in {stall_s} s (at {now}, waiting for {n})")
         time.sleep(0.2)
 
@@ -246,6 +249,17 @@ def _cli(args: list[str], **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 
+def _communicate(p: subprocess.Popen, within_s: float) -> tuple[str, str]:
+    """``p.communicate()``, failing after ``within_s`` seconds at the speed the machine offers."""
+    clock = Patience(within_s)
+    while True:
+        try:
+            return p.communicate(timeout=1.0)  # (retried: no output is lost)
+        except subprocess.TimeoutExpired:
+            if clock.spent():
+                raise TimeoutError(f"{p.args[:4]}: not done within {within_s} s") from None
+
+
 def _stop(p: subprocess.Popen) -> None:
     """``p`` and everything it started (its SuperLink, SuperNodes), if a wait ran out or failed."""
     from hiso import procs
@@ -274,14 +288,14 @@ def superlink_killed(cfg: RunConfig, work: Path, *, round_timeout: float, after:
         assert len(links) == 1, links
         os.kill(links[0], signal.SIGKILL)
         killed_at = rounds_done(out)
-        _, err = first.communicate(timeout=300)
+        _, err = _communicate(first, 300)
     finally:
         _stop(first)
     hint = f"hiso flower --resume {out} --workdir {wd}"
     assert first.returncode != 0 and hint in err, (first.returncode, err[-2000:])
     again = _cli(["--resume", str(out), "--workdir", str(wd), *(["--worker"] if worker else [])])
     try:
-        res_out, res_err = again.communicate(timeout=900)
+        res_out, res_err = _communicate(again, 900)
     finally:
         _stop(again)
     assert again.returncode == 0, res_err[-3000:]

@@ -13,7 +13,7 @@ SPECIAL = ["[PAD]", "[UNK]", "[EOS]"]
 PUNCT = list("?:.,!\n")
 
 
-def write_tiny_lm(path: Path, seed: int = 0) -> Path:
+def write_tiny_lm(path: Path, seed: int = 0, hidden: int = 16) -> Path:
     """Save a 2-layer Llama with tied embeddings and its tokenizer to ``path`` (from_pretrained-able)."""
     import torch
     from tokenizers import Tokenizer, pre_tokenizers
@@ -24,7 +24,7 @@ def write_tiny_lm(path: Path, seed: int = 0) -> Path:
     tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                       tie_word_embeddings=True, pad_token_id=0, eos_token_id=2, bos_token_id=None)
     with torch.random.fork_rng():

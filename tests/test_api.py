@@ -14,7 +14,7 @@ import torch
 
 import hiso
 from cli_helpers import run_cli
-from conftest import TinyTask
+from conftest import TinyTask, run_within
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,8 +234,8 @@ def test_a_bad_task_name_is_one_line_and_exit_2(tmp_path, capsys, user_module, s
 @pytest.mark.slow
 def test_the_example_runs_and_rebuilds_exactly(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_task.py"), "--out", str(tmp_path / "ex"),
-                           "--rounds", "20"], capture_output=True, text=True, env=env, timeout=300)
+    proc = run_within([sys.executable, str(ROOT / "examples" / "custom_task.py"), "--out", str(tmp_path / "ex"),
+                       "--rounds", "20"], env=env)
     assert proc.returncode == 0, proc.stderr
     assert "bit-identical to the server's model and H" in proc.stdout
     assert json.loads((tmp_path / "ex" / "summary.json").read_text())["rounds_done"] == 20

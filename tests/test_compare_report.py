@@ -183,6 +183,8 @@ def test_killing_compare_does_not_leave_its_workers_running(tmp_path):
     import time
     from pathlib import Path
 
+    from hiso.patience import Patience
+
     cmd = [sys.executable, "-m", "hiso.cli", "compare", "--out", str(tmp_path / "c"), "--jobs", "2", "--quiet",
            "--task", "quadratic", "--dim", "20000", "--clients", "4", "--sampled", "2", "--rounds", "100000",
            "--eval-every", "1000", "--algorithms", "hiso,decomfl", "--threads", "1"]
@@ -202,8 +204,8 @@ def test_killing_compare_does_not_leave_its_workers_running(tmp_path):
 
     workers: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        while len(workers := children()) < 2 and time.monotonic() < deadline:
+        clock = Patience(120)  # (seconds at the speed the machine offers: hiso.patience)
+        while len(workers := children()) < 2 and not clock.spent():
             time.sleep(0.5)
     finally:
         parent.send_signal(signal.SIGKILL)
@@ -220,8 +222,8 @@ def test_killing_compare_does_not_leave_its_workers_running(tmp_path):
 
     # a worker checks its parent every second once it has started; a loaded machine can take tens
     # of seconds to finish starting it (importing torch), so the bound is generous
-    deadline = time.monotonic() + 90
-    while any(running(w) for w in workers) and time.monotonic() < deadline:
+    clock = Patience(90)
+    while any(running(w) for w in workers) and not clock.spent():
         time.sleep(0.2)
     alive = [w for w in workers if running(w)]
     for w in alive:  # whatever the outcome, nothing is left running
@@ -240,7 +242,7 @@ def test_stopping_a_parallel_compare_prints_no_traceback(tmp_path, spawned, sig,
     cancelled them, printing an InvalidStateError traceback."""
     import signal
 
-    from conftest import rows_logged, wait_progress
+    from conftest import rows_logged, wait_exit, wait_progress
 
     out = tmp_path / "c"
     # 8 runs, 2 at a time: some are still queued (not yet handed to a worker) when the signal comes
@@ -250,7 +252,7 @@ def test_stopping_a_parallel_compare_prints_no_traceback(tmp_path, spawned, sig,
     wait_progress(lambda: sum(rows_logged(d) > 0 for d in out.glob("runs/*/*/seed0")), 2,
                   "both workers running", proc)
     proc.send_signal(getattr(signal, sig))
-    assert proc.wait(timeout=120) == code
+    assert wait_exit(proc, 120) == code
     log = proc.log.read_text(errors="replace")
     assert "Traceback" not in log and "InvalidStateError" not in log, log[-3000:]
     assert "stopped: 0 of 8 runs are finished and kept" in log

@@ -11,7 +11,6 @@ run time.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +26,7 @@ from hiso.flower.replica import Replica, run_key
 from hiso.runners.rundir import rebuild, run_to_dir
 from hiso.tasks.registry import build_task
 
-from conftest import rows_logged, tagged_by, wait_progress
+from conftest import rows_logged, tagged_by, wait_exit, wait_progress, wait_until
 
 pytestmark = pytest.mark.flower  # pytest -m flower
 
@@ -498,7 +497,7 @@ def test_flower_with_tls_and_node_authentication(federation, tmp_path):
     assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
     # node authentication: a node whose key was never registered is refused and exits
     intruder = fed.start_node(7, register=False, wait=False)
-    assert intruder.wait(timeout=60) != 0
+    assert wait_exit(intruder, 60) != 0
     assert len(fed.nodes_online()) == 2
     # TLS: the SuperLink answers no plain-HTTP request
     import http.client
@@ -523,10 +522,7 @@ def test_flower_run_resumes_after_its_serverapp_is_killed(federation, tmp_path):
     out = tmp_path / "flower"
     run_id = fed.submit(cfg, out, round_timeout=60)
     _wait_rows(out / "metrics.jsonl", 2, timeout=180)
-    t_end = time.monotonic() + 30
-    while not fed.kill_serverapp():
-        assert time.monotonic() < t_end, "no ServerApp process found"
-        time.sleep(0.2)
+    wait_until(fed.kill_serverapp, "a ServerApp process to kill", 30, poll=0.2)
     fed._flwr("stop", run_id, "local", "--format", "json")
     assert not (out / "summary.json").exists()
     done = len(read_history(out / "history.bin")[2])

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from conftest import run_within, wait_until
 from hiso.config import RunConfig
 from hiso.core import ModelState, Server, decode_uplink, encode_downlink
 from hiso.flower.replica import Replica, run_key
@@ -34,10 +35,7 @@ def test_flower_worker_keeps_replicas_open_and_in_step(tmp_path):
     sock = str(tmp_path / "w.sock")
     worker = Worker()
     threading.Thread(target=worker.serve, args=(sock,), daemon=True).start()
-    t_end = time.monotonic() + 10
-    while not (tmp_path / "w.sock").exists():
-        assert time.monotonic() < t_end
-        time.sleep(0.01)
+    wait_until((tmp_path / "w.sock").exists, "the worker's socket", 10, poll=0.01)
     task = build_task(cfg)
     server = Server(3, 2, cfg.local_steps, cfg.perturbations, seed=cfg.seed)
     ref = ModelState(task.build_model(), cfg.zo())
@@ -68,11 +66,10 @@ def test_flower_worker_keeps_replicas_open_and_in_step(tmp_path):
 
 
 def test_flower_relay_imports_neither_torch_nor_the_core():
-    import subprocess
     import sys
     code = ("import sys, hiso.flower.relay; bad = [m for m in ('torch', 'hiso.core') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = run_within([sys.executable, "-c", code], 120)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -88,10 +85,7 @@ def test_worker_socket_appears_only_once_it_listens(tmp_path, monkeypatch):
     monkeypatch.setattr(so.socket, "listen", slow_listen)
     sock = tmp_path / "w.sock"
     threading.Thread(target=Worker().serve, args=(str(sock),), daemon=True).start()
-    t_end = time.monotonic() + 10
-    while not sock.exists():
-        assert time.monotonic() < t_end
-        time.sleep(0.005)
+    wait_until(sock.exists, "the worker's socket", 10, poll=0.005)
     c = so.socket(so.AF_UNIX, so.SOCK_STREAM)
     c.connect(str(sock))
     c.close()

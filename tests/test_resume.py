@@ -23,9 +23,11 @@ import pytest
 import torch
 
 from cli_helpers import run_cli
+from conftest import wait_exit
 from hiso.config import load_config
 from hiso.core.history import HistoryWriter, RoundRecord, parse_history, read_history
 from hiso.core.seeds import round_seeds
+from hiso.patience import Patience
 from hiso.runners.rundir import run_to_dir
 
 QUAD = ["--task", "quadratic", "--dim", "40", "--clients", "6", "--sampled", "3", "--eval-every", "4"]
@@ -409,17 +411,18 @@ def _rows_written(d: Path) -> int:
 
 
 def _kill_after(proc, d: Path, rows: int, limit: float = 120.0) -> None:
-    """SIGKILL ``proc`` once ``d`` holds ``rows`` metrics rows (bounded wait)."""
-    t0 = time.monotonic()
+    """SIGKILL ``proc`` once ``d`` holds ``rows`` metrics rows (a wait of ``limit`` seconds at the
+    speed the machine offers, hiso.patience)."""
+    clock = Patience(limit)
     while _rows_written(d) < rows:
         if proc.poll() is not None:
             raise AssertionError(f"the run ended (rc {proc.returncode}) before {rows} rows: "
                                  f"{proc.stderr.read().decode()[-500:]}")
-        if time.monotonic() - t0 > limit:
+        if clock.spent():
             raise AssertionError(f"no {rows} rows after {limit} s")
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    wait_exit(proc, 30)
 
 
 @pytest.mark.parametrize("extra, kills", [
@@ -446,7 +449,7 @@ def test_a_run_killed_with_sigkill_and_resumed_is_the_uninterrupted_run(tmp_path
                     os.truncate(h, log.ends[-1] - 3)
             p = _spawn(["--resume", str(d)])
             procs.append(p)
-        assert p.wait(timeout=300) == 0, p.stderr.read().decode()[-1000:]
+        assert wait_exit(p, 300) == 0, p.stderr.read().decode()[-1000:]
     finally:
         for q in procs:
             if q.poll() is None:

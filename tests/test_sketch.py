@@ -12,7 +12,7 @@ from hiso.core.scalars import codes_size, decode_codes, encode_codes, quantize_r
 from hiso.runners.simulate import Simulation
 
 from cli_helpers import run_cli
-from conftest import TinyTask
+from conftest import TinyTask, wait_exit
 from seed_method_checks import LinearTask, assert_run_refused, assert_same_model, late_client
 
 _C = [(1.0, 0.0), (-1.0, -2.0)]  # the gradient is c_i: one SGD step from 0 moves by exactly -lr c_i
@@ -248,7 +248,7 @@ def test_a_sketch_run_killed_with_sigkill_resumes_to_the_uninterrupted_run(tmp_p
     try:
         _kill_after(p, d, 3)
         p = _spawn(["--resume", str(d)])
-        assert p.wait(timeout=300) == 0, p.stderr.read().decode()[-1000:]
+        assert wait_exit(p, 300) == 0, p.stderr.read().decode()[-1000:]
     finally:
         if p.poll() is None:
             p.kill()

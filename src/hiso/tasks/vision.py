@@ -20,6 +20,7 @@ from hiso.data import partition as partitioners
 from hiso.data.partition import PARTITIONS, label_entropy, label_histograms
 from hiso.data.vision import VisionData, load_vision
 from hiso.tasks.base import Task
+from hiso.tasks.draws import PortableDraws
 from hiso.tasks.registry import register_task
 
 # Salts keep the batch / model-init / eval-subset streams distinct from each other and from
@@ -170,9 +171,10 @@ class VisionTask(Task):
     def build_model(self) -> nn.Module:
         """A fresh :class:`MnistCNN` with PyTorch's default init under a seed derived from ``seed``.
 
-        The global torch RNG is forked, so building a model never disturbs the caller's stream.
+        The global torch RNG is forked, so building a model never disturbs the caller's stream;
+        the init is drawn portably (:mod:`hiso.tasks.draws`): the same x_0 on every CPU.
         """
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), PortableDraws():
             torch.manual_seed(self._model_seed)
             return MnistCNN(self.data.num_classes)
 
