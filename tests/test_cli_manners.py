@@ -4,9 +4,9 @@ command says whose it is, and a stopped run says how to continue it."""
 import signal
 import subprocess
 import sys
-import time
 
 from cli_helpers import run_cli
+from conftest import wait_exit, wait_until
 
 
 def test_a_toml_typo_names_the_file_and_the_nearest_option(tmp_path, capsys):
@@ -32,9 +32,15 @@ def test_a_run_stopped_by_sigterm_says_how_to_continue_it(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "hiso.cli", "run", "--rounds", "1000000", "--dim", "2000",
                              "--eval-every", "1", "--out", str(out), "--quiet"], stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
-    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") > 2):
-        time.sleep(0.05)  # wait for logged rounds (an event), however slow the machine
-    proc.send_signal(signal.SIGTERM)
-    err = proc.communicate(timeout=600)[1]
-    assert proc.returncode == 128 + signal.SIGTERM
+    try:  # rounds logged (an event), however slow the machine; bounded, and the process stopped whatever fails
+        wait_until(lambda: proc.poll() is not None or (metrics.exists() and metrics.read_text().count("\n") > 2),
+                   "two logged rounds", 300)
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc) == 128 + signal.SIGTERM
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
     assert f"holds every round logged so far (continue it: hiso run --resume {out})" in err
