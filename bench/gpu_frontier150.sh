@@ -15,23 +15,7 @@ LOG=$OUT/session.log
 exec > >(tee -a "$LOG") 2>&1
 t0=$(date +%s)
 echo "== $(date -u) $(nvidia-smi -L 2>/dev/null | head -1); $(nproc) cores"
-cp "$PART_DIR"/* /tmp/x/pack/
-if ! python3 -m hiso.cli cache unpack /tmp/x/pack --quiet; then
-  # another transformers dequantizes to other numbers: use them, and say by how much they differ
-  python3 - <<'EOF'
-import shutil
-from pathlib import Path
-from hiso.tasks import lm, lm_pack
-src = Path("/tmp/x/pack"); m = lm_pack.verify(src, True)
-tmp = Path("/tmp/unp"); lm_pack._write(src, m, tmp / "pack", True)
-dest = lm_pack.default_target(m); dest.parent.mkdir(parents=True, exist_ok=True)
-lm.dequantize_gguf(tmp / "pack" / m["gguf"], dest)
-for e in m["files"]:
-    if e["path"] != m["gguf"]:
-        shutil.copyfile(tmp / "pack" / e["path"], dest / e["path"])
-print("UNCHECKED WEIGHTS: fingerprint here", lm_pack.weights_fingerprint(dest), "packed", m["weights_fingerprint"])
-EOF
-fi
+bash bench/gpu_unpack.sh "$PART_DIR"
 echo "== unpacked after $(( $(date +%s) - t0 )) s"
 nvidia-smi dmon -s um -d 10 > "$OUT/dmon.txt" 2>&1 &
 left=$(( BUDGET - ($(date +%s) - t0) - 45 ))

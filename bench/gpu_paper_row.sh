@@ -24,22 +24,7 @@ t0=$(date +%s)
 el() { echo $(( $(date +%s) - t0 )); }
 echo "== $(date -u) $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null); $(nproc) cores"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-cp "$PART_DIR"/* /tmp/x/pack/
-if ! python3 -m hiso.cli cache unpack /tmp/x/pack --quiet; then
-  python3 - <<'EOF'
-import shutil
-from pathlib import Path
-from hiso.tasks import lm, lm_pack
-src = Path("/tmp/x/pack"); m = lm_pack.verify(src, True)
-tmp = Path("/tmp/unp"); lm_pack._write(src, m, tmp / "pack", True)
-dest = lm_pack.default_target(m); dest.parent.mkdir(parents=True, exist_ok=True)
-lm.dequantize_gguf(tmp / "pack" / m["gguf"], dest)
-for e in m["files"]:
-    if e["path"] != m["gguf"]:
-        shutil.copyfile(tmp / "pack" / e["path"], dest / e["path"])
-print("UNCHECKED WEIGHTS: fingerprint here", lm_pack.weights_fingerprint(dest), "packed", m["weights_fingerprint"])
-EOF
-fi
+bash bench/gpu_unpack.sh "$PART_DIR"
 echo "== unpacked at $(el) s"
 D=/tmp/x/sst2
 timeout 60 python3 bench/fold_grouped.py --device "$DEVICE" --rounds 12 | tee -a "$OUT/results.txt"

@@ -56,3 +56,23 @@ def assert_run_refused(tmp_path, capsys, args, msg) -> None:
     code, _, err = run_cli(["run", "--out", str(tmp_path / "x"), *args], capsys)
     assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def assert_serverapp_runs_it_as_the_simulator(options: dict, tmp_path, monkeypatch) -> None:
+    """The Flower ServerApp (three nodes in process) and the simulator, run on test_flower's CFG
+    with ``options``, write the same model.pt and history.bin."""
+    import pytest
+    pytest.importorskip("flwr")
+    from test_flower import CFG, FakeGrid, _Msg, _load, _same_model
+
+    from hiso.config import RunConfig
+    from hiso.flower.app import FlowerFederation, Settings, serve
+    from hiso.runners.rundir import run_to_dir
+    cfg = RunConfig(**{**CFG, "local_steps": 1, "clients": 3, "sampled": 2, "rounds": 4, "seed": 8, "eval_every": 2,
+                       **options})
+    monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: _Msg(f, nid, kind, group))
+    serve(FakeGrid(cfg, tmp_path / "replicas", {11: 0, 12: 1, 13: 2}), cfg,
+          Settings(out_dir=str(tmp_path / "flower"), round_timeout=5, poll_s=0.01))
+    run_to_dir(cfg, tmp_path / "sim")
+    assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
+    assert (tmp_path / "flower" / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()

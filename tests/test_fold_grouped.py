@@ -6,7 +6,6 @@ per-tensor chain; with one, the CUDA replica against the CPU replica.
 """
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import hiso
+from test_philox import _interpreter_env
 
 # (run options, why): each a case the grouped fold takes (or a family it must refuse)
 CASES = [
@@ -67,13 +66,6 @@ def _differs(a, b) -> list[str]:
             if isinstance(t, torch.Tensor) and not torch.equal(t.cpu(), db[part][k].cpu()):
                 bad.append(f"{part}/{k}")
     return bad
-
-
-def _interpreter_env() -> dict:
-    """This process's environment with Triton's interpreter on and hiso's src first on the path
-    (the path kept: a GPU image may hold pydantic and the rest in a PYTHONPATH folder)."""
-    path = os.pathsep.join(p for p in (str(Path(hiso.__file__).parents[1]), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1"}
 
 
 _INTERPRETED = """

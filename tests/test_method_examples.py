@@ -104,19 +104,9 @@ def test_compare_runs_an_option_per_arm_under_out_named_by_its_variant(tmp_path,
 
 @pytest.mark.parametrize("spec,opt,lr", CASES, ids=IDS)
 def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatch, spec, opt, lr):
-    pytest.importorskip("flwr")
-    from test_flower import CFG, FakeGrid, _Msg, _load, _same_model
-
-    from hiso.flower.app import FlowerFederation, Settings, serve
-    from hiso.runners.rundir import run_to_dir
-    cfg = RunConfig(**{**CFG, "algorithm": spec, "method_opts": {opt[0]: opt[1]}, "local_steps": 1, "clients": 3,
-                       "sampled": 2, "rounds": 4, "seed": 8, "eval_every": 2, "lr": float(lr)})
-    monkeypatch.setattr(FlowerFederation, "_message", lambda self, f, nid, kind, group=None: _Msg(f, nid, kind, group))
-    serve(FakeGrid(cfg, tmp_path / "replicas", {11: 0, 12: 1, 13: 2}), cfg,
-          Settings(out_dir=str(tmp_path / "flower"), round_timeout=5, poll_s=0.01))
-    run_to_dir(cfg, tmp_path / "sim")
-    assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
-    assert (tmp_path / "flower" / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()
+    from seed_method_checks import assert_serverapp_runs_it_as_the_simulator
+    assert_serverapp_runs_it_as_the_simulator({"algorithm": spec, "method_opts": {opt[0]: opt[1]}, "lr": float(lr)},
+                                             tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("spec,opt,lr", CASES, ids=IDS)
