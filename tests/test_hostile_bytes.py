@@ -257,6 +257,18 @@ def test_config_json(tmp_path, text):
     assert saved_config_roundtrip(tmp_path, cfg, info)
 
 
+@pytest.mark.parametrize("opts", [True, 1, 1.5, "c=1"])
+def test_config_json_with_method_options_of_another_type_is_refused(tmp_path, opts):
+    """Found by the fuzzer above: ``method_opts`` that is neither a table nor a list of pairs
+    is a ValueError (one line), not a TypeError."""
+    from hiso.config import RunConfig
+    from hiso.runners.runfiles import saved_config
+    base = {**RunConfig(task="quadratic", dim=4).model_dump(), "task_info": {"task": "quadratic"}}
+    (tmp_path / "config.json").write_text(json.dumps({**base, "method_opts": opts}))
+    with pytest.raises(ValueError):
+        saved_config(tmp_path)
+
+
 def saved_config_roundtrip(d, cfg, info) -> bool:
     from hiso.runners.runfiles import saved_config
     (d / "config.json").write_text(json.dumps({**cfg.model_dump(), "task_info": info}))

@@ -180,7 +180,7 @@ def test_under_dp_no_uplink_carries_the_clients_loss(monkeypatch, mode, sim_mode
     under DP in either mode it has no loss field (the bytes are those of the same answer encoded
     without a loss: no loss flag, no loss value), so nothing unnoised of a client's data leaves
     it; the round reports no mean loss. Without DP (None) the loss is there, as before."""
-    import hiso.runners.simulate as simulate
+    import hiso.runners.protocol as protocol  # where the round decodes every uplink
     from hiso.core.messages import Uplink, decode_uplink, encode_uplink
     sent = []
 
@@ -188,7 +188,7 @@ def test_under_dp_no_uplink_carries_the_clients_loss(monkeypatch, mode, sim_mode
         sent.append(bytes(data))
         return decode_uplink(data, *a, **k)
 
-    monkeypatch.setattr(simulate, "decode_uplink", spy)
+    monkeypatch.setattr(protocol, "decode_uplink", spy)
     dp = None if mode is None else DPConfig(clip=0.5, noise_multiplier=1.0, mode=mode)
     sim = Simulation(TinyTask(num_clients=8), hiso(lr=0.02, perturbations=3, local_steps=2, dp=dp),
                      clients_per_round=3, seed=1, batch_size=8, mode=sim_mode, dp_seed=5)

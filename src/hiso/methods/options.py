@@ -21,6 +21,8 @@ def parse_pairs(items) -> dict[str, str]:
     """``["c=0.5", "name=x"]`` (the command line's --method-opt) as a dict; a dict passes through."""
     if items is None or isinstance(items, dict):
         return items or {}
+    if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
+        raise ValueError(f"method options {items!r}: expected a table or a list of KEY=VALUE")
     out = {}
     for item in items:
         key, eq, value = str(item).partition("=")

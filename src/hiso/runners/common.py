@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from ..core.round import Tally
 from ..tasks.base import Task
 
 
@@ -33,6 +34,24 @@ class Comm:
         return {"bytes_up_mean": float(self.up.mean()), "bytes_up_max": int(self.up.max()),
                 "bytes_down_mean": float(self.down.mean()), "bytes_down_max": int(self.down.max()),
                 "bytes_total_mean": float(tot.mean()), "bytes_total_max": int(tot.max())}
+
+
+class CommTally(Tally):
+    """A round's tally (:class:`hiso.core.round.Tally`) into ``comm``; under local DP each
+    answer the server received is a release in ``privacy`` (a ``PrivacyLedger``)."""
+
+    def __init__(self, comm: Comm, privacy=None):
+        self.comm, self.privacy = comm, privacy
+
+    def down(self, client: int, n: int) -> None:
+        self.comm.down[client] += n
+
+    def up(self, client: int, n: int) -> None:
+        self.comm.up[client] += n
+
+    def released(self, plan, client: int) -> None:
+        if self.privacy is not None:
+            self.privacy.released(plan.round, plan.attempt, client)
 
 
 def start_round(at: int, rounds: int, start: int | None = None) -> int:

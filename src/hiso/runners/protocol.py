@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ..core.config import ZOConfig
-from ..core.messages import (Hello, Uplink, decode_uplink, encode_downlink, encode_hello, encode_uplink, encode_welcome,
-                             welcome_for)
+
+from ..core.history import RoundRecord
+from ..core.messages import (Hello, MessageError, Uplink, decode_uplink, encode_downlink, encode_hello, encode_uplink,
+                             encode_welcome, welcome_for)
+from ..core.round import PlainTransport, Tally, play_round
 from ..core.server import Server
 from ..core.state import ModelState
 from ..methods.privacy import noise_key
 from ..methods.secagg import SecAggConfig
 from ..tasks.base import Task
-from .common import Comm
+from .common import Comm, CommTally
 
 
 def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int, weighted: bool,
@@ -28,6 +33,43 @@ def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int,
     return Server(task.num_clients, clients_per_round, zo.local_steps, zo.perturbations, seed=seed, weights=weights,
                   scalar_dtype=zo.scalar_dtype, replica=replica, snapshot_after=snapshot_after, bandwidth=bandwidth,
                   rule=rule, trim=trim, dp=zo.dp, noise_seed=noise_key(noise_seed), method=zo.method, secagg=secagg)
+
+
+class ScalarRounds:
+    """The core :class:`~hiso.core.server.Server` as :func:`hiso.core.round.play_round` drives
+    it: downlinks and uplinks encoded with the run's wire; a closed round logged and folded into
+    ``replica`` (the server's x_r), then ``on_commit(record)`` (the log file, the DP ledger)."""
+
+    def __init__(self, server: Server, replica=None, on_commit: Callable[[RoundRecord], None] | None = None):
+        self.server, self.replica, self.on_commit = server, replica, on_commit
+
+    @property
+    def wire(self):
+        return self.server.wire
+
+    def plan(self):
+        return self.server.plan()
+
+    def downlink(self, client: int) -> bytes:
+        return encode_downlink(self.server.downlink(client), self.server.wire)
+
+    def decode(self, client: int | None, reply: bytes, plan) -> Uplink:
+        up = decode_uplink(reply, self.server.wire)
+        if client is not None and up.client != client:
+            raise MessageError(f"the node of partition {client} answered for client {up.client}")
+        return up
+
+    def close(self, answers: list, partial: bool) -> RoundRecord | None:
+        return self.server.aggregate(answers, partial=partial)
+
+    def rejections(self) -> list[tuple[str, str]]:
+        return list(zip(self.server.rejected_reasons, self.server.rejected))
+
+    def commit(self, record: RoundRecord) -> None:
+        if self.replica is not None:
+            self.replica.apply(record)
+        if self.on_commit is not None:
+            self.on_commit(record)
 
 
 class _Blob:
@@ -64,23 +106,34 @@ def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int,
     zeros = (np.ones if wire.signs else np.zeros)(wire.shape, np.float32)  # (FeedSign's answers are +-1)
     split = {"snapshots": 0, "snapshot_bytes": 0, "records": 0, "join_down": int(comm.down.sum()),
              "join_up": int(comm.up.sum())}
-    for _ in range(rounds):
-        plan = server.plan()
-        ups = []
-        for c in plan.participants:
-            msg = server.downlink(c)
+
+    class Counted(ScalarRounds):  # the downlinks' split: records replayed, snapshots
+        def downlink(self, client: int) -> bytes:
+            msg = server.downlink(client)
             data = encode_downlink(msg, wire)
-            comm.down[c] += len(data)
             split["records"] += len(msg.missed)
             if msg.snapshot is not None:
                 split["snapshots"] += 1
                 split["snapshot_bytes"] += len(data)
-            up = encode_uplink(Uplink(c, plan.round, zeros, 0.0, plan.attempt), wire)
-            comm.up[c] += len(up)
-            ups.append(decode_uplink(up, wire))
-        server.aggregate(ups)
+            return data
+
+    class Zeros(PlainTransport):  # every client answers, with zeros: the bytes do not depend on values
+        def exchange(self, plan, downlink, tally):
+            out = []
+            for c in plan.participants:
+                downlink(c)
+                up = encode_uplink(Uplink(c, plan.round, zeros, 0.0, plan.attempt), wire)
+                tally.up(c, len(up))
+                out.append((c, up))
+            return out
+
+    def advance(rec) -> None:  # the stand-in replica moves on with the server
         if blob is not None:
             blob.round += 1
+
+    driver, transport, tally = Counted(server, on_commit=advance), Zeros(), CommTally(comm)
+    for _ in range(rounds):
+        play_round(driver, transport, tally)
     if stats is not None:
         stats.update(split, snapshot_after=server.snapshot_after, server_s=time.perf_counter() - t0)
     return comm

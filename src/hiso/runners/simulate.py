@@ -37,15 +37,16 @@ from ..core.history import RoundRecord
 from ..core.messages import (Downlink, Hello, MessageError, Uplink, decode_downlink, decode_uplink, encode_downlink,
                              encode_hello, encode_uplink, encode_welcome, welcome_for)
 from ..core.perturb import Mode, Perturber
+from ..core.round import PlainTransport, play_round
 from ..methods.secagg import SecAggConfig, loss_level, mean_loss
 from ..core.state import ModelState
 from ..methods.privacy import noise_key, reports_loss
 from ..tasks.base import Task
 from .checkpoint import start_from
 from .client_cost import ClientCost, Timer, replica_bytes
-from .common import Comm, metric_rows, start_round
+from .common import Comm, CommTally, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
-from .protocol import _Blob, protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
+from .protocol import ScalarRounds, _Blob, protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
 
 if TYPE_CHECKING:
     from .accounting import PrivacyLedger
@@ -112,6 +113,9 @@ class Simulation:
         self.sync_checks = 0
         # forwards, backwards and seconds per client-round; a client's memory (under DP no seconds)
         self.cost = ClientCost(timed=self.zo.dp is None)
+        self.rounds = ScalarRounds(self.server, self.state, on_commit=self._logged)
+        self.transport = _InProcess(self)
+        self.tally = CommTally(self.comm, self.privacy)
         for c in range(M):  # every client joins once, at x_0
             self.comm.join(c, encode_hello(Hello(c, 0)), self.welcome)
 
@@ -166,37 +170,42 @@ class Simulation:
             raise PrivacyBudgetSpent(why)
 
     def _logged(self, rec: RoundRecord) -> None:
-        """A closed round: applied to the server's model, logged, counted in the DP ledger."""
-        self.state.apply(rec)
+        """A closed round (applied to the server's model): logged, counted in the DP ledger."""
         if self.on_record is not None:
             self.on_record(rec)
         if self.privacy is not None:
             self.privacy.record(rec)
 
     def step(self) -> tuple[RoundRecord, float | None]:
-        """One round; returns its record and the participants' mean training loss (None under DP:
-        no answer carries one)."""
-        if self.unreliable:
-            return self._step_unreliable()
-        plan = self.server.plan()
-        self._check_budget(plan)
-        wire = self.server.wire
-        uplinks: list[Uplink] = []
-        for cid in plan.participants:
-            down = encode_downlink(self.server.downlink(cid), wire)
-            self.comm.down[cid] += len(down)
-            if self.mode == "faithful":  # the client's bytes-in, bytes-out contract
-                client = self.client(cid)
-                with Timer() as t:
-                    up = client.handle(down)
-                self.cost.add(client.work, t.s)
-            else:
-                up = encode_uplink(self._fast_answer(cid, decode_downlink(down, wire)), wire)
-            self.comm.up[cid] += len(up)
-            uplinks.append(decode_uplink(up, wire, expect_round=plan.round))
-        rec = self.server.aggregate(uplinks)
-        self._logged(rec)
-        return rec, self._mean_loss([u.loss for u in uplinks])
+        """One round (:func:`hiso.core.round.play_round`); returns its record and the
+        participants' mean training loss (None under DP: no answer carries one). Over an
+        unreliable network it closes with the valid answers (see the module docstring)."""
+        decodable, self.round_out_of_sync = self.totals["corrupt_decodable"], 0
+        played = play_round(self.rounds, self.transport, self.tally, partial=self.unreliable,
+                            before=self._check_budget, on_reject=self._rejected, on_replan=self._replanned)
+        rec = played.record
+        if not self.unreliable:
+            return rec, self._mean_loss([u.loss for u in played.answers])
+        for code, n in played.rejected.items():
+            self.totals["rejected_" + code] += n
+        self.round_stats = {"participants": len(rec.participants), "rejected": dict(sorted(played.rejected.items())),
+                            "replanned": played.replanned}
+        # what the log cannot tell a resumed run (so its row says it; absent when 0)
+        if self.totals["corrupt_decodable"] > decodable:
+            self.round_stats["corrupt_decodable"] = int(self.totals["corrupt_decodable"] - decodable)
+        if self.round_out_of_sync:
+            self.round_stats["out_of_sync"] = self.round_out_of_sync
+        if self.privacy is not None and self.privacy.unlogged:  # local DP: released, not in the log
+            self.round_stats["dp_unlogged"] = {str(c): n for c, n in self.privacy.unlogged.items()}
+        kept = {u.client: u.loss for u in reversed(played.answers) if u.client in rec.participants and u.round == rec.round}
+        return rec, self._mean_loss(list(kept.values()))
+
+    def _rejected(self, plan, client, code: str, why: str) -> None:
+        log.info("row %d (round %d): rejected (%s): %s", plan.round + 1, plan.round, code, why)
+
+    def _replanned(self, plan) -> None:
+        log.info("row %d (round %d): no valid answer (or fewer than secure aggregation's threshold), planned again",
+                 plan.round + 1, plan.round)
 
     def _mean_loss(self, losses: list) -> float | None:
         """The participants' mean training loss; under secure aggregation the mean of their grid
@@ -217,22 +226,18 @@ class Simulation:
             up = Uplink(cid, up.round, self.attackers.lie(cid, up.scalars, self.plans, attack), up.loss, up.attempt)
         return up
 
-    def _receive(self, data: bytes, rejected: Counter, rnd: int) -> Uplink | None:
-        """Check and decode one arriving message; a bad one is counted, logged and dropped."""
+    def _unseal(self, data: bytes) -> bytes:
+        """An arriving message's CRC-32 frame checked and removed (a damaged one raises
+        ChecksumError); counts the damage the decoder alone would have let through."""
         try:
-            return decode_uplink(unseal(data) if self.sealed else data, self.server.wire)
-        except MessageError as e:
-            why = ("checksum" if isinstance(e, ChecksumError) else
-                   "non_finite" if "non-finite" in str(e) else "malformed")
-            rejected[why] += 1
-            log.info("row %d (round %d): rejected (%s): %s", rnd + 1, rnd, why, e)
-            if why == "checksum":  # would the decoder alone have let the damage through?
-                try:
-                    decode_uplink(bytes(data[:-4]), self.server.wire)
-                    self.totals["corrupt_decodable"] += 1
-                except MessageError:
-                    pass
-            return None
+            return unseal(data)
+        except ChecksumError:
+            try:
+                decode_uplink(bytes(data[:-4]), self.server.wire)
+                self.totals["corrupt_decodable"] += 1
+            except MessageError:
+                pass
+            raise
 
     def _in_sync(self, cid: int) -> bool:
         st = self.clients[cid].state
@@ -241,19 +246,19 @@ class Simulation:
             same = same and all(torch.equal(a, b) for a, b in zip(st.h, self.state.h))
         return same
 
-    def _send(self, plan, answer: Callable[[int, bytes, str | None, str], bytes]) -> list[bytes]:
+    def _send(self, plan, answer: Callable[[int, bytes, str | None, str], bytes], downlink=None) -> list[bytes]:
         """The answers to one planned round as the server gets them: each client's fate drawn,
         its downlink and uplink bytes counted, late answers kept for a later round. ``answer(cid,
         downlink, attack, fate)`` gives a client's encoded uplink. Shared by a live round and the
-        replay of logged ones (:meth:`resume`), so both draw and count alike."""
+        replay of logged ones (:meth:`resume`), so both draw and count alike. ``downlink(cid)``:
+        the client's encoded downlink, counted (default: the server's, counted here)."""
         arrivals = [d for r, d in self.pending if r < plan.round]  # late answers of closed rounds
         self.pending = [(r, d) for r, d in self.pending if r >= plan.round]
         wire = self.server.wire
         liars = self.attackers.of_round(self.plans, plan.participants) if self.attackers is not None else {}
         for cid in plan.participants:
             fate = self.faults.fate(self.plans, cid) if self.faults is not None else "ok"
-            down = encode_downlink(self.server.downlink(cid), wire)
-            self.comm.down[cid] += len(down)
+            down = downlink(cid) if downlink is not None else self._count_down(cid)
             if fate != "ok":
                 self.totals[fate] += 1
             if fate == "drop" and self.mode == "fast":  # lost anyway; a faithful client computes it
@@ -269,8 +274,7 @@ class Simulation:
             self.comm.up[cid] += len(data) * (2 if fate == "duplicate" else 1)
             if fate == "drop":
                 continue
-            if self.privacy is not None:  # local DP: every answer that reaches the server is a release
-                self.privacy.released(plan.round, plan.attempt, cid)
+            self.tally.released(plan, cid)  # local DP: every answer that reaches the server is a release
             if fate == "late":
                 self.pending.append((plan.round, data))
                 continue
@@ -279,6 +283,11 @@ class Simulation:
             arrivals += [data, data] if fate == "duplicate" else [data]
         self.plans += 1
         return arrivals
+
+    def _count_down(self, cid: int) -> bytes:
+        down = encode_downlink(self.server.downlink(cid), self.server.wire)
+        self.comm.down[cid] += len(down)
+        return down
 
     def _live_answer(self, cid: int, down: bytes, attack: str | None, fate: str = "ok") -> bytes:
         """A client's real answer (computed; an attacker's lie), checked in sync in faithful mode."""
@@ -291,44 +300,6 @@ class Simulation:
                 log.error("row %d (round %d): client %d's replica differs from the server's",
                           self.server.round + 1, self.server.round, cid)
         return data
-
-    def _step_unreliable(self) -> tuple[RoundRecord, float]:
-        """One round over an unreliable network (faults, attackers): see the module docstring."""
-        rejected: Counter = Counter()
-        replanned = 0
-        decodable, self.round_out_of_sync = self.totals["corrupt_decodable"], 0
-        while True:
-            plan = self.server.plan()
-            self._check_budget(plan)
-            # late answers arrive once their round has closed. (Not in a re-planned attempt of the
-            # same round: an uplink names its round by number only, so an answer to the earlier
-            # attempt's seeds would pass for a valid one; Flower matches replies to messages.)
-            arrivals = self._send(plan, self._live_answer)
-            ups = [u for u in (self._receive(d, rejected, plan.round) for d in arrivals) if u is not None]
-            rec = self.server.aggregate(ups, partial=True)
-            for code, why in zip(self.server.rejected_reasons, self.server.rejected):
-                rejected[code] += 1
-                log.info("row %d (round %d): rejected (%s): %s", plan.round + 1, plan.round, code, why)
-            if rec is not None:
-                break
-            replanned += 1
-            log.info("row %d (round %d): no valid answer (or fewer than secure aggregation's threshold), planned again", plan.round + 1, plan.round)
-            if replanned >= 1000:
-                raise RuntimeError(f"round {plan.round}: no valid answer in 1000 attempts")
-        self._logged(rec)
-        for code, n in rejected.items():
-            self.totals["rejected_" + code] += n
-        self.round_stats = {"participants": len(rec.participants), "rejected": dict(sorted(rejected.items())),
-                            "replanned": replanned}
-        # what the log cannot tell a resumed run (so its row says it; absent when 0)
-        if self.totals["corrupt_decodable"] > decodable:
-            self.round_stats["corrupt_decodable"] = int(self.totals["corrupt_decodable"] - decodable)
-        if self.round_out_of_sync:
-            self.round_stats["out_of_sync"] = self.round_out_of_sync
-        if self.privacy is not None and self.privacy.unlogged:  # local DP: released, not in the log
-            self.round_stats["dp_unlogged"] = {str(c): n for c, n in self.privacy.unlogged.items()}
-        kept = {u.client: u.loss for u in reversed(ups) if u.client in rec.participants and u.round == rec.round}
-        return rec, self._mean_loss(list(kept.values()))
 
     def reliability(self) -> dict:
         """Totals of an unreliable run (for ``summary.json``): faults injected, messages
@@ -445,3 +416,36 @@ class Simulation:
                 load_state(c.state, encode_state(self.state), self.state.round)
             else:
                 c.state.replay(self.server.records_since(c.state.round))
+
+
+class _InProcess(PlainTransport):
+    """The simulator's transport: each sampled client answers its downlink bytes in this
+    process (faithful: its own replica; fast: the shared one); with faults or attackers, the
+    fates of :meth:`Simulation._send` (lost, late, repeated, damaged, lies) and a CRC-32 frame."""
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+
+    def exchange(self, plan, downlink, tally) -> list:
+        sim = self.sim
+        if sim.unreliable:
+            # late answers arrive once their round has closed. (Not in a re-planned attempt of
+            # the same round: an uplink names its round by number only, so an answer to the
+            # earlier attempt's seeds would pass for a valid one; Flower matches replies to messages.)
+            return [(None, d) for d in sim._send(plan, sim._live_answer, downlink)]
+        out = []
+        for cid in plan.participants:
+            down = downlink(cid)
+            if sim.mode == "faithful":  # the client's bytes-in, bytes-out contract
+                client = sim.client(cid)
+                with Timer() as t:
+                    up = client.handle(down)
+                sim.cost.add(client.work, t.s)
+            else:
+                up = encode_uplink(sim._fast_answer(cid, decode_downlink(down, sim.server.wire)), sim.server.wire)
+            tally.up(cid, len(up))
+            out.append((cid, up))
+        return out
+
+    def unwrap(self, reply: bytes) -> bytes:
+        return self.sim._unseal(reply) if self.sim.sealed else reply
