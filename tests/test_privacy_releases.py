@@ -93,7 +93,7 @@ def test_flower_counts_an_answer_it_dropped_in_local_mode(tmp_path, monkeypatch,
     from hiso.core.messages import MessageError
     from hiso.flower.app import Settings, serve
     from hiso.flower.loopback import LoopbackGrid, server_task
-    import hiso.flower.server_app as sa
+    import hiso.runners.protocol as sa  # where the round decodes every uplink
     real, refused = sa.decode_uplink, []
 
     def decode(data, wire, expect_round=None):

@@ -150,7 +150,7 @@ def play_round(server: Rounds, transport: Transport, tally: Tally | None = None,
             return Played(record, plan, answers, attempt, rejected)
         if on_replan is not None:
             on_replan(plan)
-    raise RuntimeError(f"round {plan.round}: no valid answer in {max_plans} attempts")
+    raise RuntimeError(f"round {plan.round}: no client answered validly in {max_plans} attempts")
 
 
 def _size(msg: Any) -> int:

@@ -14,17 +14,18 @@ import numpy as np
 
 from ..config import RunConfig
 from ..core.history import RoundRecord
-from ..core.messages import (Hello, MessageError, decode_hello, decode_uplink, encode_downlink, encode_hello,
-                             encode_welcome, welcome_for)
+from ..core.messages import Hello, MessageError, decode_hello, encode_downlink, encode_hello, encode_welcome, welcome_for
+from ..core.round import play_round
 from ..core.state import ModelState
 from ..methods.privacy import reports_loss
 from ..runners.accounting import privacy_ledger
 from ..atomic import write_atomic
-from ..runners.common import Comm, metric_rows
-from ..runners.simulate import protocol_server
+from ..runners.common import Comm, CommTally, metric_rows
+from ..runners.protocol import ScalarRounds, protocol_server
 from ..tasks.base import Task
 
 from .records import REC, Settings, _records, _task_for, log, reply_bytes, reply_int
+from .transport import GridTransport
 
 
 @dataclass
@@ -53,10 +54,13 @@ class FlowerFederation:
         self.privacy = privacy_ledger(self.cfg)  # DP: participations, the epsilon reported, the budget
         self._loss_slot = 0.0 if reports_loss(self.zo.dp) else None  # an answer's loss, for its size only
         self.comm = Comm.zeros(M)
+        self.rounds = ScalarRounds(self.server, self.state, on_commit=self._logged)
         self._init_nodes()
 
     def _init_nodes(self) -> None:
-        """No node known yet (every runner over a grid starts so)."""
+        """No node known yet (every runner over a grid starts so); the grid as a transport."""
+        self.transport = GridTransport(self)
+        self.times = (0.0, 0.0, 0.0)  # the last exchange: start, nodes refreshed, answers received
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
         self._queries: dict[str, int] = {}  # query message id -> node id, awaiting a reply
@@ -215,14 +219,22 @@ class FlowerFederation:
             time.sleep(self.settings.poll_s)
 
     # -- one round
-    def _apply(self, rec, plan, times: tuple[float, float, float], **extra) -> None:
-        """Every replica's step: the closed round ``rec`` applied to x_r and logged, with its
-        timings (``times``: start, nodes sent, answers received) and ``extra`` fields."""
-        self.state.apply(rec)
+    def _logged(self, rec) -> None:
+        """A closed round (applied to x_r): logged, counted in the DP ledger."""
         if self.on_record is not None:
             self.on_record(rec)
         if self.privacy is not None:
             self.privacy.record(rec)
+
+    def _apply(self, rec, plan, times: tuple[float, float, float], **extra) -> None:
+        """Every replica's step: the closed round ``rec`` applied to x_r and logged, with its
+        timings (``times``: start, nodes sent, answers received) and ``extra`` fields."""
+        self.state.apply(rec)
+        self._logged(rec)
+        self._timed(rec, plan, times, **extra)
+
+    def _timed(self, rec, plan, times: tuple[float, float, float], **extra) -> None:
+        """The closed round's timings (``times``: start, nodes sent, answers received)."""
         t0, t1, t2 = times
         self.timings.append({"round": rec.round, "nodes_s": t1 - t0, "send_and_receive_s": t2 - t1,
                              "aggregate_apply_s": time.perf_counter() - t2, "participants": list(rec.participants),
@@ -233,15 +245,19 @@ class FlowerFederation:
         """Partition ``pid``'s encoded downlink for the planned round."""
         return encode_downlink(self.server.downlink(pid), self.server.wire)
 
-    def _send(self, rnd: int, pids) -> dict[int, object]:
-        """Downlinks to ``pids`` (those with a node); the replies by partition."""
+    def _send(self, rnd: int, pids, downlink=None) -> dict[int, object]:
+        """Downlinks to ``pids`` (those with a node; ``downlink(pid)``: its message, counted);
+        the replies by partition."""
         msgs = []
         for pid in pids:
             nid = self.node_of.get(pid)
             if nid is None:
                 continue
-            down = self._downlink(pid, rnd)
-            self.comm.down[pid] += len(down)
+            if downlink is not None:
+                down = downlink(pid)
+            else:
+                down = self._downlink(pid, rnd)
+                self.comm.down[pid] += len(down)
             msgs.append(self._message({"down": down, **self._lineage_field()}, nid, "train", str(rnd)))
         out = {}
         for rep in self._exchange(msgs):
@@ -301,56 +317,21 @@ class FlowerFederation:
             raise PrivacyBudgetSpent(why)
 
     def step(self) -> float | None:
-        """One round over the grid; the answers' mean training loss (None under DP: no answer
-        carries one)."""
-        for _ in range(self.settings.max_replans + 1):
-            t0 = time.perf_counter()
-            self.refresh_nodes()
-            t1 = time.perf_counter()
-            plan = self.server.plan()
-            self.check_budget(plan)
-            self.join_sampled(plan.participants)
-            replies = self._send(plan.round, plan.participants)
-            behind = {}
-            for pid, r in replies.items():
-                if "behind" in r:
-                    try:
-                        behind[pid] = reply_int(r, "behind")
-                    except MessageError as e:
-                        log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
-            for pid, held in behind.items():  # its replica is older than we thought: resend from its round
-                self.server.client_holds(pid, held)
-            if behind:
-                replies.update(self._send(plan.round, list(behind)))
-            t2 = time.perf_counter()
-            ups = []
-            for pid, r in replies.items():
-                if "up" not in r:
-                    continue
-                try:
-                    data = reply_bytes(r, "up")
-                    self.comm.up[pid] += len(data)
-                    if self.privacy is not None:  # local DP: every answer that reaches the server is a release
-                        self.privacy.released(plan.round, plan.attempt, pid)
-                    up = decode_uplink(data, self.server.wire, expect_round=plan.round)
-                except MessageError as e:
-                    log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
-                    continue
-                if up.client != pid:
-                    log.warning("round %d: node of partition %d answered for client %d: dropped", plan.round, pid, up.client)
-                    continue
-                ups.append(up)
-            rec = self.server.aggregate(ups, partial=True)
-            for why in self.server.rejected:
-                log.warning("round %d: %s", plan.round, why)
-            if rec is None:
-                log.warning("round %d: no valid answer from %s; planning it again", plan.round, list(plan.participants))
-                continue
-            self._apply(rec, plan, (t0, t1, t2))
-            if self._loss_slot is None:
-                return None
-            return float(np.mean([u.loss for u in ups if u.loss is not None] or [np.nan]))
-        raise RuntimeError(f"round {self.server.round}: no client answered in {self.settings.max_replans + 1} attempts")
+        """One round over the grid (:func:`hiso.core.round.play_round`); the answers' mean
+        training loss (None under DP: no answer carries one)."""
+        def rejected(plan, pid, code, why) -> None:
+            log.warning("round %d: dropped an answer%s: %s", plan.round, "" if pid is None else f" of partition {pid}", why)
+
+        def replanned(plan) -> None:
+            log.warning("round %d: no valid answer from %s; planning it again", plan.round, list(plan.participants))
+
+        played = play_round(self.rounds, self.transport, CommTally(self.comm, self.privacy), partial=True,
+                            max_plans=self.settings.max_replans + 1, before=self.check_budget, on_reject=rejected,
+                            on_replan=replanned)
+        self._timed(played.record, played.plan, self.times)
+        if self._loss_slot is None:
+            return None
+        return float(np.mean([u.loss for u in played.answers if u.loss is not None] or [np.nan]))
 
     # -- the simulator's interface
     def run(self, rounds: int, start: int = 0, wall: float = 0.0):

@@ -1,0 +1,55 @@
+"""A Flower grid as the round's transport (:class:`hiso.core.round.Transport`)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..core.messages import MessageError
+from ..core.round import PlainTransport
+from .records import log, reply_bytes, reply_int
+
+if TYPE_CHECKING:
+    from .server_app import FlowerFederation
+
+
+class GridTransport(PlainTransport):
+    """A Flower grid as the round's transport: the nodes refreshed, the sampled partitions'
+    nodes asked (a node whose replica is older than the server thought says ``behind`` and is
+    asked again from its round), the ``up`` of each reply returned."""
+
+    def __init__(self, fed: FlowerFederation):
+        self.fed = fed
+
+    def exchange(self, plan, downlink, tally) -> list:
+        fed = self.fed
+        t0 = time.perf_counter()
+        fed.refresh_nodes()
+        t1 = time.perf_counter()
+        fed.join_sampled(plan.participants)
+        replies = fed._send(plan.round, plan.participants, downlink)
+        behind = {}
+        for pid, r in replies.items():
+            if "behind" in r:
+                try:
+                    behind[pid] = reply_int(r, "behind")
+                except MessageError as e:
+                    log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
+        for pid, held in behind.items():  # its replica is older than we thought: resend from its round
+            fed.server.client_holds(pid, held)
+        if behind:
+            replies.update(fed._send(plan.round, list(behind), downlink))
+        fed.times = (t0, t1, time.perf_counter())
+        out = []
+        for pid, r in replies.items():
+            if "up" not in r:
+                continue
+            try:
+                data = reply_bytes(r, "up")
+            except MessageError as e:
+                log.warning("round %d: dropped the answer of partition %d: %s", plan.round, pid, e)
+                continue
+            tally.up(pid, len(data))
+            tally.released(plan, pid)  # local DP: every answer that reaches the server is a release
+            out.append((pid, data))
+        return out
