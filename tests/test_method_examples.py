@@ -159,3 +159,20 @@ def test_a_method_declaring_no_option_groups_still_reads_p_mu_and_the_difference
                  "@dataclass(frozen=True)\nclass Bare(Method):\n    options = frozenset()\n")
     cfg = load_config(None, algorithm=f"{f}:Bare", perturbations=3, mu=1e-2, difference="central")
     assert cfg.unused_options() == {} and cfg.zo().shape == (1, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,opt,lr", CASES, ids=IDS)
+def test_hiso_flower_deploys_it_as_hiso_run_runs_it(tmp_path, capsys, spec, opt, lr):
+    """``hiso flower``: a SuperLink and two SuperNodes as processes, the method loaded from its
+    file by the ServerApp and by every ClientApp; the run directory is ``hiso run``'s, bit for
+    bit, and records the method's option."""
+    pytest.importorskip("flwr", reason="the flower extra is not installed")
+    args = [*_method_args(spec, opt, lr), "--clients", "2", "--sampled", "2", "--rounds", "3"]
+    code, _, err = run_cli(["flower", "--nodes", "2", "--round-timeout", "120",
+                            "--out", str(tmp_path / "flower"), *args], capsys)
+    assert code == 0, err
+    _run(capsys, "--out", tmp_path / "sim", *args)
+    assert (tmp_path / "flower" / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()
+    assert _equal(_state(tmp_path / "flower" / "model.pt"), _state(tmp_path / "sim" / "model.pt"))
+    assert json.loads((tmp_path / "flower" / "config.json").read_text())["method_opts"] == {opt[0]: float(opt[1])}
