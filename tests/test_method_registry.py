@@ -48,6 +48,39 @@ def test_no_source_file_outside_the_registry_compares_a_method_name():
     assert not found, f"method names compared outside the registry: {found}"
 
 
+FAMILIES = {"scalar", "seed-pool", "full-model"}
+
+
+def _family_comparisons(path: Path):
+    """(line, what) of each comparison of a method's family: ``x.family`` compared, or a family's
+    name compared with anything."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        for part in [node.left, *node.comparators]:
+            if isinstance(part, ast.Attribute) and part.attr == "family":
+                yield node.lineno, "family"
+            consts = [part] if isinstance(part, ast.Constant) else list(getattr(part, "elts", []))
+            yield from ((node.lineno, c.value) for c in consts if isinstance(c, ast.Constant) and c.value in FAMILIES)
+
+
+def test_no_source_file_outside_the_registry_compares_a_method_family():
+    """What a method's family decides (its log, its wire, its rounds) is asked of its MethodInfo."""
+    found = {}
+    for f in sorted(SRC.rglob("*.py")):
+        if f in REGISTRY:
+            continue
+        for line, what in _family_comparisons(f):
+            found.setdefault(str(f.relative_to(SRC)), []).append((line, what))
+    assert not found, f"method families compared outside the registry: {found}"
+
+
+def test_the_family_counter_sees_a_comparison(tmp_path):
+    p = tmp_path / "probe.py"
+    p.write_text('if cfg.method.family == "seed-pool" or kind in ("full-model",):\n    pass\n')
+    assert sorted(w for _, w in _family_comparisons(p)) == ["family", "full-model", "seed-pool"]
+
+
 def test_the_counter_sees_a_comparison():
     src = 'if cfg.algorithm == "fedkseed" or alg in ("hiso", "x"):\n    pass\n'
     p = Path(__file__).parent / "_tmp_compare_probe.py"

@@ -125,14 +125,14 @@ class MethodRules:
             from .core.scalars import CODE_BITS
             if self.sketch_bits not in CODE_BITS:
                 raise ValueError(f"sketch_bits must be one of {', '.join(map(str, CODE_BITS))}, got {self.sketch_bits}")
-        if info.family == "seed-pool":
+        if info.pool_log:
             from .methods.fedkseed import check_pool
             check_pool(self.seed_pool)
             if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
                 raise ValueError(f"{self.algorithm} runs with the plain mean only (no faults, attackers, robust or "
                                  "weighted aggregation, lr decay)")
         if self.directions in ("sparse", "lowrank") and "structured" not in can:
-            what = "draws its pool's directions from a dense family" if info.family == "seed-pool" else \
+            what = "draws its pool's directions from a dense family" if info.pool_log else \
                 "projects on a dense direction family"
             raise self._lacks("structured", f"directions {self.directions}", f"{self.algorithm} {what}, not "
                               f"{self.directions}")

@@ -44,7 +44,7 @@ from .server_app import FlowerFederation, serve_zo  # noqa: F401
 def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
     """The ServerApp's body: run ``cfg`` over the grid into ``settings.out_dir`` (the full-model
     baselines with models and updates in ArrayRecords, :mod:`hiso.flower.fullmodel`)."""
-    if cfg.method.family == "seed-pool":  # seed-pool messages (hiso.flower.seedpool)
+    if cfg.method.pool_log:  # seed-pool messages (hiso.flower.seedpool)
         from .seedpool import serve_pool
         return serve_pool(grid, cfg, settings)
     if not cfg.scalar_only:

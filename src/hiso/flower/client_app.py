@@ -60,7 +60,7 @@ def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str
     welcome is kept beside the replica: it gives the run's seed to every later message.
     Full-model clients keep no replica: they answer their partition and round 0; FedKSeed's
     answer their partition and the round of their pool state (:mod:`hiso.flower.seedpool`)."""
-    if cfg.method.family == "seed-pool":
+    if cfg.method.pool_log:
         from .seedpool import pool_query_fields
         return pool_query_fields(cfg, run_id, pid, state_dir, cfg_json)
     if not cfg.scalar_only:
@@ -130,7 +130,7 @@ def answer_open(cfg: RunConfig, task, rep, pid: int, down: bytes) -> bytes | Non
 
 def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, cfg_json: str | None = None) -> dict:
     """A node's answer to ``train``: ``up`` (the encoded uplink) or ``behind`` (its round)."""
-    if cfg.method.family == "seed-pool":
+    if cfg.method.pool_log:
         from .seedpool import pool_train_fields
         return pool_train_fields(cfg, run_id, pid, state_dir, down, cfg_json)
     t0, c0 = time.perf_counter(), time.process_time()

@@ -91,6 +91,11 @@ class MethodInfo:
         return self.family == "scalar"
 
     @property
+    def pool_log(self) -> bool:
+        """Its own log of (pool index, scalar) pairs, folded then materialised once (FedKSeed)."""
+        return self.family == "seed-pool"
+
+    @property
     def has_log(self) -> bool:
         """Whether a run keeps a log its model is rebuilt and resumed from (scalar or seed pool)."""
         return self.family != "full-model"

@@ -160,9 +160,9 @@ def plan_method(name: str, dep: Deployment, times: np.ndarray | None = None) -> 
     """One method's figures, per client (means over the population) and for the server."""
     info = method_info(name)
     cfg = run_config(name, dep)
-    if info.family == "full-model":
+    if not info.has_log:
         row = _full_model(info, cfg, dep, participation(dep) if times is None else times)
-    elif info.family == "seed-pool":
+    elif info.pool_log:
         row = _seed_pool(cfg, dep)
     else:
         row = _scalar(info, cfg, dep)

@@ -21,7 +21,7 @@ def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "
     describes itself otherwise than the run's is warned of (``checked``: the caller did both)."""
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
-    if cfg.method.family == "seed-pool":
+    if cfg.method.pool_log:
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: its log is read by `hiso rebuild`, `eval` and `export` (its model.pt holds "
                          f"the final model)")
     if not cfg.scalar_only:
@@ -57,7 +57,7 @@ def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu",
     device the run used): every one (the final model) or the first ``round`` (x_round, the model a
     run stopped at that round saves). Returns the replica and its ``model.pt`` checkpoint."""
     cfg, info = saved_config(run_dir)
-    if cfg.method.family == "seed-pool":  # fold the log, then one materialisation (at most K draws)
+    if cfg.method.pool_log:  # fold the log, then one materialisation (at most K draws)
         from .fedkseed import rebuild_pool
         rep = rebuild_pool(run_dir, cfg, _run_task_on(run_dir, cfg, info, task, device), round)
         return rep.state, checkpoint(rep.state_dict(), info)  # the pool state too, as the run's model.pt

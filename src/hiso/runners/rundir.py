@@ -91,7 +91,7 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
                           attackers=attackers, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth,
                           batch_memory=cfg.batch_memory_bytes, dp_seed=cfg.dp_noise_seed,
                           privacy=privacy_ledger(cfg), secagg=cfg.secagg_config)
-    if cfg.method.family == "seed-pool":
+    if cfg.method.pool_log:
         from .fedkseed import FedKSeedSimulation
         return FedKSeedSimulation(task, cfg, on_record)
     from .fullmodel import FullModelSimulation
@@ -173,7 +173,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                          f"use a zeroth-order algorithm (hiso, decomfl, feedsign, fedkseed)")
     info = task.describe()
     out.mkdir(parents=True, exist_ok=True)
-    if resume and cfg.method.family == "seed-pool":  # its own log (hiso.methods.fedkseed)
+    if resume and cfg.method.pool_log:  # its own log (hiso.methods.fedkseed)
         from .fedkseed import pool_resume_point
         kept, records = pool_resume_point(out, cfg, resume_point(out, None)[0])
     else:
@@ -200,7 +200,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape,
                                                      keep=len(records) if resume else None, seed=cfg.seed,
                                                      scalar_dtype=cfg.scalar_dtype, directions=cfg.direction_spec))
-        elif cfg.method.family == "seed-pool":  # its own log: each round's (index, scalar) pairs
+        elif cfg.method.pool_log:  # its own log: each round's (index, scalar) pairs
             from ..methods.fedkseed import PoolLogWriter
             hist = stack.enter_context(PoolLogWriter(out / "history.bin", cfg.local_steps, cfg.seed_pool, cfg.seed,
                                                      cfg.scalar_dtype, keep=records))

@@ -99,7 +99,7 @@ def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | N
         if not checked:
             check_run_task(task, info, run_dir, given=True)
     ckpt_path = run_dir / "model.pt"
-    if cfg.method.family == "seed-pool":  # its log folded, then x_round materialised (at most K draws)
+    if cfg.method.pool_log:  # its log folded, then x_round materialised (at most K draws)
         from .fedkseed import rebuild_pool
         rep = rebuild_pool(run_dir, cfg, task, round)
         return RunModel(rep.state.model, task, cfg, info, rep.state.round, run_dir)
