@@ -11,7 +11,7 @@ from hiso.core.directions import DirectionGenerator, direction
 from hiso.core.messages import MessageError
 from hiso.methods.fedkseed import (MAX_POOL, PoolReplica, decode_pool_uplink, draw_indices, encode_pool_uplink,
                                    pool_seeds, probabilities)
-from hiso.runners.fedkseed import FedKSeedSimulation
+from hiso.runners.inprocess import FedKSeedSimulation
 
 from conftest import TinyTask
 from seed_method_checks import LinearTask, assert_run_refused, assert_same_model

@@ -39,7 +39,7 @@ def test_plan_bytes_equal_a_runs(shape, tmp_path):
 def test_fedkseed_materialisations_are_a_faithful_runs(sampling):
     """Uniform draws: plan's pool directions equal what every client's replica materialised; weighted: a bound."""
     from hiso.config import RunConfig
-    from hiso.runners.fedkseed import FedKSeedSimulation
+    from hiso.runners.inprocess import FedKSeedSimulation
     from hiso.tasks.registry import build_task
 
     cfg = RunConfig(task="quadratic", algorithm="fedkseed", clients=20, sampled=4, rounds=12, local_steps=2, dim=40,

@@ -52,7 +52,7 @@ def test_runs_and_rebuilds_bit_for_bit(tmp_path, capsys, method, task, request):
 @pytest.mark.parametrize("method", ["feedsign", "ferret", "fedkseed"])
 def test_flower_server_logic_matches_the_simulator(tmp_path, monkeypatch, method):
     """FeedSign and Ferret ride the scalar protocol, FedKSeed its seed-pool messages
-    (hiso.flower.seedpool): the Flower ServerApp's body over a fake grid writes the simulator's
+    (hiso.methods.fedkseed_rounds): the Flower ServerApp's body over a fake grid writes the simulator's
     run directory, bit for bit, with the same bytes per client."""
     pytest.importorskip("flwr")
     import test_flower as tf

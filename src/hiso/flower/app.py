@@ -44,9 +44,8 @@ from .server_app import FlowerFederation, serve_zo  # noqa: F401
 def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
     """The ServerApp's body: run ``cfg`` over the grid into ``settings.out_dir`` (the full-model
     baselines with models and updates in ArrayRecords, :mod:`hiso.flower.fullmodel`)."""
-    if cfg.method.pool_log:  # seed-pool messages (hiso.flower.seedpool)
-        from .seedpool import serve_pool
-        return serve_pool(grid, cfg, settings)
+    if cfg.method.pool_log:  # FedKSeed's pool server (FlowerFederation._init_pool)
+        return serve_zo(grid, cfg, settings)
     if not cfg.scalar_only:
         from .fullmodel import serve_full
         return serve_full(grid, cfg, settings)

@@ -1,18 +1,29 @@
 """The ClientApp's side: a node's replica, its join (``query``) and its answer to a ``train``
-message through the core's :class:`~hiso.core.client.Client` (scalar-only algorithms; the
-full-model baselines' client is in :mod:`hiso.flower.fullmodel`)."""
+message through the core's :class:`~hiso.core.client.Client` (scalar-only algorithms), or
+FedKSeed's (:func:`pool_query_fields`, :func:`pool_train_fields`); the full-model baselines'
+client is in :mod:`hiso.flower.fullmodel`.
+
+A FedKSeed node keeps its pool state, which is small whatever the model (the round and the
+pool's K coefficients, |g| sums and counts: ``fedkseed-<partition>.npz`` under the node's state
+directory, keyed like the scalar replicas), and rebuilds x_r from x_0 with at most K
+regenerations per answer. A downlink that starts after the node's round (state lost) is
+answered ``behind=<round>`` and resent from there in the same round."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from ..config import RunConfig
 from ..core.client import Client
 from ..core.messages import (Hello, MessageError, Wire, check_welcome, decode_uplink, decode_welcome, encode_hello,
                              tensors_fingerprint)
+from ..core.perturb import Perturber
 from ..core.state import ModelState
 from ..atomic import write_atomic
 from ..methods.privacy import reports_loss
@@ -59,9 +70,8 @@ def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str
     (a mismatch raises :class:`~hiso.core.messages.JoinError`: the node refuses to mix). The
     welcome is kept beside the replica: it gives the run's seed to every later message.
     Full-model clients keep no replica: they answer their partition and round 0; FedKSeed's
-    answer their partition and the round of their pool state (:mod:`hiso.flower.seedpool`)."""
+    answer their partition and the round of their pool state (:func:`pool_query_fields`)."""
     if cfg.method.pool_log:
-        from .seedpool import pool_query_fields
         return pool_query_fields(cfg, run_id, pid, state_dir, cfg_json)
     if not cfg.scalar_only:
         return {"partition": pid, "round": 0}
@@ -131,7 +141,6 @@ def answer_open(cfg: RunConfig, task, rep, pid: int, down: bytes) -> bytes | Non
 def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, cfg_json: str | None = None) -> dict:
     """A node's answer to ``train``: ``up`` (the encoded uplink) or ``behind`` (its round)."""
     if cfg.method.pool_log:
-        from .seedpool import pool_train_fields
         return pool_train_fields(cfg, run_id, pid, state_dir, down, cfg_json)
     t0, c0 = time.perf_counter(), time.process_time()
     task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
@@ -171,3 +180,64 @@ def handle_train(msg, context, cfg: RunConfig):
     fields = train_fields(cfg, _trajectory(msg, context), _partition(context), _state_dir(context),
                           msg.content[REC]["down"], _cfg_json(context))
     return Message(_records(fields), reply_to=msg)
+
+
+# --------------------------------------------------------------------------------- FedKSeed's node
+
+
+def _pool_path(cfg_json: str, run_id, pid: int, state_dir: str) -> Path:
+    from .replica import run_key
+    return Path(state_dir) / run_key(cfg_json, run_id) / f"fedkseed-{pid}.npz"
+
+
+def _pool_saved(path: Path, K: int) -> dict | None:
+    """The node's saved pool state (None if there is none, or it is not of a pool of K)."""
+    try:
+        with np.load(path) as z:
+            out = {k: z[k] for k in ("coef", "amp", "count", "round")}
+    except (OSError, KeyError, ValueError):
+        return None
+    return out if out["coef"].shape == out["amp"].shape == out["count"].shape == (K,) else None
+
+
+def _pool_load(path: Path, rep) -> None:
+    """The node's saved pool state into ``rep`` (left at x_0, round 0, if there is none)."""
+    z = _pool_saved(path, rep.K)
+    if z is not None:
+        rep.coef, rep.amp = z["coef"].astype(np.float64), z["amp"].astype(np.float64)
+        rep.count, rep.round = z["count"].astype(np.int64), int(z["round"])
+
+
+def _pool_save(path: Path, rep) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    np.savez(buf, coef=rep.coef, amp=rep.amp, count=rep.count, round=np.int64(rep.round))
+    write_atomic(path, buf.getvalue(), sync=False)  # (renamed whole, as before; a lost state is replayed)
+
+
+def pool_query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None) -> dict:
+    """A node's answer to ``query``: its partition and the round its pool state holds."""
+    z = _pool_saved(_pool_path(cfg_json or cfg.model_dump_json(), run_id, pid, state_dir), cfg.seed_pool)
+    return {"partition": pid, "round": 0 if z is None else int(z["round"])}
+
+
+def pool_train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes,
+                      cfg_json: str | None = None) -> dict:
+    """A node's answer to ``train``: ``up`` (its encoded pool uplink) or ``behind`` (its round)."""
+    from ..methods.fedkseed import decode_pool_downlink
+    from ..methods.fedkseed_rounds import pool_answer, pool_replica
+    task = _task_for(cfg_json or cfg.model_dump_json())
+    path = _pool_path(cfg_json or cfg.model_dump_json(), run_id, pid, state_dir)
+    rep = pool_replica(cfg, task.build_model)
+    _pool_load(path, rep)
+    rnd, missed = decode_pool_downlink(down, cfg.local_steps, cfg.seed_pool, cfg.scalar_dtype)
+    start = rnd - len(missed)
+    if rep.round > rnd:  # ahead of the server: not this trajectory's state; start again from x_0
+        rep = pool_replica(cfg, task.build_model)
+    if start > rep.round:
+        return {"behind": rep.round}
+    rep.catch_up(missed[rep.round - start:])  # fold what it missed, materialise x_rnd (at most K draws)
+    up, _ = pool_answer(pid, rep, Perturber(rep.state.model, rep.state.params, cfg.perturb_mode, cfg.batch_memory_bytes),
+                        task.loss, lambda r, k: task.batch(pid, r, k, cfg.batch_size), cfg.seed, cfg.scalar_dtype)
+    _pool_save(path, rep)
+    return {"up": up}

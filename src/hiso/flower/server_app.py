@@ -1,6 +1,7 @@
-"""The ServerApp's side for the scalar-only algorithms (HiSo, DeComFL): a runner with the
-simulator's interface over a Flower Grid (:class:`FlowerFederation`) and the run it drives
-(:func:`serve_zo`); see :mod:`hiso.flower.app` for the protocol over Flower's messages."""
+"""The ServerApp's side for the algorithms with a log (the scalar-only ones, HiSo, DeComFL, and
+FedKSeed's seed pool): a runner with the simulator's interface over a Flower Grid
+(:class:`FlowerFederation`) and the run it drives (:func:`serve_zo`); see :mod:`hiso.flower.app`
+for the protocol over Flower's messages."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ class FlowerFederation:
     lineage: str = ""  # the run directory's trajectory id: nodes key their replicas by it (resume)
 
     def __post_init__(self) -> None:
+        if self.cfg.method.pool_log:
+            return self._init_pool()
         self.zo = self.cfg.zo()
         M = self.task.num_clients
         self.state = ModelState(self.task.build_model(), self.zo, run_seed=self.cfg.seed)
@@ -55,6 +58,19 @@ class FlowerFederation:
         self._loss_slot = 0.0 if reports_loss(self.zo.dp) else None  # an answer's loss, for its size only
         self.comm = Comm.zeros(M)
         self.rounds = ScalarRounds(self.server, self.state, on_commit=self._logged)
+        self._init_nodes()
+
+    def _init_pool(self) -> None:
+        """FedKSeed: its pool server (:class:`~hiso.methods.fedkseed_rounds.PoolRounds`) plays the
+        rounds. No join handshake (a node names its partition and the round of its pool state);
+        every client's join is counted before round 1, as the simulator counts it."""
+        from ..methods.fedkseed_rounds import PoolRounds, pool_replica
+        rep = pool_replica(self.cfg, self.task.build_model)
+        self.state, self.zo, self.welcome, self.privacy, self._loss_slot = rep.state, rep.state.cfg, None, None, 0.0
+        self.rounds = self.server = PoolRounds(rep, self.task.num_clients, self.cfg.sampled, self.cfg.seed,
+                                               self.cfg.scalar_dtype, self.on_record)
+        self.comm = Comm.zeros(self.task.num_clients)
+        self.rounds.joins(CommTally(self.comm))
         self._init_nodes()
 
     def _init_nodes(self) -> None:
@@ -331,7 +347,9 @@ class FlowerFederation:
         self._timed(played.record, played.plan, self.times)
         if self._loss_slot is None:
             return None
-        return float(np.mean([u.loss for u in played.answers if u.loss is not None] or [np.nan]))
+        order = {c: i for i, c in enumerate(played.record.participants)}  # as the simulator sums them
+        answers = sorted(played.answers, key=lambda u: order.get(u.client, len(order)))
+        return float(np.mean([u.loss for u in answers if u.loss is not None] or [np.nan]))
 
     # -- the simulator's interface
     def run(self, rounds: int, start: int = 0, wall: float = 0.0):
@@ -359,6 +377,9 @@ class FlowerFederation:
         takes it (model and H replay only the records from c on)."""
         from ..core.messages import Uplink, encode_uplink
         from ..runners.checkpoint import start_from
+        if hasattr(self.rounds, "replay"):  # FedKSeed's server replays its own log (PoolRounds.replay)
+            self.rounds.replay(records, CommTally(self.comm))
+            return
         wire = self.server.wire
         if self.server.round:
             raise RuntimeError("resume() needs a federation that has not run yet")
@@ -382,7 +403,7 @@ class FlowerFederation:
         return self.state.model
 
     def state_dict(self) -> dict:
-        return self.state.state_dict()
+        return self.rounds.replica.state_dict()  # (FedKSeed's: its pool's sums too)
 
 def serve_zo(grid, cfg: RunConfig, settings: Settings, federation: type | None = None) -> dict:
     """The ServerApp's body for a scalar-only ``cfg``: run it over the grid into ``settings.out_dir``

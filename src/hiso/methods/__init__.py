@@ -7,7 +7,8 @@ what a round computes without changing that protocol's shape: FeedSign's sign vo
 (``momentum.py``), the step normalisation (``stepnorm.py``) and client-level differential
 privacy (``privacy.py``) and secure aggregation's integer grid (``secagg.py``): a field of :class:`~hiso.core.config.ZOConfig` names each, and the
 core's fold, estimator, server or client calls its rule. A method with its own replica, wire
-and log is built on the core here too: FedKSeed's seed pool (``fedkseed.py``).
+and log is built on the core here too: FedKSeed's seed pool (``fedkseed.py``; its server and
+client sides of a round, ``fedkseed_rounds.py``).
 
 Nothing is imported here, so importing one method costs only that method.
 """

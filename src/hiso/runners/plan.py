@@ -3,7 +3,7 @@
 Bytes are not estimated: the scalar-family methods' (HiSo, DeComFL, FeedSign, Ferret, sketch)
 come from :func:`protocol_traffic` (the real Server with the run's own method hooks, so FeedSign's
 sign bits and the sketch's codes, and the message encoders over the run's client sampling, with
-a stand-in replica for the snapshot rule), FedKSeed's from :func:`pool_traffic` (its pool
+a stand-in replica for the snapshot rule), FedKSeed's from :func:`~hiso.runners.protocol.pool_traffic` (its pool
 encoders over the same sampling), the full-model methods' from the baselines' message sizes,
 so they equal what a run of the schedule counts. Each method's settings are resolved by
 :class:`~hiso.config.RunConfig` as a run's are (FeedSign's and FedKSeed's P = 1 and central
@@ -24,7 +24,7 @@ from ..baselines.messages import downlink_size, uplink_size
 from ..core.server import REPLAY_RATE, client_sampler, sample_clients
 from ..core.wire import Wire
 from ..methods.registry import method_info
-from .protocol import protocol_traffic
+from .protocol import pool_traffic, protocol_traffic
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,6 @@ def _scalar(info, cfg, dep: Deployment) -> dict:
 
 
 def _seed_pool(cfg, dep: Deployment) -> dict:
-    from .fedkseed import pool_traffic
     d, M, K, tau = dep.params, dep.clients, cfg.seed_pool, cfg.local_steps
     st: dict = {}
     comm = pool_traffic(M, dep.sampled, tau, K, dep.rounds, dtype=cfg.scalar_dtype, seed=dep.seed,

@@ -1,4 +1,5 @@
-"""The core Server a runner drives for a run, and a schedule's bytes per client without a model."""
+"""The core Server a runner drives for a run, and a schedule's bytes per client without a model
+(the scalar protocol's, :func:`protocol_traffic`; FedKSeed's, :func:`pool_traffic`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from ..core.config import ZOConfig
 
 from ..core.history import RoundRecord
 from ..core.messages import (Hello, MessageError, Uplink, decode_uplink, encode_downlink, encode_hello, encode_uplink,
-                             encode_welcome, welcome_for)
+                             encode_welcome, varint_size, welcome_for)
 from ..core.round import PlainTransport, Tally, play_round
-from ..core.server import Server
+from ..core.server import Server, client_sampler, sample_clients
 from ..core.state import ModelState
 from ..methods.privacy import noise_key
 from ..methods.secagg import SecAggConfig
@@ -136,4 +137,51 @@ def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int,
         play_round(driver, transport, tally)
     if stats is not None:
         stats.update(split, snapshot_after=server.snapshot_after, server_s=time.perf_counter() - t0)
+    return comm
+
+
+def pool_traffic(num_clients: int, sampled: int, tau: int, K: int, rounds: int, *, dtype: str = "float32",
+                 seed: int = 0, sampling: str = "weighted", stats: dict | None = None) -> Comm:
+    """Bytes per client of a FedKSeed schedule without a model, as :class:`~hiso.runners.inprocess.FedKSeedSimulation`
+    counts them: the joins, each answer's downlink (every record since the client's last round)
+    and uplink, sized by the pool encoders (a record's bytes depend on who answered, not on
+    its values). ``stats``, if given, receives the join bytes, the log's bytes, the server's
+    seconds and the pool directions materialised by the clients' answers and by the server's
+    rounds: with uniform sampling the distinct indices drawn so far (the run's own draws, so
+    exact unless a seed's scalars sum to exactly 0); with weighted sampling the draws follow
+    the scalars, so the bound min(K, pairs so far) (``exact`` False)."""
+    import time
+
+    from ..methods.fedkseed import PoolRecord, draw_indices, encode_pool_downlink, encode_pool_uplink
+    t0 = time.perf_counter()
+    comm = Comm.zeros(num_clients)
+    zo = ZOConfig(lr=1.0, perturbations=1, local_steps=tau, scalar_dtype=dtype)
+    welcome = encode_welcome(welcome_for(zo, seed, []))
+    for c in range(num_clients):
+        comm.join(c, encode_hello(Hello(c, 0)), welcome)
+    joins = (int(comm.down.sum()), int(comm.up.sum()))
+    rng, synced = client_sampler(seed), np.zeros(num_clients, dtype=np.int64)
+    cum = [0]  # bytes of records 0 .. r-1 in a downlink
+    empty = len(encode_pool_downlink(0, [], dtype))  # its round and count are one byte each
+    zi, zg = np.zeros(tau, dtype=np.int64), np.zeros(tau, dtype=np.float32)
+    exact = sampling == "uniform"
+    uniform, seen = np.full(K, 1.0 / K), np.zeros(K, dtype=bool)
+    clients_mat = server_mat = 0
+    for r in range(rounds):
+        parts = sample_clients(rng, num_clients, sampled)
+        drawn = int(seen.sum()) if exact else min(K, r * sampled * tau)
+        for c in parts:
+            n = r - int(synced[c])
+            comm.down[c] += empty - 2 + varint_size(r) + varint_size(n) + cum[r] - cum[synced[c]]
+            comm.up[c] += len(encode_pool_uplink(c, r, zi, zg, 0.0, dtype))
+            clients_mat += drawn  # materialised before it answers: x_r from x_0 and the nonzero C_j
+            if exact:
+                seen[draw_indices(uniform, seed, r, c, tau)] = True
+        rec = PoolRecord(r, tuple(parts), np.zeros((sampled, tau)), np.zeros((sampled, tau)))
+        cum.append(cum[-1] + len(encode_pool_downlink(0, [rec], dtype)) - empty)
+        synced[list(parts)] = r
+        server_mat += int(seen.sum()) if exact else min(K, (r + 1) * sampled * tau)
+    if stats is not None:
+        stats.update(join_down=joins[0], join_up=joins[1], log_bytes=cum[-1], materialised=clients_mat,
+                     server_materialised=server_mat, exact=exact, server_s=time.perf_counter() - t0)
     return comm

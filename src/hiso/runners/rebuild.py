@@ -10,7 +10,7 @@ from ..core.state import ModelState
 from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task
-from .runfiles import check_run_task, checkpoint, read_run_history, saved_config
+from .runfiles import check_run_task, checkpoint, read_pool_run_log, read_run_history, saved_config
 
 
 def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "cpu", checked: bool = False):
@@ -58,9 +58,18 @@ def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu",
     run stopped at that round saves). Returns the replica and its ``model.pt`` checkpoint."""
     cfg, info = saved_config(run_dir)
     if cfg.method.pool_log:  # fold the log, then one materialisation (at most K draws)
-        from .fedkseed import rebuild_pool
         rep = rebuild_pool(run_dir, cfg, _run_task_on(run_dir, cfg, info, task, device), round)
         return rep.state, checkpoint(rep.state_dict(), info)  # the pool state too, as the run's model.pt
     state, _, _, info, records = start_replica(run_dir, task, device)
     state.replay(logged_rounds(records, round, run_dir))
     return state, checkpoint(state.state_dict(), info)
+
+
+def rebuild_pool(run_dir, cfg, task: Task, round: int | None = None):
+    """A FedKSeed run's replica: x_0, then its logged rounds (the first ``round``) folded and
+    materialised once (at most K draws)."""
+    from ..methods.fedkseed_rounds import pool_replica
+    records = logged_rounds(read_pool_run_log(run_dir, cfg), round, run_dir)
+    rep = pool_replica(cfg, task.build_model)
+    rep.catch_up(records)
+    return rep

@@ -92,7 +92,7 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
                           batch_memory=cfg.batch_memory_bytes, dp_seed=cfg.dp_noise_seed,
                           privacy=privacy_ledger(cfg), secagg=cfg.secagg_config)
     if cfg.method.pool_log:
-        from .fedkseed import FedKSeedSimulation
+        from .inprocess import FedKSeedSimulation
         return FedKSeedSimulation(task, cfg, on_record)
     from .fullmodel import FullModelSimulation
     return FullModelSimulation(task, cfg)
@@ -174,7 +174,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     info = task.describe()
     out.mkdir(parents=True, exist_ok=True)
     if resume and cfg.method.pool_log:  # its own log (hiso.methods.fedkseed)
-        from .fedkseed import pool_resume_point
+        from .runfiles import pool_resume_point
         kept, records = pool_resume_point(out, cfg, resume_point(out, None)[0])
     else:
         kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])

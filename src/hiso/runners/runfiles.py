@@ -308,6 +308,26 @@ def resume_point(out: Path, shape: tuple[int, int] | None, cfg: RunConfig | None
     return lines[:R + 1], log.records[:R]
 
 
+def read_pool_run_log(run_dir: str | Path, cfg: RunConfig) -> list:
+    """A FedKSeed run's logged records (:func:`hiso.methods.fedkseed.read_pool_log`), refused
+    unless the log is of the run ``config.json`` describes."""
+    from ..methods.fedkseed import read_pool_log
+    head, records = read_pool_log(f"{run_dir}/history.bin")
+    if (head["tau"], head["K"], head["seed"], head["scalar_dtype"]) != (cfg.local_steps, cfg.seed_pool, cfg.seed,
+                                                                      cfg.scalar_dtype):
+        raise ValueError(f"{run_dir}/history.bin is not the log of the run config.json describes")
+    return records
+
+
+def pool_resume_point(out, cfg: RunConfig, lines: list[str]) -> tuple[list[str], list]:
+    """The rounds an interrupted FedKSeed run finished: its kept metrics ``lines`` (rows 0..) and
+    log records, cut to the last round both hold."""
+    if not lines:
+        return [], []
+    records = read_pool_run_log(out, cfg)
+    R = min(len(lines) - 1, len(records))
+    return lines[:R + 1], records[:R]
+
 def cut_rejections(path: Path, rows: int) -> None:
     """Keep the lines of ``rejections.log`` about rows 1..``rows`` (a resumed run logs the rest)."""
     if not path.exists():

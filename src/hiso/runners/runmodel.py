@@ -26,7 +26,7 @@ from ..config import ConfigError, RunConfig, one_line
 from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task
-from .rebuild import logged_rounds, start_replica
+from .rebuild import logged_rounds, rebuild_pool, start_replica
 from .runfiles import check_run_task, saved_config
 
 
@@ -100,7 +100,6 @@ def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | N
             check_run_task(task, info, run_dir, given=True)
     ckpt_path = run_dir / "model.pt"
     if cfg.method.pool_log:  # its log folded, then x_round materialised (at most K draws)
-        from .fedkseed import rebuild_pool
         rep = rebuild_pool(run_dir, cfg, task, round)
         return RunModel(rep.state.model, task, cfg, info, rep.state.round, run_dir)
     if not cfg.scalar_only:

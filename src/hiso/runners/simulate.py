@@ -37,7 +37,7 @@ from ..core.history import RoundRecord
 from ..core.messages import (Downlink, Hello, MessageError, Uplink, decode_downlink, decode_uplink, encode_downlink,
                              encode_hello, encode_uplink, encode_welcome, welcome_for)
 from ..core.perturb import Mode, Perturber
-from ..core.round import PlainTransport, play_round
+from ..core.round import play_round
 from ..methods.secagg import SecAggConfig, loss_level, mean_loss
 from ..core.state import ModelState
 from ..methods.privacy import noise_key, reports_loss
@@ -46,6 +46,7 @@ from .checkpoint import start_from
 from .client_cost import ClientCost, Timer, replica_bytes
 from .common import Comm, CommTally, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
+from .inprocess import InProcess
 from .protocol import ScalarRounds, _Blob, protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ class Simulation:
         # forwards, backwards and seconds per client-round; a client's memory (under DP no seconds)
         self.cost = ClientCost(timed=self.zo.dp is None)
         self.rounds = ScalarRounds(self.server, self.state, on_commit=self._logged)
-        self.transport = _InProcess(self)
+        self.transport = InProcess(self)
         self.tally = CommTally(self.comm, self.privacy)
         for c in range(M):  # every client joins once, at x_0
             self.comm.join(c, encode_hello(Hello(c, 0)), self.welcome)
@@ -153,6 +154,17 @@ class Simulation:
             up = client.train(decode_downlink(down, client.wire))
         self.cost.add(client.work, t.s)
         return up
+
+    def reply(self, cid: int, down: bytes) -> bytes:
+        """Client ``cid``'s encoded answer to its downlink bytes (a reliable network; faithful:
+        the client's bytes-in, bytes-out contract; fast: on the shared replica)."""
+        if self.mode == "faithful":
+            client = self.client(cid)
+            with Timer() as t:
+                up = client.handle(down)
+            self.cost.add(client.work, t.s)
+            return up
+        return encode_uplink(self._fast_answer(cid, decode_downlink(down, self.server.wire)), self.server.wire)
 
     def measure_client(self) -> None:
         """A client's resident bytes and the transient peak of one answer (see
@@ -416,36 +428,3 @@ class Simulation:
                 load_state(c.state, encode_state(self.state), self.state.round)
             else:
                 c.state.replay(self.server.records_since(c.state.round))
-
-
-class _InProcess(PlainTransport):
-    """The simulator's transport: each sampled client answers its downlink bytes in this
-    process (faithful: its own replica; fast: the shared one); with faults or attackers, the
-    fates of :meth:`Simulation._send` (lost, late, repeated, damaged, lies) and a CRC-32 frame."""
-
-    def __init__(self, sim: Simulation):
-        self.sim = sim
-
-    def exchange(self, plan, downlink, tally) -> list:
-        sim = self.sim
-        if sim.unreliable:
-            # late answers arrive once their round has closed. (Not in a re-planned attempt of
-            # the same round: an uplink names its round by number only, so an answer to the
-            # earlier attempt's seeds would pass for a valid one; Flower matches replies to messages.)
-            return [(None, d) for d in sim._send(plan, sim._live_answer, downlink)]
-        out = []
-        for cid in plan.participants:
-            down = downlink(cid)
-            if sim.mode == "faithful":  # the client's bytes-in, bytes-out contract
-                client = sim.client(cid)
-                with Timer() as t:
-                    up = client.handle(down)
-                sim.cost.add(client.work, t.s)
-            else:
-                up = encode_uplink(sim._fast_answer(cid, decode_downlink(down, sim.server.wire)), sim.server.wire)
-            tally.up(cid, len(up))
-            out.append((cid, up))
-        return out
-
-    def unwrap(self, reply: bytes) -> bytes:
-        return self.sim._unseal(reply) if self.sim.sealed else reply
