@@ -86,3 +86,28 @@ def test_server_logs_the_rule_s_result_and_weights_count(rule):
     np.testing.assert_array_equal(rec.scalars, combine(g.astype(np.float64), np.array(w), rule, 0.2).astype(np.float32))
     if rule != "median":  # ignoring the weights changes the result
         assert not np.allclose(rec.scalars, combine(g.astype(np.float64), None, rule, 0.2))
+
+
+def test_the_combine_is_the_rule_wrapped_by_central_dp_and_the_secure_sum():
+    """build_combine: the method's rule innermost, central DP around it, the secure sum around
+    both; each layer's arithmetic is the methods' (private_mean, answer_levels + secure_mean)."""
+    from types import SimpleNamespace
+
+    from hiso.core.aggregate import CentralDP, Rule, SecureSum, build_combine
+    from hiso.methods.privacy import DPConfig, private_mean
+    from hiso.methods.secagg import SecAggConfig, answer_levels, secure_mean
+    dp, grid, plan = DPConfig(1.0, 0.5), SecAggConfig(clip=8.0, bits=20, threshold=2), SimpleNamespace(round=4, attempt=1)
+    g, w = _answers(3), np.ones(3)
+    c = build_combine(combine, dp=dp, noise_seed=3, secagg=grid)
+    assert isinstance(c, SecureSum) and isinstance(c.inner, CentralDP) and isinstance(c.inner.inner, Rule)
+    assert c.min_answers == 2 and c.inner.min_answers == 1
+    total = np.sum([answer_levels(x, grid, dp) for x in g], axis=0)
+    assert np.array_equal(c(g, w, plan), secure_mean(total, 3, grid, dp, 3, 4, 1))
+    assert np.array_equal(c.from_sum(total, 3, plan), c(g, w, plan))
+    assert np.array_equal(c.inner(g, w, plan), private_mean(g, dp, 3, 4, 1))
+    assert np.array_equal(c.inner.inner(g, w, plan), combine(g, w))
+    assert isinstance(build_combine(combine, dp=DPConfig(1.0, 0.5, "local")), Rule)  # the clients noised it
+    with pytest.raises(ValueError, match="only the sum"):
+        build_combine(combine, "median", secagg=grid)
+    with pytest.raises(ValueError, match="plain mean"):
+        build_combine(combine, weighted=True, dp=dp)

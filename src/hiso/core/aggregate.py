@@ -26,6 +26,9 @@ Non-finite scalars never reach a rule: the decoder and :meth:`Server.aggregate` 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
 import numpy as np
 
 RULES = ("mean", "median", "trimmed-mean")
@@ -77,3 +80,95 @@ def sign_vote(g: np.ndarray, w: np.ndarray | None = None, rule: str = "mean", tr
     w = np.ones(len(g)) if w is None else np.asarray(w, dtype=np.float64)
     agg = combine(g, w, rule, trim)  # also checks the rule, the weights and that there are answers
     return np.sign(np.tensordot(w, g, axes=1) if rule == "mean" else agg).astype(np.float32)
+
+
+# ------------------------------------------------------------- the server's combine, and its wrappers
+#
+# The server turns a round's valid answers into its aggregate with one Combine, built once from
+# the run's configuration (build_combine): the method's rule (Rule) innermost, wrapped by central
+# DP (CentralDP) and the secure sum (SecureSum), as Flower's DP strategy wraps a strategy. Both
+# wrappers are defined for the plain unweighted mean only (build_combine refuses the others);
+# their arithmetic is the method's hooks (hiso.methods.privacy's DPConfig, hiso.methods.secagg's
+# SecAggConfig), which the core calls without importing them.
+
+
+class Combine(Protocol):
+    """``combine(g, weights, plan)``: a round's answers ``g`` (n, tau, P) float64 in the
+    participants' order, their weights (n,) and the round's plan -> its aggregate (tau, P)."""
+
+    min_answers: int  # fewer valid answers than this: the round is planned again
+
+    def __call__(self, g: np.ndarray, weights: np.ndarray, plan) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The method's combine over the base rule (``fn(g, w, rule, trim)``: :func:`combine`,
+    :func:`sign_vote` or a method's own), innermost of the wrappers."""
+
+    fn: Callable
+    rule: str = "mean"
+    trim: float = 0.25
+    weighted: bool = False
+    signs: bool = False  # FeedSign's votes
+    min_answers = 1
+
+    def __call__(self, g: np.ndarray, weights: np.ndarray, plan) -> np.ndarray:
+        return self.fn(g, weights, self.rule, self.trim)
+
+
+class CentralDP:
+    """Central DP around the plain mean: the noised mean of the clipped answers
+    (``dp.private_mean``: the server clips each answer and noises their sum, the noise keyed by
+    ``noise_seed``, a secret never sent, the round and its attempt)."""
+
+    min_answers = 1
+
+    def __init__(self, inner: Rule, dp, noise_seed: int):
+        self.inner, self.dp, self.noise_seed = inner, dp, int(noise_seed)
+
+    def __call__(self, g: np.ndarray, weights: np.ndarray, plan) -> np.ndarray:
+        return self.dp.private_mean(g, self.noise_seed, plan.round, plan.attempt)
+
+
+class SecureSum:
+    """Secure aggregation around the plain mean (or around central DP): the server learns only
+    the integer sum of the answers' levels on ``grid`` (each clipped first under the inner
+    central DP), and takes the mean from it (:meth:`from_sum`, the inner DP's noise added to the
+    sum). Called on the answers themselves (in process), it is what such a sum would give."""
+
+    def __init__(self, inner: Rule | CentralDP, grid):
+        central = isinstance(inner, CentralDP)
+        self.inner, self.grid = inner, grid
+        self.dp, self.noise_seed = (inner.dp, inner.noise_seed) if central else (None, 0)
+
+    @property
+    def min_answers(self) -> int:  # SecAgg+ cannot unmask fewer (and a sum of one is that answer)
+        return self.grid.threshold
+
+    def __call__(self, g: np.ndarray, weights: np.ndarray, plan) -> np.ndarray:
+        return self.from_sum(np.sum([self.grid.answer_levels(x, self.dp) for x in g], axis=0), len(g), plan)
+
+    def from_sum(self, total: np.ndarray, n: int, plan) -> np.ndarray:
+        """The aggregate from the integer sum ``total`` of ``n`` answers' levels (float64)."""
+        return self.grid.secure_mean(total, n, self.dp, self.noise_seed, plan.round, plan.attempt)
+
+
+def build_combine(fn: Callable, rule: str = "mean", trim: float = 0.25, *, weighted: bool = False,
+                  signs: bool = False, dp=None, noise_seed: int = 0, secagg=None) -> Combine:
+    """The server's combine for a run: the method's ``fn`` over ``rule``, wrapped by central DP
+    (``dp`` in central mode; local mode: the clients noised their answers) and by the secure sum
+    (``secagg``); one-line errors for what the wrappers cannot account for."""
+    check_rule(rule, trim)
+    if signs and dp is not None:
+        raise ValueError("FeedSign's votes are not accounted for differential privacy: turn DP off")
+    if dp is not None and (rule != "mean" or weighted):
+        raise ValueError("differential privacy is accounted for the plain mean: use --aggregate mean without --weighted")
+    if secagg is not None and (rule != "mean" or weighted or signs):
+        raise ValueError("secure aggregation gives the server only the sum: it needs the plain mean")
+    out: Combine = Rule(fn, rule, trim, weighted, signs)
+    if dp is not None and dp.mode == "central":
+        out = CentralDP(out, dp, noise_seed)
+    if secagg is not None:
+        out = SecureSum(out, secagg)
+    return out

@@ -94,6 +94,10 @@ def reject_code(e: MessageError) -> str:
     return "non_finite" if "non-finite" in str(e) else "malformed"
 
 
+class RoundsExhausted(RuntimeError):
+    """:func:`play_round` planned the round ``max_plans`` times and none closed."""
+
+
 @dataclass
 class Played:
     """A closed round: its record, the answers decoded (in arrival order), the plans it took
@@ -116,7 +120,8 @@ def play_round(server: Rounds, transport: Transport, tally: Tally | None = None,
     ``max_plans`` times); strict (default): every participant must answer validly, else the
     method's ``close`` raises. ``before(plan)`` runs once a round is planned (the DP budget's
     check); ``on_reject(plan, client, code, why)`` hears each refused reply; ``on_replan(plan)``
-    each plan that closed with nothing."""
+    each plan that closed with nothing; when ``max_plans`` closed with nothing it raises
+    :class:`RoundsExhausted`."""
     tally = tally or Tally()
     rejected: Counter = Counter()
 
@@ -150,7 +155,7 @@ def play_round(server: Rounds, transport: Transport, tally: Tally | None = None,
             return Played(record, plan, answers, attempt, rejected)
         if on_replan is not None:
             on_replan(plan)
-    raise RuntimeError(f"round {plan.round}: no client answered validly in {max_plans} attempts")
+    raise RoundsExhausted(f"round {plan.round}: no client answered validly in {max_plans} attempts")
 
 
 def _size(msg: Any) -> int:

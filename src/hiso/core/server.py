@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .aggregate import check_rule, combine, sign_vote
+from .aggregate import SecureSum, build_combine, combine, sign_vote
 from .history import RoundRecord
 from .messages import Downlink, MessageError, Uplink, Wire, encode_state, quantize, state_size, varint_size
 
@@ -88,24 +88,14 @@ class Server:
             raise ValueError(f"clients per round must be in [1, {num_clients}], got {clients_per_round}")
         if weights is not None and (len(weights) != num_clients or min(weights) <= 0):
             raise ValueError("weights must be one positive number per client")
-        check_rule(rule, trim)
         if method is not None:
             signs = method.uplink == "signs"
-        if signs and dp is not None:
-            raise ValueError("FeedSign's votes are not accounted for differential privacy: turn DP off")
-        if dp is not None and (rule != "mean" or weights is not None):
-            raise ValueError("differential privacy is accounted for the plain mean: use --aggregate mean without --weighted")
-        if secagg is not None and (rule != "mean" or weights is not None or signs):
-            raise ValueError("secure aggregation gives the server only the sum: it needs the plain mean")
-        # secure aggregation (hiso.methods.secagg): answers on an integer grid, the mean from their sum
-        self.secagg = secagg
-        # central DP: the server clips and noises the sum (the noise keyed by a secret, never sent)
-        self.dp, self._noise_seed = dp, int(noise_seed)
+        # how the answers become the round's aggregate: the method's combine over the base rule
+        # (hiso.core.aggregate), wrapped by central DP and the secure sum, built once here
+        self.combine = build_combine(method.combine if method is not None else sign_vote if signs else combine,
+                                     rule, trim, weighted=weights is not None, signs=signs, dp=dp,
+                                     noise_seed=noise_seed, secagg=secagg)
         self.M, self.m = num_clients, clients_per_round
-        self.rule, self.trim = rule, trim  # how answers are combined (see hiso.core.aggregate)
-        # the base rule, or the method's wrapper of it (FeedSign: the sign vote); central DP and
-        # the secure sum wrap this in aggregate() (hiso.methods.privacy, hiso.methods.secagg)
-        self._combine = method.combine if method is not None else sign_vote if signs else combine
         self.shape = (local_steps, perturbations)
         self.weights = None if weights is None else np.asarray(weights, dtype=np.float64)
         # separate streams: who is sampled does not depend on how many seeds a round draws,
@@ -232,9 +222,10 @@ class Server:
         if missing and not partial:
             raise MessageError(f"round {plan.round}: no answer from clients {sorted(missing)}")
         self.rejected, self.rejected_reasons = rejected, reasons
-        # nobody computed this round, or fewer than secure aggregation's threshold (SecAgg+ cannot
-        # unmask a sum of fewer, and a sum of one is that client's answer): plan it again, log nothing
-        if not by_client or (self.secagg is not None and len(by_client) < self.secagg.threshold):
+        # nobody computed this round, or fewer than the combine needs (secure aggregation's threshold:
+        # SecAgg+ cannot unmask a sum of fewer, and a sum of one is that client's answer): plan it
+        # again, log nothing
+        if len(by_client) < max(1, self.combine.min_answers):
             self._plan = None
             self.replanned += 1
             self.attempt += 1
@@ -242,21 +233,14 @@ class Server:
         answered = tuple(c for c in plan.participants if c in by_client)
         g = np.stack([by_client[c].scalars.astype(np.float64) for c in answered])
         w = np.ones(len(g)) if self.weights is None else self.weights[list(answered)]
-        if self.secagg is not None:  # the transport: what a secure sum of the answers gives (each on the grid)
-            total = np.sum([self.secagg.answer_levels(x, self.dp) for x in g], axis=0)
-            return self.close_secure(answered, total)
-        if self.dp is not None and self.dp.mode == "central":  # the DP wrapper: noised mean of clipped answers
-            agg = self.dp.private_mean(g, self._noise_seed, plan.round, plan.attempt).astype(np.float32)
-        else:
-            agg = np.asarray(self._combine(g, w, self.rule, self.trim)).astype(np.float32)
-        return self._close(plan, answered, agg)
+        return self._close(plan, answered, np.asarray(self.combine(g, w, plan)).astype(np.float32))
 
     def close_secure(self, answered, total) -> RoundRecord:
         """Close the open round with the integer sum ``total`` (tau, P) of the grid levels of
         ``answered``'s answers (:mod:`hiso.methods.secagg`): all a secure aggregation tells the
         server. Its mean (plus the DP noise, central mode) is logged as :meth:`aggregate` would."""
         plan = self._current()
-        if self.secagg is None:
+        if not isinstance(self.combine, SecureSum):
             raise RuntimeError("this server was built without secure aggregation")
         answered = tuple(int(c) for c in answered)
         if not answered or len(set(answered)) != len(answered) or not set(answered) <= set(plan.participants):
@@ -264,7 +248,7 @@ class Server:
         total = np.asarray(total, dtype=np.int64)
         if total.shape != self.shape:
             raise MessageError(f"round {plan.round}: a secure sum of shape {total.shape}, expected {self.shape}")
-        agg = self.secagg.secure_mean(total, len(answered), self.dp, self._noise_seed, plan.round, plan.attempt)
+        agg = self.combine.from_sum(total, len(answered), plan)
         return self._close(plan, tuple(c for c in plan.participants if c in answered), agg.astype(np.float32))
 
     def _close(self, plan: RoundPlan, answered: tuple[int, ...], agg: np.ndarray) -> RoundRecord:

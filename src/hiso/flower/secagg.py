@@ -3,7 +3,8 @@ sum of a round's answers and nothing else, by Flower's own SecAgg+ (``secaggplus
 ClientApp, ``SecAggPlusWorkflow`` on the ServerApp).
 
 How a round runs (:class:`SecAggFederation`, a :class:`~hiso.flower.server_app.FlowerFederation`
-whose ``step`` goes through the workflow):
+whose round, :func:`hiso.core.round.play_round` as every runner's, goes over a
+:class:`SecureTransport` and closes through :class:`SecureRounds`):
 
 1. The server plans the round as always and encodes each sampled partition's downlink.
 2. A thin strategy (:class:`_Strategy`) hands the workflow one ``FitIns`` per node, whose
@@ -52,8 +53,11 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from ..core.messages import Uplink, encode_downlink, encode_uplink
+from ..core.messages import MessageError, Uplink, encode_uplink
+from ..core.round import PlainTransport, RoundsExhausted, play_round
 from ..methods.secagg import SecAggConfig, mean_loss, sum_from_mean
+from ..runners.common import CommTally
+from ..runners.protocol import ScalarRounds
 from .records import log
 from .secagg_client import BEHIND
 from .server_app import FlowerFederation
@@ -150,12 +154,73 @@ class SecureSum:
     loss_total: int | None  # None under DP: no answer carries a loss
 
 
+class SecureRounds(ScalarRounds):
+    """The core Server's round closed by a secure sum: the one answer a round gets is the
+    :class:`SecureSum` (no client names it), closed with ``Server.close_secure``; no answer
+    (the sum did not close) re-plans the round with fresh seeds, nothing logged."""
+
+    def decode(self, client: int | None, reply, plan) -> SecureSum:
+        if client is not None or not isinstance(reply, SecureSum):
+            raise MessageError(f"round {plan.round}: a secure round takes only its secure sum, "
+                               f"not {type(reply).__name__}")
+        return reply
+
+    def close(self, answers: list, partial: bool):
+        if not answers:
+            return self.server.aggregate([], partial=True)  # nothing logged: planned again, fresh seeds
+        (got,) = answers
+        return self.server.close_secure(got.answered, got.total)
+
+    def rejections(self) -> list[tuple[str, str]]:
+        return []  # a secure sum is used whole or not at all (close_secure raises)
+
+
+class SecureTransport(PlainTransport):
+    """SecAgg+ as the round's transport: the nodes refreshed, the sampled partitions' nodes
+    that have one given their downlink in the workflow's ``FitIns``, the workflow run
+    (:meth:`SecAggFederation.secure_sum`); its reply is the :class:`SecureSum` (from no one
+    client), or none when the sum did not close. Each answered partition's uplink is counted
+    as the protocol's encoded answer would be (hiso run's bytes)."""
+
+    def __init__(self, fed: "SecAggFederation"):
+        self.fed = fed
+
+    def exchange(self, plan, downlink, tally) -> list:
+        fed = self.fed
+        t0 = time.perf_counter()
+        fed.refresh_nodes()
+        t1 = time.perf_counter()
+        fed.join_sampled(plan.participants)
+        fitins = {}
+        for pid in plan.participants:
+            nid = fed.node_of.get(pid)
+            if nid is None:
+                continue
+            fitins[nid] = {"down": downlink(pid), **fed._lineage_field()}
+        fed._stages = []
+        got = fed.secure_sum(plan, fitins)
+        fed.times = (t0, t1, time.perf_counter())
+        if got is None:
+            return []
+        wire = fed.server.wire
+        for pid in got.answered:  # the bytes of the answer as the protocol counts it (hiso run's)
+            tally.up(pid, len(encode_uplink(Uplink(pid, plan.round, np.zeros(wire.shape, np.float32),
+                                                   fed._loss_slot, plan.attempt), wire)))
+        return [(None, got)]
+
+
 class SecAggFederation(FlowerFederation):
     """A :class:`FlowerFederation` whose rounds close with a secure sum (see the module docstring)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.grid_cfg: SecAggConfig = self.cfg.secagg_config
+        self.rounds = SecureRounds(self.server, self.state, on_commit=self._logged)
+
+    def _init_nodes(self) -> None:
+        super()._init_nodes()
+        self.transport = SecureTransport(self)
+        self._stages: list[dict] = []
 
     def secure_sum(self, plan, fitins: dict[int, dict]) -> SecureSum | None:
         """Run SecAgg+ for the planned round over the nodes of ``fitins`` (node id -> FitIns
@@ -192,36 +257,20 @@ class SecAggFederation(FlowerFederation):
         return SecureSum(tuple(answered), total, loss)
 
     def step(self) -> float | None:
-        wire = self.server.wire
-        for _ in range(self.settings.max_replans + 1):
-            t0 = time.perf_counter()
-            self.refresh_nodes()
-            t1 = time.perf_counter()
-            plan = self.server.plan()
-            self.check_budget(plan)
-            self.join_sampled(plan.participants)
-            fitins = {}
-            for pid in plan.participants:
-                nid = self.node_of.get(pid)
-                if nid is None:
-                    continue
-                down = encode_downlink(self.server.downlink(pid), wire)
-                self.comm.down[pid] += len(down)
-                fitins[nid] = {"down": down, **self._lineage_field()}
-            self._stages = []
-            got = self.secure_sum(plan, fitins)
-            t2 = time.perf_counter()
-            if got is None:
-                self.server.aggregate([], partial=True)  # nothing logged: planned again, fresh seeds
-                log.warning("round %d: the secure sum did not close; planning it again", plan.round)
-                continue
-            for pid in got.answered:  # the bytes of the answer as the protocol counts it (hiso run's)
-                self.comm.up[pid] += len(encode_uplink(Uplink(pid, plan.round, np.zeros(wire.shape, np.float32),
-                                                              self._loss_slot, plan.attempt), wire))
-            rec = self.server.close_secure(got.answered, got.total)
-            self._apply(rec, plan, (t0, t1, t2), secagg_stages=self._stages)
-            if got.loss_total is None:  # DP: no client sent its loss
-                return None
-            return mean_loss(got.loss_total, len(got.answered), self.grid_cfg)
-        raise RuntimeError(f"round {self.server.round}: no secure sum closed in "
-                           f"{self.settings.max_replans + 1} attempts")
+        """One round through SecAgg+ (:func:`hiso.core.round.play_round` over a
+        :class:`SecureTransport`); the secure mean of the answers' losses (None under DP: no
+        answer carries one)."""
+        def replanned(plan) -> None:
+            log.warning("round %d: the secure sum did not close; planning it again", plan.round)
+
+        attempts = self.settings.max_replans + 1
+        try:  # (no release is counted: the transport never calls tally.released, as before)
+            played = play_round(self.rounds, self.transport, CommTally(self.comm), partial=True, max_plans=attempts,
+                                before=self.check_budget, on_replan=replanned)
+        except RoundsExhausted:
+            raise RuntimeError(f"round {self.server.round}: no secure sum closed in {attempts} attempts") from None
+        self._timed(played.record, played.plan, self.times, secagg_stages=self._stages)
+        got = played.answers[0]
+        if got.loss_total is None:  # DP: no client sent its loss
+            return None
+        return mean_loss(got.loss_total, len(got.answered), self.grid_cfg)

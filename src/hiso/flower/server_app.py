@@ -242,13 +242,6 @@ class FlowerFederation:
         if self.privacy is not None:
             self.privacy.record(rec)
 
-    def _apply(self, rec, plan, times: tuple[float, float, float], **extra) -> None:
-        """Every replica's step: the closed round ``rec`` applied to x_r and logged, with its
-        timings (``times``: start, nodes sent, answers received) and ``extra`` fields."""
-        self.state.apply(rec)
-        self._logged(rec)
-        self._timed(rec, plan, times, **extra)
-
     def _timed(self, rec, plan, times: tuple[float, float, float], **extra) -> None:
         """The closed round's timings (``times``: start, nodes sent, answers received)."""
         t0, t1, t2 = times
