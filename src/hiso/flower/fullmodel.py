@@ -1,7 +1,10 @@
 """The full-model baselines (FedAvg, FedAdam, FedYogi, FedAdagrad, FedZO) over Flower's ArrayRecords.
 
 The server's half is :class:`~hiso.runners.fullmodel.FullModelSimulation`'s (same client
-sample for the seed, same weights, same server optimiser, same bytes counted), so a
+sample for the seed, same weights, same server optimiser, same bytes counted) and its round
+is every runner's (:func:`hiso.core.round.play_round`, through :meth:`FlowerFederation.step`):
+:class:`ArrayRounds` is the in-process :class:`~hiso.runners.fullmodel.FullRounds` with
+Flower's records on the wire, :class:`ArrayTransport` the grid carrying them. So a
 federation where every sampled node answers ends with the in-process runner's model bit for
 bit. What travels is Flower's own format: a ``train`` message carries the global model's
 trainable tensors as an ``ArrayRecord`` (``arrays``, one array per parameter, by name) and the
@@ -25,7 +28,6 @@ simply sampled again.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from collections import OrderedDict
@@ -35,24 +37,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..baselines.local import sgd_local, zo_local
-from ..baselines.messages import downlink_size, flatten, uplink_size
-from ..config import RunConfig
-from ..core.perturb import Perturber
-from ..core.server import sample_clients
-from ..core.state import ModelState, trainable_params
 from ..atomic import write_atomic
-from ..runners.fullmodel import FullModelSimulation, fedzo_config
+from ..baselines.local import sgd_local, zo_local
+from ..baselines.messages import FullUplink, downlink_size, flatten, uplink_size
+from ..config import RunConfig
+from ..core.messages import MessageError
+from ..core.perturb import Perturber
+from ..core.state import ModelState, trainable_params
+from ..runners.fullmodel import FullModelSimulation, FullRounds, fedzo_config
 from .records import REC, Settings, _task_for
 from .server_app import FlowerFederation
-
-log = logging.getLogger("hiso.flower")
+from .transport import GridTransport
 
 ARRAYS = "arrays"  # name of the ArrayRecord that carries a model or an update
 _NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}
 
 
-class UpdateError(ValueError):
+class UpdateError(MessageError):
     """An ArrayRecord that is not the update (or model) expected: dropped, never applied."""
 
 
@@ -103,37 +104,33 @@ def from_arrays(rec, like: list[tuple[str, torch.Tensor]], dtype: str, what: str
 # --------------------------------------------------------------------------------- server
 
 
-@dataclass
-class _NoHistory:
-    """What :meth:`FlowerFederation.refresh_nodes` asks of a server: full-model clients hold
-    no replica, so the round a node reports is ignored."""
+@dataclass(frozen=True)
+class ArrayDownlink:
+    """A round's downlink over Flower: the model's ArrayRecord; ``nbytes``, the protocol's
+    payload (:func:`downlink_size`), is what each node is counted."""
 
-    round: int = 0
-    replanned: int = 0
-
-    def client_holds(self, client: int, round: int) -> None:
-        pass
+    round: int
+    arrays: object
+    nbytes: int
 
 
-@dataclass
-class FullModelFederation(FlowerFederation):
-    """The full-model runner (``run``, ``comm``, ``state_dict``, ``model``) over a Flower Grid;
-    node discovery, timeouts and suspects are :class:`FlowerFederation`'s."""
+class ArrayRounds(FullRounds):
+    """The full-model server with Flower's records on the wire: the global model goes out as
+    an ArrayRecord (made once per plan); a reply (the whole Flower message) is read back into
+    the update it carries, every field checked (:class:`UpdateError` otherwise)."""
 
-    def __post_init__(self) -> None:
-        self.sim = FullModelSimulation(self.task, self.cfg)
-        self.server = _NoHistory()
-        self.comm = self.sim.comm
-        self.named = trainable_params(self.sim.model)
-        self._init_nodes()
+    def __init__(self, sim: FullModelSimulation):
+        super().__init__(sim)
+        self.named = trainable_params(sim.model)
+        self.arrays = None  # the last plan's ArrayRecord
 
-    def _train_message(self, arrays, fields: dict, node_id: int, group: str):
-        from flwr.app import ConfigRecord, Message, RecordDict
-        return Message(RecordDict({ARRAYS: arrays, REC: ConfigRecord(fields)}), dst_node_id=node_id,
-                       message_type="train", group_id=group, ttl=self.settings.round_timeout)  # as FlowerFederation's
+    def encode(self, plan) -> ArrayDownlink:
+        self.arrays = to_arrays(self.named, self.sim.dtype)
+        return ArrayDownlink(plan.round, self.arrays, downlink_size(self.sim.d, self.sim.dtype))
 
-    def _answer(self, rep, pid: int, rnd: int) -> tuple[torch.Tensor, float]:
+    def read(self, pid: int | None, rep, plan) -> FullUplink:
         """A reply's flat update and (float32-rounded) loss, or UpdateError."""
+        rnd = plan.round
         what = f"round {rnd}: the update of partition {pid}"
         if rep.has_error():
             raise UpdateError(f"{what} failed: {rep.error.reason}")
@@ -147,59 +144,74 @@ class FullModelFederation(FlowerFederation):
         loss = float(np.float32(loss))  # the in-process uplink carries the loss as float32
         if not math.isfinite(loss):
             raise UpdateError(f"{what}: non-finite loss")
-        return flatten(from_arrays(arrays, self.named, self.sim.dtype, what)), loss
+        return FullUplink(cid, rnd, flatten(from_arrays(arrays, self.named, self.sim.dtype, what)), loss)
 
-    def step(self) -> float:
-        sim, dt = self.sim, self.sim.dtype
-        d = sim.d
-        for _ in range(self.settings.max_replans + 1):
-            t0 = time.perf_counter()
-            self.refresh_nodes()
-            t1 = time.perf_counter()
-            r = sim.round
-            participants = sample_clients(sim._sampler, self.task.num_clients, self.cfg.sampled)
-            self.join_sampled(participants)
-            arrays = to_arrays(self.named, dt)
-            msgs, pids = [], {}
-            for pid in participants:
-                nid = self.node_of.get(pid)
-                if nid is None:
-                    continue
-                self.comm.down[pid] += downlink_size(d, dt)
-                msgs.append(self._train_message(arrays, {"round": r}, nid, str(r)))
-                pids[nid] = pid
-            answers, nonfinite = {}, []
-            for rep in self._exchange(msgs):
-                pid = pids.get(rep.metadata.src_node_id)
-                if pid is None or pid in answers:
-                    continue
-                self.comm.up[pid] += uplink_size(d, dt)
-                try:
-                    answers[pid] = self._answer(rep, pid, r)
-                except UpdateError as e:
-                    log.warning("%s: dropped", e)
-                    if "non-finite" in str(e):
-                        nonfinite.append(str(e))
-            t2 = time.perf_counter()
-            if not answers:
-                if nonfinite:
-                    raise FloatingPointError(f"{nonfinite[0]} (diverged: lower lr)")
-                self.server.replanned += 1
-                log.warning("round %d: no valid answer from %s; sampling it again", r, list(participants))
-                continue
-            answered = tuple(c for c in participants if c in answers)
-            agg = torch.zeros(d, dtype=torch.float32)
-            for c, wi in zip(answered, sim.round_weights(answered)):
-                agg.add_(answers[c][0], alpha=float(wi))
-            sim.apply_mean(agg)
-            sim.participants = answered
-            self.server.round = sim.round
-            t3 = time.perf_counter()
-            self.timings.append({"round": sim.round, "nodes_s": t1 - t0, "send_and_receive_s": t2 - t1,
-                                 "aggregate_apply_s": t3 - t2, "participants": list(answered),
-                                 "sampled": list(participants), "arrayrecord_bytes": arrays.count_bytes()})
-            return float(np.mean([answers[c][1] for c in answered]))
-        raise RuntimeError(f"round {sim.round}: no client answered in {self.settings.max_replans + 1} attempts")
+
+class ArrayTransport(GridTransport):
+    """The grid carrying ArrayRecords: a train message is the model's ArrayRecord with the round
+    in the hiso ConfigRecord; every reply from a sampled node (a failed one included) goes to
+    :meth:`ArrayRounds.read`, counted as the protocol's uplink (:func:`uplink_size`)."""
+
+    def content(self, down: ArrayDownlink):
+        from flwr.app import ConfigRecord, RecordDict
+        return RecordDict({ARRAYS: down.arrays, REC: ConfigRecord({"round": down.round})})
+
+    def kept(self, pid: int, rep):
+        return rep
+
+    def ask_behind(self, plan, replies: dict, downlink) -> None:
+        pass  # full-model nodes hold no replica
+
+    def answers(self, plan, replies: dict, tally) -> list:
+        sim = self.fed.sim
+        for pid in replies:
+            tally.up(pid, uplink_size(sim.d, sim.dtype))
+        return list(replies.items())
+
+
+class _NoHistory:
+    """What :meth:`FlowerFederation.refresh_nodes` asks of a server: full-model clients hold
+    no replica, so the round a node reports is ignored."""
+
+    def __init__(self, rounds: ArrayRounds):
+        self.rounds = rounds
+
+    @property
+    def round(self) -> int:
+        return self.rounds.sim.round
+
+    @property
+    def replanned(self) -> int:
+        return self.rounds.replanned
+
+    def client_holds(self, client: int, round: int) -> None:
+        pass
+
+
+@dataclass
+class FullModelFederation(FlowerFederation):
+    """The full-model runner (``run``, ``comm``, ``state_dict``, ``model``) over a Flower Grid;
+    node discovery, timeouts, suspects and the round (:meth:`FlowerFederation.step`: partial,
+    a round nobody answered planned again) are :class:`FlowerFederation`'s."""
+
+    def __post_init__(self) -> None:
+        self.sim = FullModelSimulation(self.task, self.cfg)
+        self.rounds = ArrayRounds(self.sim)
+        self.server = _NoHistory(self.rounds)
+        self.comm = self.sim.comm
+        self.privacy = None
+        self.named = self.rounds.named
+        self._init_nodes()
+        self.transport = ArrayTransport(self)
+
+    def _timed(self, rec, plan, times: tuple[float, float, float], **extra) -> None:
+        t0, t1, t2 = times
+        self.timings.append({"round": rec.round + 1, "nodes_s": t1 - t0, "send_and_receive_s": t2 - t1,
+                             "aggregate_apply_s": time.perf_counter() - t2, "participants": list(rec.participants),
+                             "sampled": list(plan.participants), "arrayrecord_bytes": self.rounds.arrays.count_bytes()})
+
+    def _mean_loss(self, played) -> float:
+        return played.record.loss  # in sampled order
 
     def run(self, rounds: int):
         from ..runners.common import metric_rows

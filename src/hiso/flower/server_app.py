@@ -91,8 +91,12 @@ class FlowerFederation:
         answer (Flower's default is 12 h): a node that fell behind (cut off, slow) would
         otherwise work through every stale one in turn, each taking about a round, and never
         answer in time again. A ``query`` keeps the default (a slow first start must not expire it)."""
+        return self._message_of(_records(fields), node_id, kind, group)
+
+    def _message_of(self, content, node_id: int, kind: str, group: str | None = None):
+        """A message of ``content`` (a RecordDict) to a node (see :meth:`_message`)."""
         from flwr.app import Message
-        return Message(_records(fields), dst_node_id=node_id, message_type=kind, group_id=group,
+        return Message(content, dst_node_id=node_id, message_type=kind, group_id=group,
                        ttl=self.settings.round_timeout if kind == "train" else None)
 
     def _lineage_field(self) -> dict:
@@ -254,9 +258,11 @@ class FlowerFederation:
         """Partition ``pid``'s encoded downlink for the planned round."""
         return encode_downlink(self.server.downlink(pid), self.server.wire)
 
-    def _send(self, rnd: int, pids, downlink=None) -> dict[int, object]:
+    def _send(self, rnd: int, pids, downlink=None, content=None, kept=None) -> dict[int, object]:
         """Downlinks to ``pids`` (those with a node; ``downlink(pid)``: its message, counted);
-        the replies by partition."""
+        the replies by partition. ``content(down)``: a train message's RecordDict (default: the
+        downlink in the ``down`` field of the hiso ConfigRecord); ``kept(pid, reply)``: what is
+        kept of a reply (default: its hiso ConfigRecord; a failed one is dropped)."""
         msgs = []
         for pid in pids:
             nid = self.node_of.get(pid)
@@ -267,11 +273,17 @@ class FlowerFederation:
             else:
                 down = self._downlink(pid, rnd)
                 self.comm.down[pid] += len(down)
-            msgs.append(self._message({"down": down, **self._lineage_field()}, nid, "train", str(rnd)))
+            if content is not None:
+                msgs.append(self._message_of(content(down), nid, "train", str(rnd)))
+            else:
+                msgs.append(self._message({"down": down, **self._lineage_field()}, nid, "train", str(rnd)))
         out = {}
         for rep in self._exchange(msgs):
             pid = self.part_of.get(rep.metadata.src_node_id)
             if pid is None:
+                continue
+            if kept is not None:
+                out[pid] = kept(pid, rep)
                 continue
             if rep.has_error():
                 log.warning("round %d: partition %d failed: %s", rnd, pid, rep.error.reason)
@@ -338,6 +350,10 @@ class FlowerFederation:
                             max_plans=self.settings.max_replans + 1, before=self.check_budget, on_reject=rejected,
                             on_replan=replanned)
         self._timed(played.record, played.plan, self.times)
+        return self._mean_loss(played)
+
+    def _mean_loss(self, played) -> float | None:
+        """A played round's mean training loss (None under DP: no answer carries one)."""
         if self._loss_slot is None:
             return None
         order = {c: i for i, c in enumerate(played.record.participants)}  # as the simulator sums them

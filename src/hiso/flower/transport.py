@@ -16,7 +16,15 @@ if TYPE_CHECKING:
 class GridTransport(PlainTransport):
     """A Flower grid as the round's transport: the nodes refreshed, the sampled partitions'
     nodes asked (a node whose replica is older than the server thought says ``behind`` and is
-    asked again from its round), the ``up`` of each reply returned."""
+    asked again from its round), the ``up`` of each reply returned.
+
+    What a train message carries is the method's: by default the downlink's bytes in the
+    ``down`` field of the hiso ConfigRecord. A subclass may set ``content(down)`` (the
+    message's RecordDict) and ``kept(pid, reply)`` (what of a reply :meth:`answers` gets) and
+    override :meth:`answers` (the replies as the method's decoder takes them, counted)."""
+
+    content = None
+    kept = None
 
     def __init__(self, fed: FlowerFederation):
         self.fed = fed
@@ -27,7 +35,14 @@ class GridTransport(PlainTransport):
         fed.refresh_nodes()
         t1 = time.perf_counter()
         fed.join_sampled(plan.participants)
-        replies = fed._send(plan.round, plan.participants, downlink)
+        replies = fed._send(plan.round, plan.participants, downlink, self.content, self.kept)
+        self.ask_behind(plan, replies, downlink)
+        fed.times = (t0, t1, time.perf_counter())
+        return self.answers(plan, replies, tally)
+
+    def ask_behind(self, plan, replies: dict, downlink) -> None:
+        """The nodes whose replica is older than the server thought, asked again from their round."""
+        fed = self.fed
         behind = {}
         for pid, r in replies.items():
             if "behind" in r:
@@ -39,7 +54,9 @@ class GridTransport(PlainTransport):
             fed.server.client_holds(pid, held)
         if behind:
             replies.update(fed._send(plan.round, list(behind), downlink))
-        fed.times = (t0, t1, time.perf_counter())
+
+    def answers(self, plan, replies: dict, tally) -> list:
+        """Each reply's ``up`` bytes, counted (and, under local DP, released)."""
         out = []
         for pid, r in replies.items():
             if "up" not in r:
