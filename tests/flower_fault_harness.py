@@ -214,11 +214,19 @@ def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s:
     """Scenario 1 (and 2, with ``faults`` on every link): node ``nodes-1`` cut off for ``cut_s``
     seconds once ``after`` rounds are logged, then back. ``how``: the proxy's ``blackhole`` or
     ``refuse``, or ``link``: every node in its own network namespace and the last one's veth
-    pair set down. Returns the figures and the checks."""
+    pair set down. Returns the figures and the checks.
+
+    The cut lands on a round boundary: the run directory's HOLD file (hiso.flower.transport.hold)
+    keeps the ServerApp from sending round ``after``'s first message until the link is down, and
+    the link comes back only once that round is logged (at least ``cut_s`` later), so the round
+    is planned, sent and closed while the node is unreachable, however slow the machine."""
     out, t0 = work / "flower", time.monotonic()
     with ExitStack() as stack:
         netns = stack.enter_context(veth_namespaces(cfg.clients)) if how == "link" else None
         fed, proxies = stack.enter_context(proxied_federation(work / "fed", cfg.clients, worker, netns, **faults))
+        if cut_s > 0:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "HOLD").write_text(f"{after}\n")
         run_id = fed.submit(cfg, out, round_timeout=round_timeout)
         if cut_s > 0:
             wait_rounds(out, after)
@@ -226,7 +234,9 @@ def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s:
                 _ip("link", "set", netns[-1][1], "down")
             else:
                 proxies[-1].cut(how)
+            (out / "HOLD").unlink()
             time.sleep(cut_s)
+            wait_rounds(out, after + 1)  # the link comes back once a round closed without the node
             if netns:
                 _ip("link", "set", netns[-1][1], "up")
             else:

@@ -9,6 +9,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from ..config import RunConfig
 from ..tasks.base import Task
@@ -90,3 +91,30 @@ def _state_dir(context) -> str:
 
 def _cfg_json(context) -> str | None:
     return context.run_config.get("hiso-config") if context.run_config else None
+
+
+def run_lineage(settings: Settings) -> str:
+    """The run directory's trajectory id (``DIR/flower-lineage``): new for a new run, the same
+    for a resumed one. Nodes key their replicas by it instead of the Flower run id, so a
+    ServerApp that is restarted on the run directory finds every replica where it was (each
+    holds a round the log kept: a round's records reach a node only after its metrics row is
+    written, and resume keeps every round that has one) instead of replaying from x_0."""
+    import secrets
+
+    from ..atomic import write_atomic
+    path = Path(settings.out_dir, "flower-lineage")
+    if settings.resume and path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    write_atomic(path, token + "\n")
+    return token
+
+def earlier_attempts(settings: Settings) -> list:
+    """A resumed run's record of the attempts before it (``flower.json``, if the dead
+    ServerApp got to write one), kept beside the new attempt's timings."""
+    try:
+        old = json.loads(Path(settings.out_dir, "flower.json").read_text())["flower"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [*old.pop("earlier_attempts", []), old]

@@ -60,6 +60,7 @@ from ..runners.common import CommTally
 from ..runners.protocol import ScalarRounds
 from .records import log
 from .secagg_client import BEHIND
+from .transport import hold
 from .server_app import FlowerFederation
 
 
@@ -187,6 +188,7 @@ class SecureTransport(PlainTransport):
 
     def exchange(self, plan, downlink, tally) -> list:
         fed = self.fed
+        hold(fed.settings, plan.round)
         t0 = time.perf_counter()
         fed.refresh_nodes()
         t1 = time.perf_counter()

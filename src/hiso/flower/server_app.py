@@ -25,7 +25,7 @@ from ..runners.common import Comm, CommTally, metric_rows
 from ..runners.protocol import ScalarRounds, protocol_server
 from ..tasks.base import Task
 
-from .records import REC, Settings, _records, _task_for, log, reply_bytes, reply_int
+from .records import REC, Settings, _records, _task_for, earlier_attempts, log, reply_bytes, reply_int, run_lineage
 from .transport import GridTransport
 
 
@@ -420,8 +420,8 @@ def serve_zo(grid, cfg: RunConfig, settings: Settings, federation: type | None =
     task = _task_for(cfg.model_dump_json())
     holder = {}
 
-    before = _earlier_attempts(settings) if settings.resume else []
-    lineage = _lineage(settings)
+    before = earlier_attempts(settings) if settings.resume else []
+    lineage = run_lineage(settings)
 
     def factory(cfg_, task_, on_record=None):
         holder["fed"] = (federation or FlowerFederation)(grid, task_, cfg_, settings, on_record, lineage=lineage)
@@ -438,27 +438,3 @@ def serve_zo(grid, cfg: RunConfig, settings: Settings, federation: type | None =
     if summary.get("diverged"):
         raise RuntimeError(f"run diverged: {summary['diverged']}")
     return summary
-
-def _lineage(settings: Settings) -> str:
-    """The run directory's trajectory id (``DIR/flower-lineage``): new for a new run, the same
-    for a resumed one. Nodes key their replicas by it instead of the Flower run id, so a
-    ServerApp that is restarted on the run directory finds every replica where it was (each
-    holds a round the log kept: a round's records reach a node only after its metrics row is
-    written, and resume keeps every round that has one) instead of replaying from x_0."""
-    import secrets
-    path = Path(settings.out_dir, "flower-lineage")
-    if settings.resume and path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_hex(8)
-    write_atomic(path, token + "\n")
-    return token
-
-def _earlier_attempts(settings: Settings) -> list:
-    """A resumed run's record of the attempts before it (``flower.json``, if the dead
-    ServerApp got to write one), kept beside the new attempt's timings."""
-    try:
-        old = json.loads(Path(settings.out_dir, "flower.json").read_text())["flower"]
-    except (OSError, ValueError, KeyError):
-        return []
-    return [*old.pop("earlier_attempts", []), old]

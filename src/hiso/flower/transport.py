@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..core.messages import MessageError
@@ -11,6 +12,29 @@ from .records import log, reply_bytes, reply_int
 
 if TYPE_CHECKING:
     from .server_app import FlowerFederation
+
+
+HOLD = "HOLD"  # in the run directory: a round number the ServerApp holds before, while the file exists
+
+
+def hold(settings, round: int) -> None:
+    """Wait, before the first message of round ``round``, while the run directory's ``HOLD``
+    file names a round at or below it: an operator (or a test) holds the federation at a round
+    boundary, e.g. to restart or cut off a node, and lets it go on by removing the file. A
+    file that does not hold a round number holds every round."""
+    path = Path(settings.out_dir, HOLD)
+    said = False
+    while True:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            return
+        if text.isdigit() and int(text) > round:
+            return
+        if not said:
+            log.warning("round %d: held by %s (remove it to go on)", round, path)
+            said = True
+        time.sleep(max(settings.poll_s, 0.05))
 
 
 class GridTransport(PlainTransport):
@@ -31,6 +55,7 @@ class GridTransport(PlainTransport):
 
     def exchange(self, plan, downlink, tally) -> list:
         fed = self.fed
+        hold(fed.settings, plan.round)
         t0 = time.perf_counter()
         fed.refresh_nodes()
         t1 = time.perf_counter()
