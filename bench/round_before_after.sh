@@ -28,7 +28,7 @@ for i in $(seq "$pairs"); do
   for which in before after; do
     src=$PWD/src; [ $which = before ] && src=$BEFORE
     PYTHONPATH=$site:$src:$PWD/bench timeout -k 5 150 python3 bench/llm_round.py --data-dir "$X/sst2" --model $M \
-      --device "$dev" --rounds 3 --autocast none --threads ${THREADS:-8} "${mode[@]}" 2>/dev/null \
+      --device "$dev" --rounds ${ROUNDS:-3} --autocast none --threads ${THREADS:-8} "${mode[@]}" 2>/dev/null \
       | grep '^{' | sed "s/^{/{\"src\": \"$which\", /" | tee -a "$OUT/before_after.jsonl"
   done
 done

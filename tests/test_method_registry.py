@@ -13,9 +13,7 @@ from hiso.methods.registry import METHOD_OPTIONS, MethodInfo, method_info, metho
 SRC = Path(__file__).resolve().parent.parent / "src" / "hiso"
 REGISTRY = {SRC / "methods" / "registry.py"}
 # the comparisons that stay, each with its reason
-SURVIVORS = {
-    ("experiments/compare_plan.py", "decomfl"): "the comparison's default reference arm is DeComFL, the paper's baseline",
-}
+SURVIVORS: dict = {}
 
 
 def _name_comparisons(path: Path, names: set[str]):

@@ -60,7 +60,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, one_line, read_toml
-from ..methods.registry import is_user_method
+from ..methods.registry import default_reference, is_user_method
 from ..report.table import val_metric
 from ..tasks.registry import higher_is_better, task_info
 
@@ -326,7 +326,7 @@ def build_plan(config: str | Path | dict[str, Any] | None = None, shared_flags: 
 
     reference = spec.reference
     if reference is None:
-        reference = "decomfl" if "decomfl" in spec.algorithms else spec.algorithms[0]
+        reference = default_reference(spec.algorithms)
     elif reference not in spec.algorithms:
         raise ConfigError(f"compare.reference: {reference!r} is not one of the compared algorithms ({', '.join(spec.algorithms)})")
 

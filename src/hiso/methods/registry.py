@@ -164,6 +164,16 @@ def _user_method_info(spec: str) -> MethodInfo:
                       lambda cfg: build_user_method(obj, cfg), doc=(obj.__doc__ or "").strip().split("\n")[0])
 
 
+REFERENCE = "decomfl"  # the paper's baseline: a comparison's default reference arm
+
+
+def default_reference(arms) -> str:
+    """A comparison's reference arm when none is named: the paper's baseline if it is an arm,
+    else the first arm."""
+    arms = list(arms)
+    return REFERENCE if REFERENCE in arms else arms[0]
+
+
 def with_capability(cap: str) -> list[str]:
     """The built-in methods that declare ``cap`` (for a refusal that says where it belongs)."""
     _load_builtins()
