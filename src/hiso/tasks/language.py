@@ -98,19 +98,21 @@ class LanguageTask(Task):
         self.source = lm.resolve_model(model)
         self.tok = lm.load_tokenizer(model, self.source)
         self.label_ids = None
-        if not self.qa:
-            words = tuple(label_words or spec["label_words"])
-            ids = [self.tok(w, add_special_tokens=False).input_ids for w in words]
-            bad = [w for w, i in zip(words, ids) if len(i) != 1]
-            if bad:
-                raise ValueError(f"label words {bad} are not single tokens for {model}; choose others "
-                                 "(--label-words), e.g. with a leading space")
-            self.label_words = words
-            self.label_ids = torch.tensor([i[0] for i in ids])
+        if not self.qa and (label_words or spec["label_words"]):  # (text: set from its files' labels)
+            self._set_label_words(tuple(label_words or spec["label_words"]))
         self._spare: nn.Module | None = None
         self._fingerprint: str | None = None
         self.pack = bool(pack)
         self._pack_ok: bool | None = None  # the probe's verdict (None: not probed yet)
+
+    def _set_label_words(self, words: tuple[str, ...]) -> None:
+        ids = [self.tok(w, add_special_tokens=False).input_ids for w in words]
+        bad = [w for w, i in zip(words, ids) if len(i) != 1]
+        if bad:
+            raise ValueError(f"label words {bad} are not single tokens for {self.model_name}; choose others "
+                             "(--label-words), e.g. with a leading space")
+        self.label_words = words
+        self.label_ids = torch.tensor([i[0] for i in ids])
 
     # ------------------------------------------------------------------ model
 
@@ -169,21 +171,27 @@ class LanguageTask(Task):
 
     @cached_property
     def _data(self) -> dict[str, Any]:
-        from ..data.text import load_text_task
-
-        train = list(load_text_task(self.name, self.data_dir, "train"))
-        ev = list(load_text_task(self.name, self.data_dir, "eval"))
+        train, ev = self._load()
         if not train or not ev:
             raise DataError(f"{self.name}: empty {'train' if not train else 'eval'} split")
         train = self._subset(train, self.train_max, 0)
         ev = self._subset(ev, self.eval_max, 1)
         ev, val = self._split_val(ev)
         labels = np.zeros(len(train), dtype=np.int64) if self.qa else np.array([e.label for e in train])
-        parts = partitioners.partition(self.partition, labels, self.num_clients, self.seed,
-                                       alpha=self.alpha, min_size=self.min_size)
+        parts = self._partition(train, labels)
         classes = 1 if self.qa else len(self.label_words)
         return {"train": train, "eval": ev, "val": val, "parts": parts,
                 "label_hist": label_histograms(labels, parts, classes)}
+
+    def _load(self) -> tuple[list, list]:
+        """The (train, held-out) examples, before subsets and the validation split."""
+        from ..data.text import load_text_task
+        return list(load_text_task(self.name, self.data_dir, "train")), list(load_text_task(self.name, self.data_dir, "eval"))
+
+    def _partition(self, train: list, labels: np.ndarray) -> list[np.ndarray]:
+        """Each client's indices into ``train`` (the examples ``train_max`` kept)."""
+        return partitioners.partition(self.partition, labels, self.num_clients, self.seed,
+                                      alpha=self.alpha, min_size=self.min_size)
 
     def _split_val(self, held_out: list) -> tuple[list, list]:
         """``(test, val)``: a seeded ``val_fraction`` of the held-out examples kept apart, so that
@@ -371,10 +379,11 @@ class LanguageTask(Task):
         return info
 
 
-def _builder(name: str):
+def _builder(name: str, cls: type = LanguageTask, extra=lambda cfg: {}):
+    """``build(cfg)`` of task ``name``: a ``cls`` with the run's language options (and ``extra(cfg)``'s)."""
     def build(cfg) -> LanguageTask:
         split = lambda s: [w for w in s.split(",") if w.strip()]  # noqa: E731
-        return LanguageTask(name, cfg.clients, seed=cfg.seed, model=cfg.model, data_dir=cfg.data_dir,
+        return cls(name, cfg.clients, seed=cfg.seed, model=cfg.model, data_dir=cfg.data_dir,
                             partition=cfg.partition, alpha=cfg.alpha, min_size=cfg.min_size,
                             train_max=cfg.train_max, eval_max=cfg.eval_max, max_length=cfg.max_length,
                             template=cfg.template,
@@ -384,7 +393,7 @@ def _builder(name: str):
                             autocast=cfg.autocast, eval_batch_size=cfg.eval_batch_size,
                             max_new_tokens=cfg.max_new_tokens, pack=cfg.pack_sequences,
                             val_fraction=cfg.val_fraction, strip_text=cfg.strip_text,
-                            device=cfg.device, perturb_mode=cfg.perturb_mode)
+                            device=cfg.device, perturb_mode=cfg.perturb_mode, **extra(cfg))
     return build
 
 
