@@ -19,7 +19,7 @@ TINY = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2"
     (["--task", "mnist", "--lora-r", "8", "--lr", "1e-3"], "lora_r = 8: task mnist does not use it (it is for sst2"),
     (["--data-dir", "/data/mnist"], "did you mean to give --task?"),
     (["--task", "mnist", "--model", "gpt2"], "model = 'gpt2': task mnist does not use it"),
-    (["--task", "sst2", "--data-dir", "/d", "--max-new-tokens", "4"], "(it is for squad)"),
+    (["--task", "sst2", "--data-dir", "/d", "--max-new-tokens", "4"], "(it is for squad, instruct)"),
     (["--task", "squad", "--data-dir", "/d", "--label-words", " no, yes"], "label_words"),
     (["--dim", "20", "--eval-max", "5"], "eval_max = 5: task quadratic does not use it"),
 ])
@@ -31,7 +31,7 @@ def test_a_task_option_the_task_does_not_read_is_refused(tmp_path, capsys, args,
 
 
 def test_every_builtin_task_declares_task_options_only():
-    for name in ("quadratic", "mnist", "fashion-mnist", "sst2", "qqp", "squad"):
+    for name in ("quadratic", "mnist", "fashion-mnist", "sst2", "qqp", "squad", "text", "instruct"):
         info = task_info(name)
         assert info.options is not None and info.options <= TASK_OPTIONS
     # and what it declares it reads is accepted (defaults aside, each is a real knob of the task)

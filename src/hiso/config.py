@@ -255,7 +255,7 @@ class RunConfig(BaseModel, MethodRules):
         "Fashion-MNIST; language tasks need it)"))
     # None: the task's own (dirichlet for classification, iid for squad)
     partition: Literal["iid", "dirichlet", "dirichlet-prior"] | None = Field(None, description=(
-        "how data are split across clients (default: the task's: dirichlet for classification, iid for squad)"))
+        "how data are split across clients (default: the task's: dirichlet for classification, iid for squad and instruct)"))
     alpha: float = Field(1.0, gt=0, description="Dirichlet concentration of the partition (smaller: more skewed)")
     min_size: int = Field(10, ge=1, description=(
         "fewest examples a client may get (the Dirichlet draw is repeated up to 1,000 times, then the small "
@@ -272,19 +272,19 @@ class RunConfig(BaseModel, MethodRules):
     model: str = Field("smollm2-135m", description=(
         "language tasks: causal LM by short name, local directory or hub name"))
     max_length: int | None = Field(None, gt=0, description=(
-        "language tasks: tokens per example (default: the task's: sst2 32, qqp 128, squad 640)"))
+        "language tasks: tokens per example (default: the task's: sst2 32, qqp 128, squad 640, text 128, instruct 256)"))
     template: str | None = Field(None, description=(
         "language tasks: prompt template (default: the task's, see hiso.tasks.language)"))
     label_words: str | None = Field(None, description=(
         "language tasks: comma-separated answer words, verbatim (mind the leading space: \" terrible, great\"; "
-        "default: the task's)"))
+        "default: the task's; text: also LABEL=WORD pairs, default ' LABEL')"))
     lora_r: int | None = Field(None, gt=0, description="LoRA rank (default: none, full-parameter fine-tuning)")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha")
     lora_targets: str = Field("q_proj,v_proj", description="comma-separated module names LoRA adapts")
     autocast: Literal["auto", "bf16", "none"] = Field("auto", description=(
         "language tasks' precision: bf16 autocast; auto: bf16 only where bf16 matrix units exist"))
     eval_batch_size: int = Field(16, gt=0, description="language tasks: examples per evaluation batch")
-    max_new_tokens: int = Field(16, gt=0, description="squad: longest generated answer in tokens")
+    max_new_tokens: int = Field(16, gt=0, description="squad, instruct: longest generated answer in tokens")
     pack_sequences: bool = Field(True, description=(
         "language tasks: run a batch's prompts as one packed row without padding where that is cheaper "
         "(~2x faster forwards on SST-2; logits equal up to float rounding)"))
@@ -292,6 +292,10 @@ class RunConfig(BaseModel, MethodRules):
         "language tasks: strip each text field before the template (GLUE's SST-2 sentences end with a space) "
         "and a generated answer before its first line is taken, as the authors' code does; runs made "
         "before this option: false"))
+    text_column: str = Field("text", min_length=1, description="text task: the column of the text to classify")
+    label_column: str = Field("label", min_length=1, description="text task: the column of the label")
+    prompt_column: str = Field("prompt", min_length=1, description="instruct task: the column of the prompt")
+    response_column: str = Field("response", min_length=1, description="instruct task: the reference answer's column")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
@@ -421,7 +425,6 @@ def one_line(err: ValidationError, prefix: str | None = None) -> str:
     if e["type"] == "extra_forbidden" and e["loc"]:
         msg = "not an option" + nearest(str(e["loc"][-1]), RunConfig.model_fields)
     return f"{where}: {msg}" if where else msg
-
 
 
 def read_toml(path: str | Path | None) -> dict[str, Any]:

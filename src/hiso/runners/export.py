@@ -98,6 +98,8 @@ def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
     meta = {"hiso_version": __version__, "format": fmt, **rm.identity()}
     if rm.info.get("lora"):
         meta["lora"] = rm.info["lora"]
+    if "template" in rm.info:  # the prompt and its label words: what a reader needs to ask as the run did
+        meta["prompt"] = {k: rm.info[k] for k in ("template", "label_words", "labels") if k in rm.info}
     logged = _metrics_at(rm.run_dir, rm.round)
     if logged:
         meta["metrics_logged_at_round"] = logged
