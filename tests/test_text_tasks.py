@@ -188,6 +188,8 @@ def test_the_instruct_loss_is_on_the_response_tokens_only(lm, tmp_path):
     ("text,stars\nfine,good\n", "train.csv, row 1, column 'label': no such column"),
     ("text,label\nfine,good\nalso fine,\n", "train.csv, row 2, column 'label': empty label"),
     ("text,label\nfine,good\n ,bad\n", "train.csv, row 2, column 'text': empty text"),
+    ("text,label\nfine,good\nalso fine,good\n", "train.csv, column 'label': labels ['good']; a classifier needs two"),
+    ("text,label\n", "train.csv: not a readable csv file"),  # (datasets: no data)
 ])
 def test_a_bad_training_file_is_one_line_naming_file_row_and_column(lm, reviews, tmp_path, capsys, bad, where):
     d = tmp_path / "bad"

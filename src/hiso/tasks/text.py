@@ -78,13 +78,19 @@ class FileTask(LanguageTask):
         else:
             whose = "from --label-words" if self.labels else f"those of {files['train'].name}"
             self.labels, train = read_text(files["train"], *self.columns, self.labels, whose, train=True)
+            if len(self.labels) < 2:
+                raise DataError(f"{files['train']}, column {self.columns[1]!r}: labels {self.labels}; a classifier "
+                                "needs two or more")
             _, ev = read_text(files["eval"], *self.columns, self.labels, whose, train=False)
             words = self._words or tuple(" " + label for label in self.labels)
             if len(words) != len(self.labels):
                 raise DataError(f"{files['train']}: {len(self.labels)} labels ({', '.join(self.labels)}) but "
                                 f"--label-words gives {len(words)} words; give one a label (or LABEL=WORD pairs)")
             self._set_label_words(words)
-        if train and train[0].client is not None:
+        for which, rows in (("train", train), ("eval", ev)):
+            if not rows:
+                raise DataError(f"{files[which]}: no rows")
+        if train[0].client is not None:
             self.client_names = label_order(e.client for e in train)
             if len(self.client_names) != self.num_clients:
                 shown = ", ".join(self.client_names[:6]) + (", ..." if len(self.client_names) > 6 else "")
