@@ -18,15 +18,11 @@ from .core.config import ZOConfig
 from .core.preconditioner import PreconditionerConfig
 from .methods.momentum import MomentumConfig
 from .methods.privacy import DPConfig
-from .methods.registry import method_info, method_names
+from .methods.registry import method_names
 from .methods.stepnorm import StepNormConfig
+from .tasks.registry import algorithm_family  # noqa: F401  (hiso.config.algorithm_family)
 
 ALGORITHMS = method_names()  # the built-in methods (hiso.methods.registry); a user's is module:Class
-
-
-def algorithm_family(algorithm: str) -> str:
-    """ "zo" or "first-order": the family a task's ``default_lr`` keys the method by."""
-    return method_info(algorithm).gradient
 
 
 def default_lr(task: str, algorithm: str, lora: bool = False, model: str | None = None) -> float:
