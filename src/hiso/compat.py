@@ -27,7 +27,7 @@ DEFAULT_BEFORE = {"squad": ("max_length", 256)}
 # RunConfig fields added after exports began to carry the configuration's hash
 # (runners.runmodel.config_sha256): at their default they are left out, so older runs keep theirs
 HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares", "grad_clip", "method_opts",
-                     "text_column", "label_column", "prompt_column", "response_column")
+                     "text_column", "label_column", "prompt_column", "response_column", "base_dtype")
 
 # a built-in method's place in the protocol fingerprint hiso wrote before methods were plugins
 # (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`

@@ -277,6 +277,8 @@ class RunConfig(BaseModel, MethodRules):
     lora_r: int | None = Field(None, gt=0, description="LoRA rank (default: none, full-parameter fine-tuning)")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha")
     lora_targets: str = Field("q_proj,v_proj", description="comma-separated module names LoRA adapts")
+    base_dtype: Literal["float32", "bfloat16", "int8", "int4"] = Field("float32", description=(
+        "language tasks with LoRA: the frozen base's precision (int8 weight-only, int4 NF4); adapters float32"))
     autocast: Literal["auto", "bf16", "none"] = Field("auto", description=(
         "language tasks' precision: bf16 autocast; auto: bf16 only where bf16 matrix units exist"))
     eval_batch_size: int = Field(16, gt=0, description="language tasks: examples per evaluation batch")
@@ -300,6 +302,7 @@ class RunConfig(BaseModel, MethodRules):
             self.algorithm = name
         info = self.method  # an unknown method, or a user's that cannot be imported: one line
         self._method_opts_checks()
+        self._base_dtype_checks()
         can = info.can
         if (name := absolute_task_name(self.task)) != self.task:  # path/to/file.py:Class, read from anywhere later
             self.task = name

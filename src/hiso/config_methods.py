@@ -43,6 +43,12 @@ class MethodRules:
                              "hiso run --help); method_opts is for a Method subclass's fields")
         self.method_opts = check_options(user_method_class(self.algorithm), self.method_opts, self.algorithm)
 
+    def _base_dtype_checks(self) -> None:
+        """A base held below float32 is frozen: only LoRA's adapters train (and stay float32)."""
+        if self.base_dtype != "float32" and self.lora_r is None:
+            raise ValueError(f"base_dtype {self.base_dtype}: the base is frozen at that precision, so it needs "
+                             "LoRA (--lora-r); full-parameter fine-tuning trains the base in float32")
+
     def _lacks(self, cap: str, what: str, builtin_msg: str) -> ValueError:
         """The refusal of ``what`` for a method without capability ``cap``: a built-in method's
         ``builtin_msg`` (which names the methods that have it), or, for a user's method, the

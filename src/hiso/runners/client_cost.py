@@ -40,10 +40,20 @@ import torch
 from ..core.work import Work
 
 
+def _stored(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a tensor is stored in: a quantized weight's codes and scales (a torchao
+    tensor subclass, a bitsandbytes 4-bit parameter's quantization state) or the tensor itself."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        return [x for name in t.__tensor_flatten__()[0] for x in _stored(getattr(t, name))]
+    state = getattr(t, "quant_state", None)
+    extra = [x for x in vars(state).values() if isinstance(x, torch.Tensor)] if state is not None else []
+    return [t, *extra]
+
+
 def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the storages behind ``tensors`` (each storage once: views and tied tensors share one)."""
     seen, total = set(), 0
-    for t in tensors:
+    for t in (x for tensor in tensors for x in _stored(tensor)):
         st = t.untyped_storage()
         key = (t.device, st.data_ptr())
         if key not in seen:

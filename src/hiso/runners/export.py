@@ -27,6 +27,8 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+
+import torch
 from typing import Any
 
 from .runfiles import overwrites_run, saved_config
@@ -66,9 +68,21 @@ def check_format(fmt: str, cfg, info: dict) -> None:
 
 
 def _plain_model(rm: RunModel):
-    """The run's model without LoRA wrappers: the adapter merged into the base (a new module)."""
+    """The run's model without LoRA wrappers: the adapter merged into the base (a new module).
+    A run whose base was held quantized (``base_dtype``) merges into the base as given, in
+    float32: its adapter is what the run trained, the rounding of the base is not exported."""
     from peft import PeftModel
 
+    if getattr(rm.cfg, "base_dtype", "float32") != "float32" and isinstance(rm.model, PeftModel):
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+        from ..tasks import lm
+        base = lm.base_model(rm.task.model_name)
+        lora = rm.task.lora
+        full = lm.add_lora(base, lora["r"], lora["alpha"], lora["targets"], seed=0)
+        set_peft_model_state_dict(full, {k: v.detach().to("cpu", torch.float32)
+                                         for k, v in get_peft_model_state_dict(rm.model).items()})
+        rm = RunModel(full, rm.task, rm.cfg, rm.info, rm.round, rm.run_dir)
     if isinstance(rm.model, PeftModel):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -87,11 +88,15 @@ def _gguf_file(short: str) -> Path:
 
 
 def _quiet_transformers() -> None:
-    """hiso shows its own progress; transformers' per-load bars and notices are noise in a run."""
-    from transformers.utils import logging
+    """hiso shows its own progress; transformers' per-load bars and notices are noise in a run, as
+    are those of the quantization libraries it imports (torchao's CUDA-only extensions, absent on
+    a CPU, and the pytree notices their import makes torch log)."""
+    from transformers.utils import logging as tf_logging
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
+    for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    tf_logging.set_verbosity_error()
+    tf_logging.disable_progress_bar()
 
 
 def _tokenizer(source: str | Path, **kw):
@@ -109,8 +114,15 @@ def _model(source: str | Path, **kw) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(source), **{"dtype": torch.float32, **kw})
     model.eval()
+    for m in model.modules():
+        # bitsandbytes repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first forward
+        # without gradients: bf16 arithmetic on some CPUs only, and no backward through it after
+        # (a first-order client's gradient would silently lose the base's path). The float32
+        # dequantize-and-multiply path is the same on every CPU and differentiable.
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
     return model
 
 
@@ -161,9 +173,9 @@ def resolve_model(name: str) -> str:
     return name  # a hub name (needs the internet the first time)
 
 
-def _loading(name: str, what, source: str):
+def _loading(name: str, what, source: str, **kw):
     try:
-        return what(source)
+        return what(source, **kw)
     except OSError as e:
         raise ModelError(f"cannot load model {name!r}: {str(e).splitlines()[0]} (short names that "
                          f"work offline: {', '.join(SHORT_NAMES)})") from None
@@ -173,9 +185,49 @@ def load_tokenizer(name: str, source: str):
     return _loading(name, _tokenizer, source)
 
 
-def load_model(name: str, source: str) -> nn.Module:
-    """The model in float32 and eval mode (``source`` from :func:`resolve_model`)."""
-    return _loading(name, _model, source)
+def load_model(name: str, source: str, base_dtype: str = "float32", device: str = "cpu") -> nn.Module:
+    """The model in eval mode (``source`` from :func:`resolve_model`): float32, or its weights held
+    in ``base_dtype`` as they are read (:func:`base_precision`)."""
+    return _loading(name, _model, source, **base_precision(base_dtype, device))
+
+
+def base_precision(base_dtype: str, device: str = "cpu") -> dict:
+    """``from_pretrained``'s keywords that hold a frozen base in ``base_dtype``, quantized as each
+    weight is read (a client's memory never holds the float32 model): ``bfloat16`` weights;
+    ``int8`` weight-only (torchao: activations stay float32, so the small loss differences a
+    LoRA perturbation makes are not rounded away, as the activation-quantized LLM.int8 would);
+    ``int4`` NF4 in blocks of 64 (bitsandbytes, QLoRA's format, float32 compute). Embeddings and
+    norms stay float32 under int8 and int4. Under LoRA only the adapters train, in float32."""
+    if base_dtype == "float32":
+        return {}
+    if base_dtype == "bfloat16":
+        return {"dtype": torch.bfloat16}
+    from transformers import BitsAndBytesConfig, TorchAoConfig
+    if base_dtype == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+        q = TorchAoConfig(Int8WeightOnlyConfig())
+    elif base_dtype == "int4":
+        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    else:
+        raise ValueError(f"base_dtype must be float32, bfloat16, int8 or int4, got {base_dtype!r}")
+    return {"quantization_config": q, "device_map": str(device)}
+
+
+def frozen_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A quantized base's frozen state as plain tensors: every state entry that does not train,
+    a quantized weight as the tensors it is stored in (codes, scales), so its fingerprint is that
+    of the bytes every replica holds."""
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    out = {}
+    for name, t in model.state_dict().items():
+        if name in trained or not isinstance(t, torch.Tensor):
+            continue
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # a torchao weight
+            for inner in t.__tensor_flatten__()[0]:
+                out[f"{name}.{inner}"] = getattr(t, inner)
+        else:
+            out[name] = t
+    return out
 
 
 def base_model(name: str) -> nn.Module:

@@ -1,0 +1,166 @@
+"""``--base-dtype``: the frozen base of a LoRA run held in bfloat16, int8 (weight-only) or int4
+(NF4), the adapters in float32. Every LoRA method runs on it; the run rebuilds bit for bit,
+resumes byte for byte and exports (an adapter for the base as given, a merged float32 model).
+Tiny LM, no downloads."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("torchao")
+
+from lm_fixtures import write_sst2, write_tiny_lm  # noqa: E402
+
+from cli_helpers import run_cli  # noqa: E402
+from crash_harness import Crash  # noqa: E402
+from hiso.cli import main  # noqa: E402
+from hiso.config import ConfigError, load_config  # noqa: E402
+
+DTYPES = ["bfloat16", "int8", "int4"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant")
+    # hidden 64: bitsandbytes' CPU 4-bit kernel packs output features in blocks of 32
+    return {"lm": str(write_tiny_lm(d / "lm", hidden=64)), "sst2": str(write_sst2(d / "sst2"))}
+
+
+def _args(files, out, dtype, *extra, rounds=4):
+    return ["run", "--task", "sst2", "--model", files["lm"], "--data-dir", files["sst2"],
+            "--label-words", " terrible, great", "--clients", "3", "--sampled", "2", "--rounds", str(rounds),
+            "--eval-every", "2", "--min-size", "2", "--mu", "1e-2", "--batch-size", "4", "--lora-r", "2",
+            "--threads", "1", "--base-dtype", dtype, "--out", str(out), "--quiet", *extra]
+
+
+def _ok(capsys, args):
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    return out
+
+
+def _state(path):
+    return torch.load(path, weights_only=False)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["round"] == b["round"] and a["model"].keys() == b["model"].keys() and all(
+        torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_quantized_base_run_rebuilds_bit_for_bit_and_resumes_byte_for_byte(files, tmp_path, capsys, dtype):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    _ok(capsys, _args(files, whole, dtype, "--lr", "0.5", "--checkpoint-every", "2"))
+    with Crash(cut, 16) as crash, contextlib.suppress(BaseException), \
+            contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        main(_args(files, cut, dtype, "--lr", "0.5", "--checkpoint-every", "2"))
+    assert crash.dead, "the run finished before the kill: kill it earlier"
+    _ok(capsys, ["run", "--resume", str(cut), "--quiet"])
+    assert (whole / "history.bin").read_bytes() == (cut / "history.bin").read_bytes()
+    assert _same(_state(whole / "model.pt"), _state(cut / "model.pt"))
+    _ok(capsys, ["rebuild", str(whole), "--out", str(tmp_path / "x.pt")])
+    assert _same(_state(tmp_path / "x.pt"), _state(whole / "model.pt"))
+    saved = _state(whole / "model.pt")["model"]
+    assert all(v.dtype == torch.float32 for v in saved.values())  # the adapters: float32, and only they
+    assert json.loads((whole / "config.json").read_text())["base_dtype"] == dtype
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_the_base_is_held_quantized_and_the_adapters_train_in_float32(files, dtype):
+    from hiso.tasks.registry import build_task
+    cfg = load_config(None, task="sst2", model=files["lm"], data_dir=files["sst2"], lora_r=2, base_dtype=dtype,
+                      clients=3, sampled=2, min_size=2, label_words=" terrible, great")
+    model = build_task(cfg).build_model()
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    w = q.base_layer.weight
+    stored = w.dtype if dtype == "int4" else w.__tensor_flatten__()[0] and w.qdata.dtype
+    assert stored in (torch.uint8, torch.int8)  # int4: two codes a byte; int8: one
+    assert q.lora_A["default"].weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
+METHODS = [("hiso", "0.5"), ("decomfl", "0.5"), ("feedsign", "0.05"), ("fedkseed", "0.5"), ("sketch", "0.05"),
+           ("ferret", "0.05"), ("fedavg", "0.05")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alg,lr", METHODS, ids=[m for m, _ in METHODS])
+def test_every_lora_method_runs_on_an_int4_base(files, tmp_path, capsys, alg, lr):
+    """The zeroth-order methods, the first-order clients (backpropagation through the quantized
+    base, as QLoRA does) and FedAvg-LoRA; the runs with a log rebuild bit for bit."""
+    out = tmp_path / alg
+    _ok(capsys, _args(files, out, "int4", "--algorithm", alg, "--lr", lr, rounds=2))
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["train_loss"] is None or r["train_loss"] == r["train_loss"] for r in rows[1:])
+    if (out / "history.bin").exists():
+        _ok(capsys, ["rebuild", str(out), "--out", str(tmp_path / "x.pt")])
+        assert _same(_state(tmp_path / "x.pt"), _state(out / "model.pt"))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_exports_give_an_adapter_for_the_base_as_given_and_a_float32_merged_model(files, tmp_path, capsys, dtype):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    run = tmp_path / "run"
+    _ok(capsys, _args(files, run, dtype, "--lr", "0.5"))
+    _ok(capsys, ["export", str(run), "--out", str(tmp_path / "peft"), "--format", "peft"])
+    _ok(capsys, ["export", str(run), "--out", str(tmp_path / "merged"), "--format", "merged"])
+    ids = torch.tensor([[9, 10, 11, 12, 13, 14]])
+    base = AutoModelForCausalLM.from_pretrained(files["lm"]).eval()
+    adapted = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert all(p.dtype == torch.float32 for p in merged.parameters())
+    with torch.no_grad():
+        a, m = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert torch.allclose(a, m, atol=1e-5, rtol=0)  # the merged model is the adapter on the float32 base
+    trained = _state(run / "model.pt")["model"]
+    assert any(float(v.abs().max()) > 0 for k, v in trained.items() if "lora_B" in k)  # it learned something
+
+
+def test_full_parameter_training_over_a_quantized_base_is_refused():
+    with pytest.raises(ConfigError, match="base_dtype int4: the base is frozen at that precision, so it needs LoRA"):
+        load_config(None, task="sst2", base_dtype="int4")
+
+
+def test_a_first_order_gradient_through_an_int4_base_is_that_of_its_dequantized_weights(files):
+    """After a forward without gradients (a ZO or evaluation forward), backpropagation through the
+    4-bit base still reaches the first layer's adapter along every path: bitsandbytes' CPU repack
+    (no backward) is kept off."""
+    import copy
+
+    import bitsandbytes as bnb
+
+    from hiso.tasks.registry import build_task
+    cfg = load_config(None, task="sst2", model=files["lm"], data_dir=files["sst2"], lora_r=2, base_dtype="int4",
+                      clients=3, sampled=2, min_size=2, label_words=" terrible, great")
+    model = build_task(cfg).build_model()
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([[9, 10, 11, 12, 13, 14, 15, 16]])
+    with torch.no_grad():
+        model(input_ids=ids)
+    plain = copy.deepcopy(model)
+    for name, m in list(plain.named_modules()):
+        for child, sub in list(m.named_children()):
+            if isinstance(sub, bnb.nn.Linear4bit):
+                w = bnb.functional.dequantize_4bit(sub.weight.data, sub.weight.quant_state).float()
+                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+                lin.weight.data.copy_(w)
+                lin.weight.requires_grad_(False)
+                setattr(m, child, lin)
+
+    def grad(mdl):
+        mdl.zero_grad()
+        mdl(input_ids=ids).logits.square().sum().backward()
+        return next(p.grad for n, p in mdl.named_parameters() if "layers.0." in n and "lora_A" in n)
+
+    g, want = grad(model), grad(plain)
+    assert float(want.abs().max()) > 0
+    assert torch.allclose(g, want, rtol=1e-3, atol=1e-6)
