@@ -6,13 +6,13 @@ on the command line (``--local-steps`` for ``local_steps``) and in ``config.json
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from .config_methods import MethodRules
+from .config_parse import ConfigError, read_toml  # noqa: F401  (hiso.config.ConfigError, read_toml)
 from .config_parse import kind as _kind, nearest, parse_every, parse_size  # noqa: F401  (hiso.config.parse_*)
 from .core.config import ZOConfig
 from .core.preconditioner import PreconditionerConfig
@@ -36,10 +36,6 @@ def task_names() -> tuple[str, ...]:
     """The built-in tasks' names (a user's task is ``module:Class`` or ``path/to/file.py:Class``)."""
     from .tasks.registry import builtin_names
     return builtin_names()
-
-
-class ConfigError(ValueError):
-    """A bad configuration, reported to the user as one line."""
 
 
 class RunConfig(BaseModel, MethodRules):
@@ -424,19 +420,6 @@ def one_line(err: ValidationError, prefix: str | None = None) -> str:
     if e["type"] == "extra_forbidden" and e["loc"]:
         msg = "not an option" + nearest(str(e["loc"][-1]), RunConfig.model_fields)
     return f"{where}: {msg}" if where else msg
-
-
-def read_toml(path: str | Path | None) -> dict[str, Any]:
-    """A TOML file's content ({} for no file); a missing or malformed file is a ConfigError."""
-    if path is None:
-        return {}
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: not valid TOML ({e})") from None
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:

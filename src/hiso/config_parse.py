@@ -1,7 +1,12 @@
 """The units of a run's options: ``checkpoint_every`` (rounds or a time), sizes (``512M``) and the
-simulated attackers' attacks (``scale,sign-flip``)."""
+simulated attackers' attacks (``scale,sign-flip``); a TOML file read, and the error a bad
+configuration is (both re-exported by :mod:`hiso.config`)."""
 
 from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
 
 
 def parse_every(spec: str | int) -> tuple[str, float] | None:
@@ -62,3 +67,20 @@ def kind(annotation) -> str:
     from typing import get_args
     kinds = {a for a in (annotation, *get_args(annotation)) if a in (int, float, str)}
     return "an integer" if kinds == {int} else "a number" if kinds & {int, float} else "a value"
+
+
+class ConfigError(ValueError):
+    """A bad configuration, reported to the user as one line."""
+
+
+def read_toml(path: str | Path | None) -> dict[str, Any]:
+    """A TOML file's content ({} for no file); a missing or malformed file is a ConfigError."""
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: not valid TOML ({e})") from None
