@@ -86,7 +86,8 @@ class LocalFederation:
     workdir: Path | None = None
     tls: bool = False
     auth: bool = False
-    partitions: list[int] | None = None  # node i's partition (default: i)
+    partitions: list | None = None  # node i's partition, or list of partitions (default: i; see clients)
+    clients: int | None = None  # without partitions: clients 0..clients-1 dealt to the nodes in turn
     verbose: bool = False
     start_timeout: float = 120.0
     port: int = 0  # the SuperLink's port (0: a free one)
@@ -107,7 +108,9 @@ class LocalFederation:
         self.state_dir = self.workdir / "replicas"
         self.logs = self.workdir / "logs"
         self.logs.mkdir(exist_ok=True)
-        self.partitions = self.partitions or list(range(self.nodes))
+        if not self.partitions:
+            from .parts import spread
+            self.partitions = spread(self.clients, self.nodes) if self.clients else list(range(self.nodes))
         bindir = str(Path(sys.executable).parent)  # flower-superlink spawns flower-superexec by name
         self.env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home),
                     "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
@@ -182,8 +185,9 @@ class LocalFederation:
                     raise FlowerRunError(f"could not register node {i}: {res}")
         port = self.node_ports.setdefault(i, free_port())
         _refuse_busy(port, f"flower-supernode {i}")
+        from .parts import node_config_value
         part = self.partitions[i] if i < len(self.partitions) else i
-        nc = f"partition-id={part} state-dir='{self.state_dir}'"
+        nc = f"partition-id={node_config_value(part if isinstance(part, list) else [part])} state-dir='{self.state_dir}'"
         if self.worker:  # the node's worker, (re)started with it
             sock = self.workdir / "workers" / f"node{i}.sock"
             sock.parent.mkdir(exist_ok=True)

@@ -81,10 +81,12 @@ def _task_for(cfg_json: str) -> Task:
     return build_task(RunConfig(**json.loads(cfg_json)))
 
 def _partition(context) -> int:
-    nc = context.node_config
-    if "partition-id" not in nc:
-        raise ValueError("this SuperNode has no partition: start it with --node-config 'partition-id=N'")
-    return int(nc["partition-id"])
+    """The node's partition, for the apps whose nodes serve one each (full-model, SecAgg+)."""
+    from .parts import node_partitions
+    pids = node_partitions(context.node_config)
+    if len(pids) > 1:
+        raise ValueError(f"this node serves partitions {pids}: this algorithm's nodes serve one partition each")
+    return pids[0]
 
 def _state_dir(context) -> str:
     return str(context.node_config.get("state-dir", os.environ.get("HISO_FLOWER_STATE_DIR", DEFAULT_STATE_DIR)))

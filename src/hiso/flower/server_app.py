@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import RunConfig
 from ..core.history import RoundRecord
-from ..core.messages import Hello, MessageError, decode_hello, encode_downlink, encode_hello, encode_welcome, welcome_for
+from ..core.messages import Hello, encode_downlink, encode_hello, encode_welcome, welcome_for
 from ..core.round import play_round
 from ..core.state import ModelState
 from ..methods.privacy import reports_loss
@@ -25,7 +25,8 @@ from ..runners.common import Comm, CommTally, metric_rows
 from ..runners.protocol import ScalarRounds, protocol_server
 from ..tasks.base import Task
 
-from .records import REC, Settings, _records, _task_for, earlier_attempts, log, reply_bytes, reply_int, run_lineage
+from .records import REC, Settings, _records, _task_for, earlier_attempts, log, run_lineage
+from .joins import take_join
 from .transport import GridTransport
 
 
@@ -39,7 +40,8 @@ class FlowerFederation:
     settings: Settings
     on_record: Callable[[RoundRecord], None] | None = None
     node_of: dict[int, int] = field(default_factory=dict)  # partition -> node id
-    part_of: dict[int, int] = field(default_factory=dict)  # node id -> partition
+    part_of: dict[int, int] = field(default_factory=dict)  # node id -> its partition (the last it named)
+    parts_of: dict[int, set[int]] = field(default_factory=dict)  # node id -> every partition it serves
     timings: list[dict] = field(default_factory=list)  # per round: where the time went
     lineage: str = ""  # the run directory's trajectory id: nodes key their replicas by it (resume)
 
@@ -113,11 +115,12 @@ class FlowerFederation:
             ids = set(self.grid.get_node_ids())
             for nid in list(self.part_of):
                 if nid not in ids:  # gone (offline: it may come back under the same id, and is asked again then)
-                    pid = self.part_of.pop(nid)
+                    self.part_of.pop(nid)
                     self._seen.discard(nid)
                     self._asked.pop(nid, None)
-                    if self.node_of.get(pid) == nid:
-                        del self.node_of[pid]
+                    for pid in self.parts_of.pop(nid, ()):
+                        if self.node_of.get(pid) == nid:
+                            del self.node_of[pid]
             self._queries = {m: n for m, n in self._queries.items() if n in ids}
         else:  # nothing per node of the population: only those asked to join and not answered yet
             self._joining -= self._seen
@@ -150,31 +153,7 @@ class FlowerFederation:
             if rep.has_error():
                 log.warning("node %s failed the query: %s", nid, rep.error.reason)
                 continue
-            rec = rep.content[REC]
-            try:  # the node's join: its hello (it checked our welcome before answering)
-                if getattr(self, "welcome", None) is not None:
-                    hello = decode_hello(reply_bytes(rec, "hello"))
-                    pid, held = hello.client, hello.round
-                else:  # full-model baselines: no join, the node names its partition
-                    pid, held = reply_int(rec, "partition"), reply_int(rec, "round")
-            except (KeyError, ValueError, MessageError) as e:
-                log.warning("node %s: no valid hello (%s): ignored", nid, e)
-                continue
-            if not 0 <= pid < self.task.num_clients:
-                log.warning("node %s names partition %s, outside 0..%s: ignored", nid, pid, self.task.num_clients - 1)
-                continue
-            old = self.node_of.get(pid)
-            if old is not None and old != nid:
-                log.warning("partition %s moves from node %s to node %s", pid, old, nid)
-                self.part_of.pop(old, None)
-            self.node_of[pid], self.part_of[nid] = nid, pid
-            if getattr(self, "welcome", None) is not None:
-                if pid in self._counted:  # counted when placed: only a hello of another size differs
-                    self._counted.discard(pid)
-                    self.comm.up[pid] += len(rec["hello"]) - len(encode_hello(Hello(pid, 0)))
-                else:
-                    self.comm.join(pid, rec["hello"], self.welcome)
-            self.server.client_holds(pid, min(held, self.server.round))
+            take_join(self, nid, rep.content[REC])
 
     def join_sampled(self, pids) -> None:
         """Under a placement: the nodes of the sampled partitions ``pids`` that have not joined
@@ -263,7 +242,7 @@ class FlowerFederation:
         the replies by partition. ``content(down)``: a train message's RecordDict (default: the
         downlink in the ``down`` field of the hiso ConfigRecord); ``kept(pid, reply)``: what is
         kept of a reply (default: its hiso ConfigRecord; a failed one is dropped)."""
-        msgs = []
+        msgs, to = [], []
         for pid in pids:
             nid = self.node_of.get(pid)
             if nid is None:
@@ -275,13 +254,13 @@ class FlowerFederation:
                 self.comm.down[pid] += len(down)
             if content is not None:
                 msgs.append(self._message_of(content(down), nid, "train", str(rnd)))
-            else:
-                msgs.append(self._message({"down": down, **self._lineage_field()}, nid, "train", str(rnd)))
-        out = {}
-        for rep in self._exchange(msgs):
-            pid = self.part_of.get(rep.metadata.src_node_id)
-            if pid is None:
-                continue
+            else:  # a node of several partitions is told which one the message is for
+                named = {"partition": pid} if len(self.parts_of.get(nid, ())) > 1 else {}
+                msgs.append(self._message({"down": down, **named, **self._lineage_field()}, nid, "train", str(rnd)))
+            to.append(pid)
+        out, sent = {}, {}
+        for rep in self._exchange(msgs, sent):
+            pid = to[sent[rep.metadata.reply_to_message_id]]
             if kept is not None:
                 out[pid] = kept(pid, rep)
                 continue
@@ -291,8 +270,9 @@ class FlowerFederation:
             out[pid] = rep.content[REC]
         return out
 
-    def _exchange(self, msgs: list) -> list:
-        """Push ``msgs`` and pull their replies until all came back or time is up.
+    def _exchange(self, msgs: list, sent: dict | None = None) -> list:
+        """Push ``msgs`` and pull their replies until all came back or time is up (``sent``:
+        filled with each pushed message's id -> its index in ``msgs``).
 
         Like ``Grid.send_and_receive`` but polls every ``poll_s`` (Flower's polls every 3 s) and
         does not wait ``round_timeout`` for *suspects* (nodes that missed their last answer)
@@ -304,8 +284,10 @@ class FlowerFederation:
         st = self.settings
         dst = {}
         ids = list(self.grid.push_messages(msgs))
-        for mid, m in zip(ids, msgs):
+        for i, (mid, m) in enumerate(zip(ids, msgs)):
             dst[mid] = m.metadata.dst_node_id
+            if sent is not None:
+                sent[mid] = i
         pending, out = set(ids), []
         t_end = time.monotonic() + st.round_timeout
         grace_end = None

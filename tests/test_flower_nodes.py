@@ -1,0 +1,98 @@
+"""Several partitions on one SuperNode: in process (Flower's real
+messages through :class:`hiso.flower.loopback.LoopbackGrid`, the relay to a worker on a Unix
+socket), no Flower process."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from conftest import wait_until
+from hiso.config import RunConfig
+from hiso.runners.rundir import rebuild, run_to_dir
+
+pytest.importorskip("flwr", reason="the flower extra is not installed")
+
+from hiso.flower.loopback import LoopbackGrid, server_task  # noqa: E402
+from hiso.flower.parts import joint_answer, message_partition, node_partitions, split_answer, spread  # noqa: E402
+
+pytestmark = pytest.mark.flower
+
+CFG = dict(task="quadratic", algorithm="hiso", clients=4, sampled=2, local_steps=2, perturbations=3, dim=40,
+           lr=0.05, eval_every=2, threads=1, rounds=5, seed=6)
+
+
+def _settings(out, **kw):
+    from hiso.flower.app import Settings
+    return Settings(out_dir=str(out), **{"round_timeout": 5, "poll_s": 0.0, "suspect_grace_s": 0.0, **kw})
+
+
+def test_node_partitions_from_the_node_config():
+    assert node_partitions({"partition-id": 3}) == [3]
+    assert node_partitions({"partition-id": "1,3"}) == [1, 3]
+    assert spread(4, 2) == [[0, 2], [1, 3]] and spread(3, 3) == [[0], [1], [2]]
+    for bad in ({}, {"partition-id": "1,x"}, {"partition-id": "1,1"}, {"partition-id": -1}):
+        with pytest.raises(ValueError):
+            node_partitions(bad)
+    assert message_partition({"partition-id": "1,3"}, {"partition": 3}) == 3
+    assert message_partition({"partition-id": 2}, {}) == 2
+    with pytest.raises(ValueError, match="must name its partition"):
+        message_partition({"partition-id": "1,3"}, {})
+    with pytest.raises(ValueError, match="serves"):
+        message_partition({"partition-id": "1,3"}, {"partition": 2})
+    one = [{"partition": 1, "round": 0, "hello": b"a"}, {"partition": 3, "round": 2, "hello": b"b"}]
+    assert split_answer(joint_answer(one)) == one and joint_answer(one[:1]) == one[0]
+
+
+@pytest.mark.parametrize("algorithm", ["hiso", "fedkseed"])
+def test_several_partitions_per_node_match_the_simulator(tmp_path, algorithm):
+    """Two nodes serving two partitions each (the real ClientApp, each message naming its
+    partition): the run directory is the simulator's bit for bit, and hiso rebuild agrees."""
+    from hiso.flower.app import serve
+    cfg = RunConfig(**{**CFG, "algorithm": algorithm, **({"perturbations": 1} if algorithm == "fedkseed" else {})})
+    grid = LoopbackGrid(cfg, tmp_path / "replicas", {11: [0, 2], 12: [1, 3]})
+    with server_task():
+        serve(grid, cfg, _settings(tmp_path / "flower"))
+    run_to_dir(cfg, tmp_path / "sim")
+    a = torch.load(tmp_path / "flower" / "model.pt", weights_only=False)
+    b = torch.load(tmp_path / "sim" / "model.pt", weights_only=False)
+    assert a["round"] == 5 and all(torch.equal(a["model"][k], b["model"][k]) for k in b["model"])
+    rows = [[{k: v for k, v in json.loads(x).items() if k != "wall_s" and not k.startswith("client_")}
+             for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("flower", "sim")]
+    assert rows[0] == rows[1]  # the same losses and protocol bytes
+    flower = json.loads((tmp_path / "flower" / "flower.json").read_text())["flower"]
+    assert flower["partitions_seen"] == [0, 1, 2, 3]
+    assert {p for t in flower["timings"] for p in t["participants"]} == {0, 1, 2, 3}  # every partition answered
+    if algorithm == "hiso":
+        state, _ = rebuild(tmp_path / "flower")
+        assert all(torch.equal(p, a["model"][n]) for n, p in state.named)
+
+
+def test_a_node_of_several_partitions_through_the_relay_and_worker(tmp_path):
+    """The relay asks the worker once per partition for the join and forwards each train
+    message to the partition it names."""
+    from hiso.core import Server, encode_downlink
+    from hiso.flower.app import train_fields
+    from hiso.flower.relay import forward
+    from hiso.flower.worker import Worker
+    cfg = RunConfig(**CFG)
+    cfg_json = cfg.model_dump_json()
+    sock = str(tmp_path / "w.sock")
+    worker = Worker()
+    threading.Thread(target=worker.serve, args=(sock,), daemon=True).start()
+    wait_until((tmp_path / "w.sock").exists, "the worker's socket", 10, poll=0.01)
+    nc = {"partition-id": "1,3", "state-dir": str(tmp_path / "w"), "worker-socket": sock}
+    rc = {"hiso-config": cfg_json}
+    assert forward(nc, rc, 1, {"lineage": "L"}, "query") == {"partitions": [1, 3], "rounds": [0, 0]}
+    server = Server(4, 4, cfg.local_steps, cfg.perturbations, seed=cfg.seed)
+    server.plan()
+    for pid in (1, 3):
+        down = encode_downlink(server.downlink(pid), server.wire)
+        got = forward(nc, rc, 1, {"down": down, "lineage": "L", "partition": pid}, "train")
+        assert got == train_fields(cfg, "L", pid, str(tmp_path / "plain"), down, cfg_json)
+    assert sorted(k[1] for k in worker.open) == [1, 3]
+    with pytest.raises(ValueError, match="must name its partition"):
+        forward(nc, rc, 1, {"down": down, "lineage": "L"}, "train")
