@@ -1,4 +1,5 @@
-"""Several partitions on one SuperNode: in process (Flower's real
+"""Several partitions on one SuperNode, round timeouts from the measured rounds, the join wait
+as an option, and what ``hiso flower`` prints while it runs: in process (Flower's real
 messages through :class:`hiso.flower.loopback.LoopbackGrid`, the relay to a worker on a Unix
 socket), no Flower process."""
 
@@ -16,6 +17,7 @@ from hiso.runners.rundir import rebuild, run_to_dir
 
 pytest.importorskip("flwr", reason="the flower extra is not installed")
 
+from hiso.flower import timeouts  # noqa: E402
 from hiso.flower.loopback import LoopbackGrid, server_task  # noqa: E402
 from hiso.flower.parts import joint_answer, message_partition, node_partitions, split_answer, spread  # noqa: E402
 
@@ -96,3 +98,57 @@ def test_a_node_of_several_partitions_through_the_relay_and_worker(tmp_path):
     assert sorted(k[1] for k in worker.open) == [1, 3]
     with pytest.raises(ValueError, match="must name its partition"):
         forward(nc, rc, 1, {"down": down, "lineage": "L"}, "train")
+
+
+def test_round_timeout_from_the_measured_rounds(tmp_path, monkeypatch):
+    """Without --round-timeout, round 1 waits up to a bound scaled with a model load, every later
+    round ROUND_FACTOR times the slowest of the last rounds every node answered; an explicit
+    value stays fixed."""
+    from hiso.flower.app import FlowerFederation
+    from hiso.tasks.registry import build_task
+    clock = timeouts.RoundTimeout(None, load_s=30.0, partitions_per_node=2)
+    assert clock.now() == timeouts.FIRST_ROUND_LOADS * 60.0  # 20 loads of 30 s, 2 partitions a node
+    clock.observe(100.0, complete=False)  # a round cut short by its timeout tells nothing
+    assert clock.now() == clock.first
+    clock.observe(20.0, complete=True)
+    assert clock.now() == 100.0
+    for _ in range(timeouts.WINDOW):
+        clock.observe(1.0, complete=True)
+    assert clock.now() == timeouts.ROUND_MIN_S  # the slow round left the window
+    assert timeouts.RoundTimeout(7.5).now() == 7.5
+    assert timeouts.RoundTimeout(None).now() == timeouts.FIRST_ROUND_MIN_S
+
+    monkeypatch.setattr(timeouts, "ROUND_MIN_S", 0.0)
+    cfg = RunConfig(**CFG)
+    grid = LoopbackGrid(cfg, tmp_path / "replicas", {11: [0, 2], 12: [1, 3]})
+    with server_task():
+        fed = FlowerFederation(grid, build_task(cfg), cfg, _settings(tmp_path, round_timeout=None, load_s=20.0,
+                                                                     min_nodes=2))
+        assert fed.round_timeout == max(timeouts.FIRST_ROUND_MIN_S, timeouts.FIRST_ROUND_LOADS * 2 * fed.load_s)
+        fed.wait_for_nodes()
+        fed.step()
+        measured = fed.timings[-1]["send_and_receive_s"]
+        assert fed.round_timeout == pytest.approx(timeouts.ROUND_FACTOR * measured)
+        assert fed._message({}, 11, "train").metadata.ttl == pytest.approx(fed.round_timeout)
+        grid = LoopbackGrid(cfg, tmp_path / "replicas2", {11: [0, 2], 12: [1, 3]})
+        fixed = FlowerFederation(grid, build_task(cfg), cfg, _settings(tmp_path, round_timeout=4.0))
+        fixed.wait_for_nodes()
+        fixed.step()
+        assert fixed.round_timeout == 4.0
+
+
+def test_join_wait_is_an_option_and_scales_with_a_model_load(tmp_path):
+    from hiso.flower.app import FlowerFederation
+    from hiso.tasks.registry import build_task
+    assert timeouts.join_wait(None, 0.0) == timeouts.JOIN_MIN_S
+    assert timeouts.join_wait(None, 10.0, 2) == timeouts.JOIN_MIN_S + timeouts.JOIN_LOADS * 20.0
+    assert timeouts.join_wait(5.0, 10.0, 2) == 5.0
+    cfg = RunConfig(**CFG)
+    auto = FlowerFederation(None, build_task(cfg), cfg, _settings(tmp_path, wait_nodes_s=None, load_s=12.0,
+                                                                  min_nodes=2))
+    assert auto.join_wait == timeouts.join_wait(None, auto.load_s, 2) > timeouts.JOIN_MIN_S + 200
+    empty = LoopbackGrid(cfg, tmp_path / "replicas", {})
+    with server_task():
+        fed = FlowerFederation(empty, build_task(cfg), cfg, _settings(tmp_path, wait_nodes_s=0.2))
+        with pytest.raises(RuntimeError, match=r"no node connected within 0.2 s \(--join-timeout"):
+            fed.wait_for_nodes()

@@ -290,9 +290,10 @@ class LocalFederation:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- runs
-    def submit(self, cfg: RunConfig, out_dir: str | Path, *, round_timeout: float = 30.0,
-               min_nodes: int | None = None, wait_nodes_s: float = 60.0, resume: bool = False) -> str:
+    def submit(self, cfg: RunConfig, out_dir: str | Path, *, round_timeout: float | None = None,
+               min_nodes: int | None = None, wait_nodes_s: float | None = None, resume: bool = False) -> str:
         """``flwr run`` the app with ``cfg``; returns the run id (the run goes on in the federation).
+        ``round_timeout``, ``wait_nodes_s``: None, from what the ServerApp measures (:mod:`hiso.flower.timeouts`).
         ``resume``: ``out_dir`` holds an interrupted run of ``cfg`` (its ServerApp died): continue it.
         A DP noise key in ``cfg`` is refused (the run config reaches every ClientApp)."""
         from .records import noise_seed_refusal
@@ -302,8 +303,8 @@ class LocalFederation:
         import tomli_w
         over.write_text(tomli_w.dumps({
             "hiso-config": self.config_text(cfg), "out-dir": str(Path(out_dir).resolve()),
-            "round-timeout": float(round_timeout), "min-nodes": int(min_nodes if min_nodes is not None else self.nodes),
-            "wait-nodes-s": float(wait_nodes_s), "resume": bool(resume)}))
+            "round-timeout": float(round_timeout or 0.0), "min-nodes": int(min_nodes if min_nodes is not None else self.nodes),
+            "wait-nodes-s": float(wait_nodes_s or 0.0), "resume": bool(resume)}))
         res = self._flwr("run", str(PROJECT_WORKER if self.worker else PROJECT), "local", "--run-config", str(over), "--format", "json", timeout=120)
         if not res.get("success"):
             raise FlowerRunError(f"flwr run failed: {res.get('error-message', res)}")

@@ -27,6 +27,7 @@ from ..tasks.base import Task
 
 from .records import REC, Settings, _records, _task_for, earlier_attempts, log, run_lineage
 from .joins import take_join
+from .timeouts import RoundTimeout, join_wait, per_node
 from .transport import GridTransport
 
 
@@ -50,7 +51,9 @@ class FlowerFederation:
             return self._init_pool()
         self.zo = self.cfg.zo()
         M = self.task.num_clients
+        t0 = time.perf_counter()
         self.state = ModelState(self.task.build_model(), self.zo, run_seed=self.cfg.seed)
+        self.load_s = self.settings.load_s + time.perf_counter() - t0  # a node's cost to join, roughly
         self.server = protocol_server(self.task, self.zo, self.cfg.sampled, self.cfg.seed, self.cfg.weighted,
                                       self.state, self.cfg.snapshot_after, self.cfg.bandwidth,
                                       self.cfg.aggregate, self.cfg.trim, noise_seed=self.cfg.dp_noise_seed,
@@ -67,7 +70,9 @@ class FlowerFederation:
         rounds. No join handshake (a node names its partition and the round of its pool state);
         every client's join is counted before round 1, as the simulator counts it."""
         from ..methods.fedkseed_rounds import PoolRounds, pool_replica
+        t0 = time.perf_counter()
         rep = pool_replica(self.cfg, self.task.build_model)
+        self.load_s = self.settings.load_s + time.perf_counter() - t0
         self.state, self.zo, self.welcome, self.privacy, self._loss_slot = rep.state, rep.state.cfg, None, None, 0.0
         self.rounds = self.server = PoolRounds(rep, self.task.num_clients, self.cfg.sampled, self.cfg.seed,
                                                self.cfg.scalar_dtype, self.on_record)
@@ -76,8 +81,13 @@ class FlowerFederation:
         self._init_nodes()
 
     def _init_nodes(self) -> None:
-        """No node known yet (every runner over a grid starts so); the grid as a transport."""
+        """No node known yet (every runner over a grid starts so); the grid as a transport; the
+        round's wait (fixed, or from the measured rounds: :mod:`hiso.flower.timeouts`)."""
         self.transport = GridTransport(self)
+        st, load = self.settings, getattr(self, "load_s", self.settings.load_s)
+        self.per_node = per_node(self.task.num_clients, st.min_nodes or self.task.num_clients)
+        self.clock = RoundTimeout(st.round_timeout, load, self.per_node)
+        self.join_wait = join_wait(st.wait_nodes_s, load, self.per_node)
         self.times = (0.0, 0.0, 0.0)  # the last exchange: start, nodes refreshed, answers received
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
@@ -87,6 +97,11 @@ class FlowerFederation:
         self._counted: set[int] = set()  # under a placement: partitions whose join was counted when placed
         self.queries_resent = 0
         self.join_s = 0.0  # under a placement: the last round's wait for its new nodes' joins
+
+    @property
+    def round_timeout(self) -> float:
+        """How long the next round waits for its answers (:class:`~hiso.flower.timeouts.RoundTimeout`)."""
+        return self.clock.now()
 
     def _message(self, fields: dict, node_id: int, kind: str, group: str | None = None):
         """A message to a node. A ``train`` message lives as long as its round waits for the
@@ -99,7 +114,7 @@ class FlowerFederation:
         """A message of ``content`` (a RecordDict) to a node (see :meth:`_message`)."""
         from flwr.app import Message
         return Message(content, dst_node_id=node_id, message_type=kind, group_id=group,
-                       ttl=self.settings.round_timeout if kind == "train" else None)
+                       ttl=self.round_timeout if kind == "train" else None)
 
     def _lineage_field(self) -> dict:
         return {"lineage": self.lineage} if self.lineage else {}
@@ -141,7 +156,7 @@ class FlowerFederation:
             self._queries.update(zip(self.grid.push_messages(msgs), new))
             for nid in new:
                 k = self._asked[nid][0] + 1 if nid in self._asked else 0
-                self._asked[nid] = (k, now + self.settings.round_timeout * 2 ** k)
+                self._asked[nid] = (k, now + self.round_timeout * 2 ** k)
         if not self._queries:
             return
         for rep in self.grid.pull_messages(set(self._queries)):
@@ -169,7 +184,7 @@ class FlowerFederation:
         if not want:
             return
         self._joining |= want
-        t_end = time.monotonic() + (self.settings.round_timeout if self.node_of else self.settings.wait_nodes_s)
+        t_end = time.monotonic() + (self.round_timeout if self.node_of else self.join_wait)
         while True:
             self.refresh_nodes()
             if not want - self._seen or time.monotonic() > t_end:
@@ -191,8 +206,8 @@ class FlowerFederation:
     def wait_for_nodes(self) -> None:
         want = self.settings.min_nodes or self.task.num_clients
         placed = self.settings.placement
-        t_end = time.monotonic() + self.settings.wait_nodes_s
-        grace = time.monotonic() + min(10.0, self.settings.wait_nodes_s / 2)
+        t_end = time.monotonic() + self.join_wait
+        grace = time.monotonic() + min(10.0, self.join_wait / 2)
         while True:
             if placed is not None:  # nodes join when first sampled: wait for the engine to place them
                 if len(placed) >= min(want, self.task.num_clients):
@@ -204,7 +219,7 @@ class FlowerFederation:
                     continue
                 if time.monotonic() > t_end:
                     raise RuntimeError(f"the simulation engine placed {len(placed)} of {want} nodes within "
-                                       f"{self.settings.wait_nodes_s} s")
+                                       f"{self.join_wait:g} s")
                 time.sleep(self.settings.poll_s)
                 continue
             self.refresh_nodes()
@@ -212,7 +227,7 @@ class FlowerFederation:
                 return
             if time.monotonic() > t_end:
                 if not self.node_of:
-                    raise RuntimeError(f"no node connected within {self.settings.wait_nodes_s} s")
+                    raise RuntimeError(f"no node connected within {self.join_wait:g} s (--join-timeout S waits longer)")
                 log.warning("only %d of %d nodes connected; going on", len(self.node_of), want)
                 return
             time.sleep(self.settings.poll_s)
@@ -289,7 +304,7 @@ class FlowerFederation:
             if sent is not None:
                 sent[mid] = i
         pending, out = set(ids), []
-        t_end = time.monotonic() + st.round_timeout
+        t_end = time.monotonic() + self.round_timeout
         grace_end = None
         any_healthy = any(d not in self._suspects for d in dst.values())  # else: all get the full time
         while pending:
@@ -332,6 +347,8 @@ class FlowerFederation:
                             max_plans=self.settings.max_replans + 1, before=self.check_budget, on_reject=rejected,
                             on_replan=replanned)
         self._timed(played.record, played.plan, self.times)
+        t = self.timings[-1]
+        self.clock.observe(t["send_and_receive_s"], set(t["sampled"]) <= set(t["participants"]))
         return self._mean_loss(played)
 
     def _mean_loss(self, played) -> float | None:
@@ -399,7 +416,9 @@ class FlowerFederation:
 def serve_zo(grid, cfg: RunConfig, settings: Settings, federation: type | None = None) -> dict:
     """The ServerApp's body for a scalar-only ``cfg``: run it over the grid into ``settings.out_dir``
     (``federation``: a :class:`FlowerFederation` subclass, e.g. the secure aggregation's)."""
+    t0 = time.perf_counter()
     task = _task_for(cfg.model_dump_json())
+    settings.load_s = time.perf_counter() - t0  # with the model's build: the waits' scale (timeouts)
     holder = {}
 
     before = earlier_attempts(settings) if settings.resume else []
