@@ -16,7 +16,7 @@ import numpy as np
 from ..config import RunConfig
 from ..core.history import RoundRecord
 from ..core.messages import Hello, encode_downlink, encode_hello, encode_welcome, welcome_for
-from ..core.round import play_round
+from ..core.round import RoundsExhausted, play_round
 from ..core.state import ModelState
 from ..methods.privacy import reports_loss
 from ..runners.accounting import privacy_ledger
@@ -343,9 +343,12 @@ class FlowerFederation:
         def replanned(plan) -> None:
             log.warning("round %d: no valid answer from %s; planning it again", plan.round, list(plan.participants))
 
-        played = play_round(self.rounds, self.transport, CommTally(self.comm, self.privacy), partial=True,
-                            max_plans=self.settings.max_replans + 1, before=self.check_budget, on_reject=rejected,
-                            on_replan=replanned)
+        try:
+            played = play_round(self.rounds, self.transport, CommTally(self.comm, self.privacy), partial=True,
+                                max_plans=self.settings.max_replans + 1, before=self.check_budget,
+                                on_reject=rejected, on_replan=replanned)
+        except RoundsExhausted as e:  # say how long it waited, and how to wait longer
+            raise RoundsExhausted(f"{e}, each waiting {self.clock.describe()} for answers") from None
         self._timed(played.record, played.plan, self.times)
         t = self.timings[-1]
         self.clock.observe(t["send_and_receive_s"], set(t["sampled"]) <= set(t["participants"]))

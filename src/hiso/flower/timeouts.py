@@ -60,8 +60,10 @@ class RoundTimeout:
             self.measured.append(float(seconds))
 
     def describe(self) -> str:
+        """The wait, what it comes from, and how to change it (for a round that failed)."""
         if self.fixed is not None:
-            return f"{self.fixed:g} s (--round-timeout)"
+            return f"{self.fixed:g} s (--round-timeout; a larger one waits longer)"
+        how = "--round-timeout S fixes it"
         if not self.measured:
-            return f"{self.first:.0f} s (round 1's bound)"
-        return f"{self.now():.0f} s ({ROUND_FACTOR:g} x the slowest of the last {WINDOW} rounds, at least {ROUND_MIN_S:g} s)"
+            return f"{self.first:.0f} s (round 1's bound, 20 model loads; {how})"
+        return f"{self.now():.0f} s ({ROUND_FACTOR:g}x the slowest of the last {WINDOW} complete rounds; {how})"
