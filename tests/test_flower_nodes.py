@@ -137,7 +137,8 @@ def test_round_timeout_from_the_measured_rounds(tmp_path, monkeypatch):
         assert fixed.round_timeout == 4.0
 
 
-def test_join_wait_is_an_option_and_scales_with_a_model_load(tmp_path):
+def test_join_wait_is_an_option_and_scales_with_a_model_load(tmp_path, monkeypatch, capsys):
+    from cli_helpers import run_cli
     from hiso.flower.app import FlowerFederation
     from hiso.tasks.registry import build_task
     assert timeouts.join_wait(None, 0.0) == timeouts.JOIN_MIN_S
@@ -152,3 +153,37 @@ def test_join_wait_is_an_option_and_scales_with_a_model_load(tmp_path):
         fed = FlowerFederation(empty, build_task(cfg), cfg, _settings(tmp_path, wait_nodes_s=0.2))
         with pytest.raises(RuntimeError, match=r"no node connected within 0.2 s \(--join-timeout"):
             fed.wait_for_nodes()
+
+    import hiso.flower.launch as launch
+    real, seen = launch.run_local, {}
+    monkeypatch.setattr(launch, "run_local", lambda *a, **kw: seen.update(kw) or (_ for _ in ()).throw(
+        launch.FlowerRunError("stop here")))
+    base = ["flower", "--task", "quadratic", "--clients", "4", "--sampled", "2", "--nodes", "2"]
+    code, _, err = run_cli([*base, "--join-timeout", "0", "--out", str(tmp_path / "r0")], capsys)
+    assert code == 2 and "--join-timeout must be a positive" in err
+    code, out, err = run_cli([*base, "--join-timeout", "900", "--out", str(tmp_path / "r1")], capsys)
+    assert code == 2 and "stop here" in err
+    assert seen["join_timeout"] == 900.0 and seen["round_timeout"] is None and seen["worker"] is False
+    assert "2 SuperNodes serving 4 partitions" in out
+    with pytest.raises(ValueError, match="each node serves one partition"):
+        real(RunConfig(**{**CFG, "algorithm": "fedavg"}), tmp_path / "r3", 2)
+
+
+def test_hiso_flower_prints_each_round_as_it_is_logged(tmp_path):
+    from hiso.flower.follow import MetricsFollower, round_line
+    import io
+    out = io.StringIO()
+    follow = MetricsFollower(tmp_path, 2, stream=out)
+    follow.poll()
+    rows = [{"round": 0, "train_loss": None, "bytes_up": 0, "bytes_down": 0, "wall_s": 0.0, "eval_acc": 0.5},
+            {"round": 1, "train_loss": 0.71, "bytes_up": 76, "bytes_down": 180, "wall_s": 9.0}]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps(rows[0]) + "\n" + json.dumps(rows[1])[:10])  # the second row half written
+    follow.poll()
+    assert out.getvalue().splitlines() == [round_line(rows[0], 2)]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    follow.poll()
+    lines = out.getvalue().splitlines()
+    assert lines[1] == "round 1/2: loss 0.71; 76 B up, 180 B down so far; 9.0 s" and len(lines) == 2
+    assert "eval_acc 0.5" in lines[0]
