@@ -73,6 +73,29 @@ def test_several_partitions_per_node_match_the_simulator(tmp_path, algorithm):
         assert all(torch.equal(p, a["model"][n]) for n, p in state.named)
 
 
+def test_the_join_waits_for_nodes_not_partitions(tmp_path):
+    """min_nodes counts nodes: the first node's two partitions do not stand for the second node
+    (whose join answer comes later, as a node loading its model answers late)."""
+    from hiso.flower.app import FlowerFederation
+    from hiso.tasks.registry import build_task
+
+    class Late(LoopbackGrid):
+        pulls = 0
+
+        def pull_messages(self, ids):
+            self.pulls += 1
+            held = {i for i in ids if i in self.replies and self.replies[i].metadata.src_node_id == 12}
+            return super().pull_messages(set(ids) - held if self.pulls < 5 else ids)
+
+    cfg = RunConfig(**CFG)
+    grid = Late(cfg, tmp_path / "replicas", {11: [0, 2], 12: [1, 3]})
+    with server_task():
+        fed = FlowerFederation(grid, build_task(cfg), cfg, _settings(tmp_path, min_nodes=2, wait_nodes_s=30))
+        fed.wait_for_nodes()
+    assert grid.pulls >= 5 and fed.node_of == {0: 11, 2: 11, 1: 12, 3: 12}
+    assert fed.parts_of == {11: {0, 2}, 12: {1, 3}}
+
+
 def test_a_node_of_several_partitions_through_the_relay_and_worker(tmp_path):
     """The relay asks the worker once per partition for the join and forwards each train
     message to the partition it names."""

@@ -223,12 +223,13 @@ class FlowerFederation:
                 time.sleep(self.settings.poll_s)
                 continue
             self.refresh_nodes()
-            if len(self.node_of) >= want:
+            have = len(self.parts_of) if self.settings.min_nodes else len(self.node_of)  # nodes, or partitions
+            if have >= want:
                 return
             if time.monotonic() > t_end:
                 if not self.node_of:
                     raise RuntimeError(f"no node connected within {self.join_wait:g} s (--join-timeout S waits longer)")
-                log.warning("only %d of %d nodes connected; going on", len(self.node_of), want)
+                log.warning("only %d of %d nodes connected; going on", have, want)
                 return
             time.sleep(self.settings.poll_s)
 
