@@ -8,7 +8,9 @@ Each dtype runs in its own process, as a deployed client does, so its peak resid
 float32), hiso's own count of the client's bytes is taken (resident: its model, adapters and H;
 transient: one answer's peak), then ``--rounds`` rounds of the paper's federation (2 clients a
 round, one shared replica: a client's answer and its fold of the round) are timed. One JSON line
-per dtype: peak RSS after loading and after the rounds, hiso's resident and transient bytes,
+per dtype: peak RSS after loading and after the rounds, resident memory once loading's freed pages
+are returned (malloc_trim) after loading, once the mapped weight files are paged out, and after
+the rounds (the working set the rounds touched again), hiso's resident and transient bytes,
 seconds a round, and the evaluation loss and accuracy after the rounds (--eval-max examples).
 """
 
@@ -21,12 +23,41 @@ import sys
 import time
 
 
-def _vm_hwm_mb() -> float:
+def _vm_hwm_mb(key: str = "VmHWM") -> float:
+    """The process's peak resident memory (VmHWM) or, with key="VmRSS", its resident memory now."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _rss_settled_mb() -> float:
+    """Resident memory now, after the allocator returned what loading freed (glibc keeps freed
+    pages otherwise): what the client holds while it takes part."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    return _vm_hwm_mb("VmRSS")
+
+
+def _page_out_weight_files() -> None:
+    """Ask the kernel to drop the resident pages of the mapped weight files (``*.safetensors``):
+    transformers maps them, and the float32 tensors it keeps (all of them, or a quantized base's
+    embeddings and norms) are views of the mapping. Afterwards the resident memory counts only
+    the pages the rounds touch again: a client's working set, not the file it read."""
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(".safetensors"):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                libc.madvise(lo, hi - lo, 21)  # MADV_PAGEOUT (Linux 5.4+)
 
 
 def worker(args) -> None:
@@ -44,7 +75,9 @@ def worker(args) -> None:
     t0 = time.perf_counter()
     task = build_task(cfg)
     sim = build_simulation(cfg, task)
-    load_s, rss_load = time.perf_counter() - t0, _vm_hwm_mb()
+    load_s, rss_load, rss_held = time.perf_counter() - t0, _vm_hwm_mb(), _rss_settled_mb()
+    _page_out_weight_files()
+    rss_paged = _rss_settled_mb()
     sim.measure_client()
     t0 = time.perf_counter()
     for _ in range(args.rounds):
@@ -54,7 +87,9 @@ def worker(args) -> None:
     cost = sim.cost.row()
     print(json.dumps({"model": args.model, "algorithm": args.algorithm, "lora_r": args.lora_r, "base_dtype": args.worker,
                       "seed": args.seed, "rounds": args.rounds, "threads": args.threads, "load_s": load_s,
-                      "peak_rss_after_load_mb": rss_load, "peak_rss_mb": _vm_hwm_mb(), "s_per_round": per,
+                      "peak_rss_after_load_mb": rss_load, "rss_after_load_mb": rss_held,
+                      "rss_weights_paged_out_mb": rss_paged,
+                      "rss_after_rounds_mb": _rss_settled_mb(), "peak_rss_mb": _vm_hwm_mb(), "s_per_round": per,
                       "resident_mb": (sim.cost.resident_bytes or 0) / 2**20,
                       "transient_mb": (sim.cost.transient_bytes or 0) / 2**20,
                       **{k: v for k, v in cost.items() if "bytes" in k}, **ev}))

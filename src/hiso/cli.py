@@ -223,14 +223,19 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     fl.add_argument("--resume", metavar="DIR", help="continue the run in DIR whose ServerApp died (its config.json; "
                     "scalar-only algorithms)")
     fl.add_argument("--config", help="TOML file of options (flags override it)")
-    fl.add_argument("--nodes", type=int, help="SuperNodes to start, node i serving partition i (default: --clients)")
+    fl.add_argument("--nodes", type=int, help="SuperNodes to start (default: --clients); the --clients partitions "
+                    "are dealt to them in turn: node i serves partitions i, i+N, ...")
     fl.add_argument("--simulation", action="store_true", help="Flower's simulation engine (Ray), one virtual node per client")
-    fl.add_argument("--round-timeout", type=float, default=30.0, help="seconds a round waits for answers (default 30)")
+    fl.add_argument("--round-timeout", type=float, help="seconds a round waits for answers (default: round 1 up to "
+                    "a bound scaled with a model load, then 5x the slowest of the last 3 rounds, at least 30 s)")
+    fl.add_argument("--join-timeout", type=float, help="seconds to wait for the nodes to join before round 1 "
+                    "(default: 60 s plus 10 model loads per partition of a node)")
     fl.add_argument("--tls", action="store_true", help="TLS with a CA and certificate made for 127.0.0.1")
     fl.add_argument("--auth", action="store_true", help="SuperNode authentication (a registered key per node)")
     fl.add_argument("--workdir", help="keep Flower's home, logs, keys and the nodes' replicas here")
-    fl.add_argument("--worker", action="store_true", help="a long-lived worker per node holding its model in memory, "
-                    "behind a thin relay ClientApp (scalar-only algorithms)")
+    fl.add_argument("--worker", action=argparse.BooleanOptionalAction, help="a long-lived worker per node holding its "
+                    "model in memory, behind a thin relay ClientApp (scalar-only algorithms; the default for language "
+                    "tasks, --no-worker: a ClientApp process that loads the model per message)")
     fl.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     fl.add_argument("--verbose", action="store_true", help="print the Flower commands and where their logs are")
     _add_run_flags(fl, lr_task=lr_task)

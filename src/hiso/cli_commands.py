@@ -310,16 +310,18 @@ def cmd_flower(args: argparse.Namespace) -> int:
     if cfg.byzantine and (cfg.byzantine_per_round or "random" in cfg.attack):
         return _fail("Flower nodes attack as fixed Byzantine clients (--byzantine K) with scale, sign-flip or nan: "
                      "not --byzantine-per-round or random")
-    if cfg.secagg and args.worker:
+    if cfg.secagg and args.worker:  # (None: not given)
         return _fail("--secagg runs without --worker: SecAgg+ needs the ClientApp itself to answer")
     from .flower.records import noise_seed_refusal
     if why := noise_seed_refusal(cfg):
         return _fail(why)
     nodes = cfg.clients if args.nodes is None else args.nodes
     if not args.simulation and not 1 <= nodes <= cfg.clients:
-        return _fail(f"--nodes must be 1 to --clients ({cfg.clients}): node i serves partition i; got {nodes}")
-    if not args.round_timeout > 0:
-        return _fail(f"--round-timeout must be a positive number of seconds, got {args.round_timeout}")
+        return _fail(f"--nodes must be 1 to --clients ({cfg.clients}): the partitions are dealt to the nodes; "
+                     f"got {nodes}")
+    for opt in ("round_timeout", "join_timeout"):
+        if getattr(args, opt) is not None and not getattr(args, opt) > 0:
+            return _fail(f"--{opt.replace('_', '-')} must be a positive number of seconds, got {getattr(args, opt)}")
     try:  # the ServerApp writes there: find out now, not after starting the federation
         out.mkdir(parents=True, exist_ok=True)
         if not os.access(out, os.W_OK | os.X_OK):
@@ -332,12 +334,25 @@ def cmd_flower(args: argparse.Namespace) -> int:
     try:
         if args.simulation:
             from .flower.sim import run_simulation
-            run_simulation(cfg, out, round_timeout=args.round_timeout,  # (the virtual nodes' replicas)
-                           state_dir=Path(args.workdir) / "replicas" if args.workdir else None)
+            run_simulation(cfg, out, round_timeout=args.round_timeout or 30.0,  # (the virtual nodes' replicas)
+                           state_dir=Path(args.workdir) / "replicas" if args.workdir else None,
+                           **({"wait_nodes_s": args.join_timeout} if args.join_timeout else {}))
         else:
-            run_local(cfg, out, nodes, tls=args.tls, auth=args.auth,
-                      round_timeout=args.round_timeout, workdir=args.workdir, verbose=args.verbose,
-                      resume=args.resume is not None, worker=args.worker)
+            from .flower.follow import MetricsFollower
+            from .flower.launch import default_worker
+            follow = MetricsFollower(out, cfg.rounds)
+            worker = default_worker(cfg) if args.worker is None else args.worker
+            print(f"hiso flower: {nodes} SuperNodes serving {cfg.clients} partitions"
+                  + (" (node i: partitions i, i+N, ...)" if nodes < cfg.clients else "")
+                  + ("; a worker per node keeps the model loaded" if worker else "")
+                  + f"; round timeout {f'{args.round_timeout:g} s' if args.round_timeout else 'from the measured rounds'}",
+                  flush=True)
+            try:
+                run_local(cfg, out, nodes, tls=args.tls, auth=args.auth, round_timeout=args.round_timeout,
+                          join_timeout=args.join_timeout, workdir=args.workdir, verbose=args.verbose,
+                          resume=args.resume is not None, worker=worker, progress=follow.poll)
+            finally:
+                follow.poll()
     except (FlowerRunError, ValueError) as e:
         return _fail(str(e))
     summary = json.loads((out / "summary.json").read_text())

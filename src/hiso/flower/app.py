@@ -70,8 +70,8 @@ def make_apps(cfg: RunConfig | None = None, settings: Settings | None = None):
         if settings is not None:
             return settings
         rc = context.run_config
-        return Settings(out_dir=str(rc["out-dir"]), round_timeout=float(rc.get("round-timeout", 30.0)),
-                        min_nodes=int(rc.get("min-nodes", 0)), wait_nodes_s=float(rc.get("wait-nodes-s", 60.0)),
+        return Settings(out_dir=str(rc["out-dir"]), round_timeout=float(rc.get("round-timeout", 0.0)) or None,
+                        min_nodes=int(rc.get("min-nodes", 0)), wait_nodes_s=float(rc.get("wait-nodes-s", 0.0)) or None,
                         resume=bool(rc.get("resume", False)))
 
     from .secagg_client import handle_train_secagg, is_secagg, secagg_mod

@@ -28,7 +28,7 @@ from ..core.state import ModelState
 from ..atomic import write_atomic
 from ..methods.privacy import reports_loss
 
-from .records import REC, _cfg_json, _partition, _records, _state_dir, _task_for, log
+from .records import REC, _cfg_json, _records, _state_dir, _task_for, log
 
 
 def _process_start() -> float:
@@ -169,16 +169,21 @@ def _trajectory(msg, context):
     return str(rec["lineage"]) if "lineage" in rec else context.run_id
 
 def handle_query(msg, context, cfg: RunConfig):
+    """The node's join: one answer per partition it serves (:mod:`hiso.flower.parts`)."""
     from flwr.app import Message
+    from .parts import joint_answer, node_partitions
     rec = msg.content[REC]
-    fields = query_fields(cfg, _trajectory(msg, context), _partition(context), _state_dir(context), _cfg_json(context),
-                          rec["welcome"] if "welcome" in rec else None)
+    fields = joint_answer([query_fields(cfg, _trajectory(msg, context), pid, _state_dir(context), _cfg_json(context),
+                                        rec["welcome"] if "welcome" in rec else None)
+                           for pid in node_partitions(context.node_config)])
     return Message(_records(fields), reply_to=msg)
 
 def handle_train(msg, context, cfg: RunConfig):
     from flwr.app import Message
-    fields = train_fields(cfg, _trajectory(msg, context), _partition(context), _state_dir(context),
-                          msg.content[REC]["down"], _cfg_json(context))
+    from .parts import message_partition
+    rec = msg.content[REC]
+    fields = train_fields(cfg, _trajectory(msg, context), message_partition(context.node_config, rec),
+                          _state_dir(context), rec["down"], _cfg_json(context))
     return Message(_records(fields), reply_to=msg)
 
 

@@ -86,7 +86,8 @@ class LocalFederation:
     workdir: Path | None = None
     tls: bool = False
     auth: bool = False
-    partitions: list[int] | None = None  # node i's partition (default: i)
+    partitions: list | None = None  # node i's partition, or list of partitions (default: i; see clients)
+    clients: int | None = None  # without partitions: clients 0..clients-1 dealt to the nodes in turn
     verbose: bool = False
     start_timeout: float = 120.0
     port: int = 0  # the SuperLink's port (0: a free one)
@@ -107,7 +108,9 @@ class LocalFederation:
         self.state_dir = self.workdir / "replicas"
         self.logs = self.workdir / "logs"
         self.logs.mkdir(exist_ok=True)
-        self.partitions = self.partitions or list(range(self.nodes))
+        if not self.partitions:
+            from .parts import spread
+            self.partitions = spread(self.clients, self.nodes) if self.clients else list(range(self.nodes))
         bindir = str(Path(sys.executable).parent)  # flower-superlink spawns flower-superexec by name
         self.env = {**os.environ, **QUIET_ENV, "FLWR_HOME": str(self.home),
                     "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
@@ -182,8 +185,9 @@ class LocalFederation:
                     raise FlowerRunError(f"could not register node {i}: {res}")
         port = self.node_ports.setdefault(i, free_port())
         _refuse_busy(port, f"flower-supernode {i}")
+        from .parts import node_config_value
         part = self.partitions[i] if i < len(self.partitions) else i
-        nc = f"partition-id={part} state-dir='{self.state_dir}'"
+        nc = f"partition-id={node_config_value(part if isinstance(part, list) else [part])} state-dir='{self.state_dir}'"
         if self.worker:  # the node's worker, (re)started with it
             sock = self.workdir / "workers" / f"node{i}.sock"
             sock.parent.mkdir(exist_ok=True)
@@ -286,9 +290,10 @@ class LocalFederation:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- runs
-    def submit(self, cfg: RunConfig, out_dir: str | Path, *, round_timeout: float = 30.0,
-               min_nodes: int | None = None, wait_nodes_s: float = 60.0, resume: bool = False) -> str:
+    def submit(self, cfg: RunConfig, out_dir: str | Path, *, round_timeout: float | None = None,
+               min_nodes: int | None = None, wait_nodes_s: float | None = None, resume: bool = False) -> str:
         """``flwr run`` the app with ``cfg``; returns the run id (the run goes on in the federation).
+        ``round_timeout``, ``wait_nodes_s``: None, from what the ServerApp measures (:mod:`hiso.flower.timeouts`).
         ``resume``: ``out_dir`` holds an interrupted run of ``cfg`` (its ServerApp died): continue it.
         A DP noise key in ``cfg`` is refused (the run config reaches every ClientApp)."""
         from .records import noise_seed_refusal
@@ -298,8 +303,8 @@ class LocalFederation:
         import tomli_w
         over.write_text(tomli_w.dumps({
             "hiso-config": self.config_text(cfg), "out-dir": str(Path(out_dir).resolve()),
-            "round-timeout": float(round_timeout), "min-nodes": int(min_nodes if min_nodes is not None else self.nodes),
-            "wait-nodes-s": float(wait_nodes_s), "resume": bool(resume)}))
+            "round-timeout": float(round_timeout or 0.0), "min-nodes": int(min_nodes if min_nodes is not None else self.nodes),
+            "wait-nodes-s": float(wait_nodes_s or 0.0), "resume": bool(resume)}))
         res = self._flwr("run", str(PROJECT_WORKER if self.worker else PROJECT), "local", "--run-config", str(over), "--format", "json", timeout=120)
         if not res.get("success"):
             raise FlowerRunError(f"flwr run failed: {res.get('error-message', res)}")

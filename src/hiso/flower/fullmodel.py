@@ -232,7 +232,9 @@ def serve_full(grid, cfg: RunConfig, settings: Settings) -> dict:
     from ..runners.rundir import run_to_dir
     if cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm} is scalar-only: use hiso.flower.app.serve")
+    t0 = time.perf_counter()
     task = _task_for(cfg.model_dump_json())
+    settings.load_s = time.perf_counter() - t0  # the waits' scale (hiso.flower.timeouts)
     holder = {}
 
     def factory(cfg_, task_, on_record=None):

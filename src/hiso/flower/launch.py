@@ -16,27 +16,44 @@ from .federation import (PROJECT, PROJECT_WORKER, QUIET_ENV, FlowerRunError, Loc
                          _refuse_busy, _wait_port, free_port, rounds_logged)
 
 
+def default_worker(cfg: RunConfig) -> bool:
+    """Whether nodes get a long-lived worker by default: for a language model, whose load (once
+    per ClientApp process, i.e. per message, without one) dwarfs a round's work; the
+    scalar-only algorithms without SecAgg+ (what a worker serves)."""
+    from ..tasks.registry import task_info
+    try:
+        lm = task_info(cfg.task).build.__module__ == "hiso.tasks.language"
+    except (KeyError, ValueError):
+        return False
+    return lm and cfg.scalar_only and not cfg.secagg
+
+
 def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False, auth: bool = False,
-              round_timeout: float = 30.0, timeout: float = 3600.0, workdir: str | Path | None = None,
-              verbose: bool = False, progress=None, resume: bool = False, worker: bool = False) -> dict:
-    """Start a loopback federation of ``nodes`` SuperNodes (partitions 0..nodes-1), run ``cfg``
-    into ``out`` (``resume``: continue the interrupted run there), stop every process; returns
-    the run's final status (raises unless completed, or after ``timeout`` seconds without a
-    round logged, counted at the speed the machine offers: :mod:`hiso.patience`)."""
+              round_timeout: float | None = None, join_timeout: float | None = None, timeout: float = 3600.0,
+              workdir: str | Path | None = None, verbose: bool = False, progress=None, resume: bool = False,
+              worker: bool | None = None) -> dict:
+    """Start a loopback federation of ``nodes`` SuperNodes (partitions 0..clients-1 dealt to them
+    in turn: node i serves i, i+nodes, ...), run ``cfg`` into ``out`` (``resume``: continue the
+    interrupted run there), stop every process; returns the run's final status (raises unless
+    completed, or after ``timeout`` seconds without a round logged, counted at the speed the
+    machine offers: :mod:`hiso.patience`). ``round_timeout``, ``join_timeout``: None, from what
+    the ServerApp measures (:mod:`hiso.flower.timeouts`); ``worker``: None, :func:`default_worker`."""
     if not 1 <= nodes <= cfg.clients:
-        raise ValueError(f"need 1 to {cfg.clients} nodes (node i serves partition i), got {nodes}")
+        raise ValueError(f"need 1 to {cfg.clients} nodes (the --clients partitions are dealt to them), got {nodes}")
     from .records import noise_seed_refusal
     if why := noise_seed_refusal(cfg):
         raise ValueError(why)
+    if nodes < cfg.clients and (cfg.secagg or not (cfg.scalar_only or cfg.method.pool_log)):
+        raise ValueError(f"{'--secagg' if cfg.secagg else cfg.algorithm}: each node serves one partition "
+                         f"(--nodes {cfg.clients}, as --clients); several partitions per node are for hiso, "
+                         "decomfl and fedkseed")
+    worker = default_worker(cfg) if worker is None else worker
     if worker and not cfg.scalar_only:
         raise ValueError(f"{cfg.algorithm}: per-node workers serve the scalar-only algorithms (hiso, decomfl)")
-    if cfg.clients != nodes:
-        print(f"hiso flower: {cfg.clients} partitions on {nodes} nodes: partitions without a node never answer",
-              file=sys.stderr)
     with LocalFederation(nodes=nodes, workdir=Path(workdir) if workdir else None, tls=tls, auth=auth,
-                         verbose=verbose, worker=worker) as fed:
+                         verbose=verbose, worker=worker, clients=cfg.clients) as fed:
         try:
-            run_id = fed.submit(cfg, out, round_timeout=round_timeout, resume=resume)
+            run_id = fed.submit(cfg, out, round_timeout=round_timeout, wait_nodes_s=join_timeout, resume=resume)
             if verbose:
                 print(f"run {run_id}; logs in {fed.logs}", file=sys.stderr)
             return fed.wait(run_id, timeout, on_poll=progress)

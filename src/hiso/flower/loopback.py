@@ -35,14 +35,15 @@ class LoopbackGrid:
     (round, stage)``: once, to the end of that attempt), and every reply the server pulls is
     kept (``pulled``). Use it inside :func:`server_task`."""
 
-    def __init__(self, cfg: RunConfig, state_dir: Path, nodes: dict[int, int]):
+    def __init__(self, cfg: RunConfig, state_dir: Path, nodes: dict[int, int | list[int]]):
         from flwr.app import Context, RecordDict
         from .app import make_apps
         # the nodes never get the DP noise key (hiso.flower.records.noise_seed_refusal): the server keeps it
         _, self.app = make_apps(cfg.model_copy(update={"dp_noise_seed": None}))
-        self.nodes = dict(nodes)  # node id -> partition
-        self.contexts = {nid: Context(run_id=1, node_id=nid, node_config={"partition-id": pid,
-                                                                         "state-dir": str(state_dir)},
+        self.nodes = dict(nodes)  # node id -> partition, or list of partitions (hiso.flower.parts)
+        self.contexts = {nid: Context(run_id=1, node_id=nid, node_config={
+                             "partition-id": pid if isinstance(pid, int) else ",".join(map(str, pid)),
+                             "state-dir": str(state_dir)},
                                       state=RecordDict(), run_config={}) for nid, pid in nodes.items()}
         self.drop_at: dict[int, tuple[int, str]] = {}
         self._gone: set[int] = set()

@@ -26,9 +26,10 @@ class Settings:
     """What the ServerApp needs besides the RunConfig (from the Flower run config)."""
 
     out_dir: str
-    round_timeout: float = 30.0
+    round_timeout: float | None = 30.0  # None or 0: from the measured rounds (hiso.flower.timeouts)
     min_nodes: int = 0  # wait for this many nodes before round 1 (0: as many as partitions)
-    wait_nodes_s: float = 60.0
+    wait_nodes_s: float | None = 60.0  # None or 0: scaled with a model load (hiso.flower.timeouts)
+    load_s: float = 0.0  # what building the task took the ServerApp (the model's build is added)
     max_replans: int = 20  # consecutive rounds with no answer before the run fails
     suspect_grace_s: float = 2.0  # how long a node that missed its last answer is waited for
     poll_s: float = 0.1  # how often replies are pulled from the SuperLink
@@ -81,10 +82,12 @@ def _task_for(cfg_json: str) -> Task:
     return build_task(RunConfig(**json.loads(cfg_json)))
 
 def _partition(context) -> int:
-    nc = context.node_config
-    if "partition-id" not in nc:
-        raise ValueError("this SuperNode has no partition: start it with --node-config 'partition-id=N'")
-    return int(nc["partition-id"])
+    """The node's partition, for the apps whose nodes serve one each (full-model, SecAgg+)."""
+    from .parts import node_partitions
+    pids = node_partitions(context.node_config)
+    if len(pids) > 1:
+        raise ValueError(f"this node serves partitions {pids}: this algorithm's nodes serve one partition each")
+    return pids[0]
 
 def _state_dir(context) -> str:
     return str(context.node_config.get("state-dir", os.environ.get("HISO_FLOWER_STATE_DIR", DEFAULT_STATE_DIR)))

@@ -15,8 +15,8 @@ import numpy as np
 
 from ..config import RunConfig
 from ..core.history import RoundRecord
-from ..core.messages import Hello, MessageError, decode_hello, encode_downlink, encode_hello, encode_welcome, welcome_for
-from ..core.round import play_round
+from ..core.messages import Hello, encode_downlink, encode_hello, encode_welcome, welcome_for
+from ..core.round import RoundsExhausted, play_round
 from ..core.state import ModelState
 from ..methods.privacy import reports_loss
 from ..runners.accounting import privacy_ledger
@@ -25,7 +25,9 @@ from ..runners.common import Comm, CommTally, metric_rows
 from ..runners.protocol import ScalarRounds, protocol_server
 from ..tasks.base import Task
 
-from .records import REC, Settings, _records, _task_for, earlier_attempts, log, reply_bytes, reply_int, run_lineage
+from .records import REC, Settings, _records, _task_for, earlier_attempts, log, run_lineage
+from .joins import take_join
+from .timeouts import RoundTimeout, join_wait, per_node
 from .transport import GridTransport
 
 
@@ -39,7 +41,8 @@ class FlowerFederation:
     settings: Settings
     on_record: Callable[[RoundRecord], None] | None = None
     node_of: dict[int, int] = field(default_factory=dict)  # partition -> node id
-    part_of: dict[int, int] = field(default_factory=dict)  # node id -> partition
+    part_of: dict[int, int] = field(default_factory=dict)  # node id -> its partition (the last it named)
+    parts_of: dict[int, set[int]] = field(default_factory=dict)  # node id -> every partition it serves
     timings: list[dict] = field(default_factory=list)  # per round: where the time went
     lineage: str = ""  # the run directory's trajectory id: nodes key their replicas by it (resume)
 
@@ -48,7 +51,9 @@ class FlowerFederation:
             return self._init_pool()
         self.zo = self.cfg.zo()
         M = self.task.num_clients
+        t0 = time.perf_counter()
         self.state = ModelState(self.task.build_model(), self.zo, run_seed=self.cfg.seed)
+        self.load_s = self.settings.load_s + time.perf_counter() - t0  # a node's cost to join, roughly
         self.server = protocol_server(self.task, self.zo, self.cfg.sampled, self.cfg.seed, self.cfg.weighted,
                                       self.state, self.cfg.snapshot_after, self.cfg.bandwidth,
                                       self.cfg.aggregate, self.cfg.trim, noise_seed=self.cfg.dp_noise_seed,
@@ -65,7 +70,9 @@ class FlowerFederation:
         rounds. No join handshake (a node names its partition and the round of its pool state);
         every client's join is counted before round 1, as the simulator counts it."""
         from ..methods.fedkseed_rounds import PoolRounds, pool_replica
+        t0 = time.perf_counter()
         rep = pool_replica(self.cfg, self.task.build_model)
+        self.load_s = self.settings.load_s + time.perf_counter() - t0
         self.state, self.zo, self.welcome, self.privacy, self._loss_slot = rep.state, rep.state.cfg, None, None, 0.0
         self.rounds = self.server = PoolRounds(rep, self.task.num_clients, self.cfg.sampled, self.cfg.seed,
                                                self.cfg.scalar_dtype, self.on_record)
@@ -74,8 +81,13 @@ class FlowerFederation:
         self._init_nodes()
 
     def _init_nodes(self) -> None:
-        """No node known yet (every runner over a grid starts so); the grid as a transport."""
+        """No node known yet (every runner over a grid starts so); the grid as a transport; the
+        round's wait (fixed, or from the measured rounds: :mod:`hiso.flower.timeouts`)."""
         self.transport = GridTransport(self)
+        st, load = self.settings, getattr(self, "load_s", self.settings.load_s)
+        self.per_node = per_node(self.task.num_clients, st.min_nodes or self.task.num_clients)
+        self.clock = RoundTimeout(st.round_timeout, load, self.per_node)
+        self.join_wait = join_wait(st.wait_nodes_s, load, self.per_node)
         self.times = (0.0, 0.0, 0.0)  # the last exchange: start, nodes refreshed, answers received
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
@@ -85,6 +97,11 @@ class FlowerFederation:
         self._counted: set[int] = set()  # under a placement: partitions whose join was counted when placed
         self.queries_resent = 0
         self.join_s = 0.0  # under a placement: the last round's wait for its new nodes' joins
+
+    @property
+    def round_timeout(self) -> float:
+        """How long the next round waits for its answers (:class:`~hiso.flower.timeouts.RoundTimeout`)."""
+        return self.clock.now()
 
     def _message(self, fields: dict, node_id: int, kind: str, group: str | None = None):
         """A message to a node. A ``train`` message lives as long as its round waits for the
@@ -97,7 +114,7 @@ class FlowerFederation:
         """A message of ``content`` (a RecordDict) to a node (see :meth:`_message`)."""
         from flwr.app import Message
         return Message(content, dst_node_id=node_id, message_type=kind, group_id=group,
-                       ttl=self.settings.round_timeout if kind == "train" else None)
+                       ttl=self.round_timeout if kind == "train" else None)
 
     def _lineage_field(self) -> dict:
         return {"lineage": self.lineage} if self.lineage else {}
@@ -113,11 +130,12 @@ class FlowerFederation:
             ids = set(self.grid.get_node_ids())
             for nid in list(self.part_of):
                 if nid not in ids:  # gone (offline: it may come back under the same id, and is asked again then)
-                    pid = self.part_of.pop(nid)
+                    self.part_of.pop(nid)
                     self._seen.discard(nid)
                     self._asked.pop(nid, None)
-                    if self.node_of.get(pid) == nid:
-                        del self.node_of[pid]
+                    for pid in self.parts_of.pop(nid, ()):
+                        if self.node_of.get(pid) == nid:
+                            del self.node_of[pid]
             self._queries = {m: n for m, n in self._queries.items() if n in ids}
         else:  # nothing per node of the population: only those asked to join and not answered yet
             self._joining -= self._seen
@@ -138,7 +156,7 @@ class FlowerFederation:
             self._queries.update(zip(self.grid.push_messages(msgs), new))
             for nid in new:
                 k = self._asked[nid][0] + 1 if nid in self._asked else 0
-                self._asked[nid] = (k, now + self.settings.round_timeout * 2 ** k)
+                self._asked[nid] = (k, now + self.round_timeout * 2 ** k)
         if not self._queries:
             return
         for rep in self.grid.pull_messages(set(self._queries)):
@@ -150,31 +168,7 @@ class FlowerFederation:
             if rep.has_error():
                 log.warning("node %s failed the query: %s", nid, rep.error.reason)
                 continue
-            rec = rep.content[REC]
-            try:  # the node's join: its hello (it checked our welcome before answering)
-                if getattr(self, "welcome", None) is not None:
-                    hello = decode_hello(reply_bytes(rec, "hello"))
-                    pid, held = hello.client, hello.round
-                else:  # full-model baselines: no join, the node names its partition
-                    pid, held = reply_int(rec, "partition"), reply_int(rec, "round")
-            except (KeyError, ValueError, MessageError) as e:
-                log.warning("node %s: no valid hello (%s): ignored", nid, e)
-                continue
-            if not 0 <= pid < self.task.num_clients:
-                log.warning("node %s names partition %s, outside 0..%s: ignored", nid, pid, self.task.num_clients - 1)
-                continue
-            old = self.node_of.get(pid)
-            if old is not None and old != nid:
-                log.warning("partition %s moves from node %s to node %s", pid, old, nid)
-                self.part_of.pop(old, None)
-            self.node_of[pid], self.part_of[nid] = nid, pid
-            if getattr(self, "welcome", None) is not None:
-                if pid in self._counted:  # counted when placed: only a hello of another size differs
-                    self._counted.discard(pid)
-                    self.comm.up[pid] += len(rec["hello"]) - len(encode_hello(Hello(pid, 0)))
-                else:
-                    self.comm.join(pid, rec["hello"], self.welcome)
-            self.server.client_holds(pid, min(held, self.server.round))
+            take_join(self, nid, rep.content[REC])
 
     def join_sampled(self, pids) -> None:
         """Under a placement: the nodes of the sampled partitions ``pids`` that have not joined
@@ -190,7 +184,7 @@ class FlowerFederation:
         if not want:
             return
         self._joining |= want
-        t_end = time.monotonic() + (self.settings.round_timeout if self.node_of else self.settings.wait_nodes_s)
+        t_end = time.monotonic() + (self.round_timeout if self.node_of else self.join_wait)
         while True:
             self.refresh_nodes()
             if not want - self._seen or time.monotonic() > t_end:
@@ -212,8 +206,8 @@ class FlowerFederation:
     def wait_for_nodes(self) -> None:
         want = self.settings.min_nodes or self.task.num_clients
         placed = self.settings.placement
-        t_end = time.monotonic() + self.settings.wait_nodes_s
-        grace = time.monotonic() + min(10.0, self.settings.wait_nodes_s / 2)
+        t_end = time.monotonic() + self.join_wait
+        grace = time.monotonic() + min(10.0, self.join_wait / 2)
         while True:
             if placed is not None:  # nodes join when first sampled: wait for the engine to place them
                 if len(placed) >= min(want, self.task.num_clients):
@@ -225,16 +219,17 @@ class FlowerFederation:
                     continue
                 if time.monotonic() > t_end:
                     raise RuntimeError(f"the simulation engine placed {len(placed)} of {want} nodes within "
-                                       f"{self.settings.wait_nodes_s} s")
+                                       f"{self.join_wait:g} s")
                 time.sleep(self.settings.poll_s)
                 continue
             self.refresh_nodes()
-            if len(self.node_of) >= want:
+            have = len(self.parts_of) if self.settings.min_nodes else len(self.node_of)  # nodes, or partitions
+            if have >= want:
                 return
             if time.monotonic() > t_end:
                 if not self.node_of:
-                    raise RuntimeError(f"no node connected within {self.settings.wait_nodes_s} s")
-                log.warning("only %d of %d nodes connected; going on", len(self.node_of), want)
+                    raise RuntimeError(f"no node connected within {self.join_wait:g} s (--join-timeout S waits longer)")
+                log.warning("only %d of %d nodes connected; going on", have, want)
                 return
             time.sleep(self.settings.poll_s)
 
@@ -263,7 +258,7 @@ class FlowerFederation:
         the replies by partition. ``content(down)``: a train message's RecordDict (default: the
         downlink in the ``down`` field of the hiso ConfigRecord); ``kept(pid, reply)``: what is
         kept of a reply (default: its hiso ConfigRecord; a failed one is dropped)."""
-        msgs = []
+        msgs, to = [], []
         for pid in pids:
             nid = self.node_of.get(pid)
             if nid is None:
@@ -275,13 +270,13 @@ class FlowerFederation:
                 self.comm.down[pid] += len(down)
             if content is not None:
                 msgs.append(self._message_of(content(down), nid, "train", str(rnd)))
-            else:
-                msgs.append(self._message({"down": down, **self._lineage_field()}, nid, "train", str(rnd)))
-        out = {}
-        for rep in self._exchange(msgs):
-            pid = self.part_of.get(rep.metadata.src_node_id)
-            if pid is None:
-                continue
+            else:  # a node of several partitions is told which one the message is for
+                named = {"partition": pid} if len(self.parts_of.get(nid, ())) > 1 else {}
+                msgs.append(self._message({"down": down, **named, **self._lineage_field()}, nid, "train", str(rnd)))
+            to.append(pid)
+        out, sent = {}, {}
+        for rep in self._exchange(msgs, sent):
+            pid = to[sent[rep.metadata.reply_to_message_id]]
             if kept is not None:
                 out[pid] = kept(pid, rep)
                 continue
@@ -291,8 +286,9 @@ class FlowerFederation:
             out[pid] = rep.content[REC]
         return out
 
-    def _exchange(self, msgs: list) -> list:
-        """Push ``msgs`` and pull their replies until all came back or time is up.
+    def _exchange(self, msgs: list, sent: dict | None = None) -> list:
+        """Push ``msgs`` and pull their replies until all came back or time is up (``sent``:
+        filled with each pushed message's id -> its index in ``msgs``).
 
         Like ``Grid.send_and_receive`` but polls every ``poll_s`` (Flower's polls every 3 s) and
         does not wait ``round_timeout`` for *suspects* (nodes that missed their last answer)
@@ -304,10 +300,12 @@ class FlowerFederation:
         st = self.settings
         dst = {}
         ids = list(self.grid.push_messages(msgs))
-        for mid, m in zip(ids, msgs):
+        for i, (mid, m) in enumerate(zip(ids, msgs)):
             dst[mid] = m.metadata.dst_node_id
+            if sent is not None:
+                sent[mid] = i
         pending, out = set(ids), []
-        t_end = time.monotonic() + st.round_timeout
+        t_end = time.monotonic() + self.round_timeout
         grace_end = None
         any_healthy = any(d not in self._suspects for d in dst.values())  # else: all get the full time
         while pending:
@@ -346,10 +344,15 @@ class FlowerFederation:
         def replanned(plan) -> None:
             log.warning("round %d: no valid answer from %s; planning it again", plan.round, list(plan.participants))
 
-        played = play_round(self.rounds, self.transport, CommTally(self.comm, self.privacy), partial=True,
-                            max_plans=self.settings.max_replans + 1, before=self.check_budget, on_reject=rejected,
-                            on_replan=replanned)
+        try:
+            played = play_round(self.rounds, self.transport, CommTally(self.comm, self.privacy), partial=True,
+                                max_plans=self.settings.max_replans + 1, before=self.check_budget,
+                                on_reject=rejected, on_replan=replanned)
+        except RoundsExhausted as e:  # say how long it waited, and how to wait longer
+            raise RoundsExhausted(f"{e}, each waiting {self.clock.describe()} for answers") from None
         self._timed(played.record, played.plan, self.times)
+        t = self.timings[-1]
+        self.clock.observe(t["send_and_receive_s"], set(t["sampled"]) <= set(t["participants"]))
         return self._mean_loss(played)
 
     def _mean_loss(self, played) -> float | None:
@@ -417,7 +420,9 @@ class FlowerFederation:
 def serve_zo(grid, cfg: RunConfig, settings: Settings, federation: type | None = None) -> dict:
     """The ServerApp's body for a scalar-only ``cfg``: run it over the grid into ``settings.out_dir``
     (``federation``: a :class:`FlowerFederation` subclass, e.g. the secure aggregation's)."""
+    t0 = time.perf_counter()
     task = _task_for(cfg.model_dump_json())
+    settings.load_s = time.perf_counter() - t0  # with the model's build: the waits' scale (timeouts)
     holder = {}
 
     before = earlier_attempts(settings) if settings.resume else []
