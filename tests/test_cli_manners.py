@@ -44,3 +44,44 @@ def test_a_run_stopped_by_sigterm_says_how_to_continue_it(tmp_path):
             proc.wait()
         proc.stderr.close()
     assert f"holds every round logged so far (continue it: hiso run --resume {out})" in err
+
+
+def test_the_progress_names_its_stage_and_shows_round_0_and_the_summary_says_seconds(tmp_path, capsys):
+    code, out, err = run_cli(["run", "--out", str(tmp_path / "r"), "--rounds", "2", "--eval-every", "1"], capsys)
+    assert code == 0, err
+    assert "building the model, evaluating round 0" in err  # what the bar waits on before round 1
+    assert "round 0: eval_loss=" in err  # round 0's evaluation, shown as it comes
+    line = out.strip().splitlines()[-1]
+    assert " s/round;" in line and "ms/round" not in line
+
+
+def test_v_and_log_level_set_what_hisos_log_says(tmp_path, capsys):
+    """A damaged answer is logged at info: said with -v (or --log-level info), not by default."""
+    args = ["run", "--rounds", "2", "--corrupt-rate", "0.5", "--quiet", "--force"]
+    code, _, err = run_cli([*args, "--out", str(tmp_path / "a")], capsys)
+    assert code == 0 and "rejected (checksum)" not in err
+    code, _, err = run_cli(["-v", *args, "--out", str(tmp_path / "b")], capsys)
+    assert code == 0 and "hiso: INFO: row 1 (round 0): rejected (checksum)" in err
+    code, _, err = run_cli(["--log-level", "info", *args, "--out", str(tmp_path / "c")], capsys)
+    assert code == 0 and "rejected (checksum)" in err
+    code, _, err = run_cli(["--log-level", "error", *args, "--out", str(tmp_path / "d")], capsys)
+    assert code == 0 and "rejected (checksum)" not in err
+
+
+def test_an_own_task_refuses_an_option_it_does_not_declare(tmp_path, capsys):
+    f = tmp_path / "mytask.py"
+    body = ("import torch\nimport hiso\n\nclass Mine(hiso.Task):\n    metrics = {'eval_loss': 'min'}\n{opts}"
+            "    def build_model(self):\n        return torch.nn.Linear(2, 1)\n"
+            "    def batch(self, c, r, k, n):\n        return torch.ones(n, 2)\n"
+            "    def loss(self, model, b):\n        return model(b).square().mean()\n"
+            "    def evaluate(self, model):\n        return {'eval_loss': float(model(torch.ones(1, 2)).square())}\n")
+    f.write_text(body.replace("{opts}", ""))
+    code, _, err = run_cli(["run", "--task", f"{f}:Mine", "--data-dir", str(tmp_path), "--rounds", "2", "--quiet",
+                            "--out", str(tmp_path / "r")], capsys)
+    assert code == 2 and f"data_dir = '{tmp_path}': task {f}:Mine does not use it" in err
+    assert "add 'data_dir' to its class's `options`" in err and len(err.strip().splitlines()) == 1
+    g = tmp_path / "declared.py"  # (another file: a task's class is read once per process)
+    g.write_text(body.replace("{opts}", "    options = frozenset({'data_dir'})\n"))
+    code, _, err = run_cli(["run", "--task", f"{g}:Mine", "--data-dir", str(tmp_path), "--rounds", "2", "--quiet", "--lr", "0.01",
+                            "--out", str(tmp_path / "r2")], capsys)
+    assert code == 0, err

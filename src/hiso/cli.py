@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import warnings
@@ -166,6 +167,10 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="hiso", description="Federated zeroth-order fine-tuning with scalar-only communication.")
     from . import __version__
     parser.add_argument("--version", action="version", version=f"hiso {__version__}")
+    parser.add_argument("-v", "--verbose-log", dest="verbosity", action="count", default=0,
+                        help="say more of what hiso does (its log at info; -vv: debug)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None,
+                        help="the level of hiso's log on stderr (default: warning; -v: info)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run one algorithm on one task into --out DIR")
     run.add_argument("--out", help="run directory to create")
@@ -337,8 +342,36 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, _de
         _default(message, category, filename, lineno, file, line)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is when a record comes (it may be replaced)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _log_level(args) -> None:
+    """hiso's loggers (``hiso.*``: faults, Flower, ...) on stderr at the level asked for."""
+    name = args.log_level or {0: "warning", 1: "info"}.get(args.verbosity, "debug")
+    level = getattr(logging, name.upper())
+    logger = logging.getLogger("hiso")
+    logger.setLevel(min(level, logger.level or logging.WARNING))
+    handler = next((h for h in logger.handlers if getattr(h, "_hiso", False)), None)
+    if handler is None:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("hiso: %(levelname)s: %(message)s"))
+        handler._hiso = True
+        logger.addHandler(handler)
+    handler.setLevel(level)  # (a run's own loggers, e.g. faults.log's at info, pass through it)
+
+
 def _main(argv: list[str] | None) -> int:
     args = build_parser(_help_task(sys.argv[1:] if argv is None else argv)).parse_args(argv)
+    _log_level(args)
     from .methods.identity import ACCEPT
     token = ACCEPT.set(bool(getattr(args, "accept_method_change", False)))
     try:

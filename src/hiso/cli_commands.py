@@ -72,6 +72,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if why := _new_run_refusal(cfg, out, args.force):
             return _fail(why)
     tracking = _tracking(args, out.resolve().name)
+    stage = _Stage(args.quiet)
+    stage(f"{cfg.task}: loading the task")
     task = build_task(cfg)
     if args.show_partition:
         hist = getattr(task, "label_hist", None)
@@ -79,15 +81,24 @@ def cmd_run(args: argparse.Namespace) -> int:
             return _fail(f"task {cfg.task} has no labels to show")
         from .data.partition import format_histograms
         print(format_histograms(hist, max_rows=None))
-    bar = tqdm(total=cfg.rounds, desc=f"{cfg.algorithm} on {cfg.task}", unit="round",
-               disable=args.quiet, dynamic_ncols=True)
+    stage.done()
+    desc = f"{cfg.algorithm} on {cfg.task}"
+    bar = tqdm(total=cfg.rounds, desc=f"{desc}: building the model, evaluating round 0" if args.resume is None
+               else f"{desc}: replaying the log", unit="round", disable=args.quiet, dynamic_ncols=True)
 
     rise = {"first": None, "said": False}
     chosen = run_default_lr(cfg)  # what a message about too large an lr suggests
 
     def progress(row: dict) -> None:
+        if not rise.get("named"):  # the rounds begin: the bar names the run again
+            rise["named"] = True
+            bar.set_description(desc, refresh=False)
         if row["round"] == 0:
             rise["first"] = row.get("eval_loss")
+            if not args.quiet:
+                shown = ", ".join(f"{k}={v:.4g}" for k, v in row.items() if k.startswith(("eval_", "val_"))
+                                  and isinstance(v, (int, float)))
+                bar.write(f"round 0: {shown}" if shown else "round 0", file=sys.stderr)
             return
         if not rise["said"] and (note := loss_rise_note(rise["first"], row, cfg.lr, chosen)):
             rise["said"] = True
@@ -116,9 +127,33 @@ def cmd_run(args: argparse.Namespace) -> int:
     final = ", ".join(f"{k}={v:.4g}" for k, v in summary["final"].items())
     print(f"{cfg.algorithm} on {cfg.task}: {cfg.rounds} rounds, {final}; "
           f"per client {comm['bytes_up_mean']:.0f} B up, {comm['bytes_down_mean']:.0f} B down (mean); "
-          f"{summary['s_per_round'] * 1e3:.1f} ms/round; results in {out}/")
+          f"{_seconds(summary['s_per_round'])}/round; results in {out}/")
     _ending_note(cfg, out)
     return 0
+
+
+def _seconds(s: float) -> str:
+    """A duration for people: ``0.0354 s``, ``3.52 s``, ``169 s``."""
+    return f"{s:.3g} s" if s < 100 else f"{s:.0f} s"
+
+
+class _Stage:
+    """One line on stderr naming what a run does before its bar starts (loading a language
+    model takes minutes), erased when the next stage begins; nothing when quiet."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.width = quiet or not sys.stderr.isatty(), 0
+
+    def __call__(self, text: str) -> None:
+        if not self.quiet:
+            sys.stderr.write("\r" + text.ljust(self.width))
+            sys.stderr.flush()
+            self.width = len(text)
+
+    def done(self) -> None:
+        if not self.quiet and self.width:
+            sys.stderr.write("\r" + " " * self.width + "\r")
+            sys.stderr.flush()
 
 
 def _new_run_refusal(cfg: RunConfig, out: Path, force: bool) -> str | None:

@@ -351,10 +351,12 @@ class RunConfig(BaseModel, MethodRules):
         quadratic): such a run would train as if it were unset while config.json said otherwise."""
         if info.options is None:
             return
-        from .tasks.registry import TASK_OPTIONS, tasks_reading
+        from .tasks.registry import TASK_OPTIONS, is_user_task, tasks_reading
         for name in self.changed(sorted(TASK_OPTIONS - info.options)):
             where = tasks_reading(name)
             hint = " (did you mean to give --task?)" if name == "data_dir" and "task" not in self.model_fields_set else ""
+            if is_user_task(self.task):
+                hint = f" (if it does, add {name!r} to its class's `options`)"
             raise ValueError(f"{name} = {getattr(self, name)!r}: task {self.task} does not use it"
                              f"{' (it is for ' + ', '.join(where) + ')' if where else ''}{hint}")
 

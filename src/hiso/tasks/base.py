@@ -25,6 +25,8 @@ class Task(ABC):
       ``"min"``; the first is the metric ``hiso compare`` selects and reports on by default;
     * ``default_lr``: the client lr of a run without ``--lr``, keyed by algorithm (``"hiso"``)
       or family (``"zo"``: hiso, decomfl, fedzo; ``"first-order"``: the FedAvg family);
+    * ``options``: the task options its :meth:`from_config` reads (``{"data_dir", "model"}``;
+      see ``hiso.tasks.registry.TASK_OPTIONS``): a run given another one is refused;
     * :meth:`from_config` builds the task from a run's configuration.
     """
 
@@ -32,6 +34,9 @@ class Task(ABC):
     differentiable: bool = True  # loss() can be backpropagated (False: a black box, ZO methods only)
     metrics: dict[str, str] = {"eval_loss": "min"}
     default_lr: dict[str, float] = {}
+    # the task options (hiso.tasks.registry.TASK_OPTIONS: data_dir, model, lora_r, ...) that
+    # from_config reads; a run given any other is refused, as it would not change what it trains
+    options: frozenset[str] = frozenset()
 
     @classmethod
     def from_config(cls, cfg) -> "Task":

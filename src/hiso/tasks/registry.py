@@ -159,9 +159,12 @@ def _user_task_info(spec: str) -> TaskInfo:
     lr = getattr(obj, "default_lr", None) or {}
     if not isinstance(lr, dict):
         raise ValueError(f"task {spec!r}: default_lr must be a dict (algorithm or family -> lr)")
+    options = frozenset(getattr(obj, "options", frozenset()) or ())
+    if bad := sorted(options - TASK_OPTIONS):
+        raise ValueError(f"task {spec!r}: options {bad} are not task options (choose from {', '.join(sorted(TASK_OPTIONS))})")
     return TaskInfo(spec, obj.from_config, _check_metrics(f"task {spec}", obj.metrics), dict(lr),
                     getattr(obj, "default_partition", None), (obj.__doc__ or "").strip().split("\n")[0],
-                    bool(getattr(obj, "validation", False)))
+                    bool(getattr(obj, "validation", False)), options)
 
 
 def task_info(name: str) -> TaskInfo:
