@@ -294,10 +294,12 @@ def test_secagg_round_closes_when_a_node_drops_within_the_threshold(tmp_path, ta
 
     # the reference: a ServerApp that sees every answer (the same quantised arithmetic), node 102 dead in round 1
     class Dead(LoopbackGrid):
-        def push_messages(self, msgs):
-            keep_ = [m for m in msgs if not (m.metadata.dst_node_id == 102 and m.metadata.message_type == "train"
-                                             and m.metadata.group_id == "1" and dropped)]
-            return super().push_messages(keep_) + [uuid.uuid4().hex for _ in range(len(msgs) - len(keep_))]
+        def push_messages(self, msgs):  # (ids in the order of msgs, as a grid returns them)
+            msgs = list(msgs)
+            lost = [m.metadata.dst_node_id == 102 and m.metadata.message_type == "train"
+                    and m.metadata.group_id == "1" and dropped for m in msgs]
+            sent = iter(super().push_messages([m for m, x in zip(msgs, lost) if not x]))
+            return [uuid.uuid4().hex if x else next(sent) for x in lost]
 
     import hiso.flower.secagg as sa
     sa.SecAggFederation = FlowerFederation  # the plain ServerApp (an answer per message), same server arithmetic

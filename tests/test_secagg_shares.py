@@ -94,10 +94,12 @@ def test_sparse_secagg_round_closes_when_a_node_drops(tmp_path, task_identity, m
         return
 
     class Dead(LoopbackGrid):  # the reference: node 102 never answers round 1's training
-        def push_messages(self, msgs):
-            keep = [m for m in msgs if not (m.metadata.dst_node_id == 102 and m.metadata.message_type == "train"
-                                            and m.metadata.group_id == "1")]
-            return super().push_messages(keep) + [uuid.uuid4().hex for _ in range(len(msgs) - len(keep))]
+        def push_messages(self, msgs):  # (ids in the order of msgs, as a grid returns them)
+            msgs = list(msgs)
+            lost = [m.metadata.dst_node_id == 102 and m.metadata.message_type == "train"
+                    and m.metadata.group_id == "1" for m in msgs]
+            sent = iter(super().push_messages([m for m, x in zip(msgs, lost) if not x]))
+            return [uuid.uuid4().hex if x else next(sent) for x in lost]
 
     _serve(cfg, Dead(cfg, tmp_path / "ref-replicas", NODES), tmp_path / "ref", monkeypatch, plain=True)
     assert recs == _records(tmp_path / "ref")
