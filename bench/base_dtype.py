@@ -68,7 +68,9 @@ def worker(args) -> None:
     from hiso.tasks.registry import build_task
 
     torch.set_num_threads(args.threads)
+    cuda = args.device.startswith("cuda")
     cfg = load_config(None, task=args.task, model=args.model, data_dir=args.data_dir, lora_r=args.lora_r,
+                      device=args.device,
                       algorithm=args.algorithm, base_dtype=args.worker, clients=6, sampled=2, min_size=2,
                       batch_size=args.batch_size, eval_max=args.eval_max, seed=args.seed, threads=args.threads,
                       **({"lr": args.lr} if args.lr else {}))
@@ -84,6 +86,8 @@ def worker(args) -> None:
         sim.step()
     per = (time.perf_counter() - t0) / args.rounds
     ev = task.evaluate(sim.model)
+    gpu = {"gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20, "gpu_now_mb": torch.cuda.memory_allocated() / 2**20,
+           "gpu_name": torch.cuda.get_device_name()} if cuda else {}
     cost = sim.cost.row()
     print(json.dumps({"model": args.model, "algorithm": args.algorithm, "lora_r": args.lora_r, "base_dtype": args.worker,
                       "seed": args.seed, "rounds": args.rounds, "threads": args.threads, "load_s": load_s,
@@ -92,7 +96,7 @@ def worker(args) -> None:
                       "rss_after_rounds_mb": _rss_settled_mb(), "peak_rss_mb": _vm_hwm_mb(), "s_per_round": per,
                       "resident_mb": (sim.cost.resident_bytes or 0) / 2**20,
                       "transient_mb": (sim.cost.transient_bytes or 0) / 2**20,
-                      **{k: v for k, v in cost.items() if "bytes" in k}, **ev}))
+                      **gpu, **{k: v for k, v in cost.items() if "bytes" in k}, **ev}))
 
 
 def main() -> None:
@@ -109,6 +113,7 @@ def main() -> None:
     ap.add_argument("--eval-max", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (then also CUDA's peak allocation)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
