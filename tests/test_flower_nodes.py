@@ -6,12 +6,10 @@ socket), no Flower process."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
 
-from conftest import wait_until
 from hiso.config import RunConfig
 from hiso.runners.rundir import rebuild, run_to_dir
 
@@ -102,13 +100,10 @@ def test_a_node_of_several_partitions_through_the_relay_and_worker(tmp_path):
     from hiso.core import Server, encode_downlink
     from hiso.flower.app import train_fields
     from hiso.flower.relay import forward
-    from hiso.flower.worker import Worker
+    from test_flower_worker import serving_worker
     cfg = RunConfig(**CFG)
     cfg_json = cfg.model_dump_json()
-    sock = str(tmp_path / "w.sock")
-    worker = Worker()
-    threading.Thread(target=worker.serve, args=(sock,), daemon=True).start()
-    wait_until((tmp_path / "w.sock").exists, "the worker's socket", 10, poll=0.01)
+    worker, sock = serving_worker(tmp_path)
     nc = {"partition-id": "1,3", "state-dir": str(tmp_path / "w"), "worker-socket": sock}
     rc = {"hiso-config": cfg_json}
     assert forward(nc, rc, 1, {"lineage": "L"}, "query") == {"partitions": [1, 3], "rounds": [0, 0]}

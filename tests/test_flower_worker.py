@@ -25,6 +25,15 @@ CFG = dict(task="quadratic", algorithm="hiso", clients=3, sampled=2, local_steps
            lr=0.05, threads=1, rounds=10, seed=4)
 
 
+def serving_worker(tmp_path) -> tuple[Worker, str]:
+    """A worker serving on a Unix socket in ``tmp_path`` (a daemon thread), once it listens."""
+    sock = str(tmp_path / "w.sock")
+    worker = Worker()
+    threading.Thread(target=worker.serve, args=(sock,), daemon=True).start()
+    wait_until((tmp_path / "w.sock").exists, "the worker's socket", 10, poll=0.01)
+    return worker, sock
+
+
 def test_flower_worker_keeps_replicas_open_and_in_step(tmp_path):
     """Rounds through the relay's forward() to a worker on a Unix socket, with lost replies:
     every answer is what the plain ClientApp handler would give, the worker builds each
@@ -32,10 +41,7 @@ def test_flower_worker_keeps_replicas_open_and_in_step(tmp_path):
     from hiso.flower.app import train_fields
     cfg = RunConfig(**CFG)
     cfg_json = cfg.model_dump_json()
-    sock = str(tmp_path / "w.sock")
-    worker = Worker()
-    threading.Thread(target=worker.serve, args=(sock,), daemon=True).start()
-    wait_until((tmp_path / "w.sock").exists, "the worker's socket", 10, poll=0.01)
+    worker, sock = serving_worker(tmp_path)
     task = build_task(cfg)
     server = Server(3, 2, cfg.local_steps, cfg.perturbations, seed=cfg.seed)
     ref = ModelState(task.build_model(), cfg.zo())

@@ -60,7 +60,7 @@ from ..runners.common import CommTally
 from ..runners.protocol import ScalarRounds
 from .records import log
 from .secagg_client import BEHIND
-from .transport import hold
+from .transport import reach_sampled
 from .server_app import FlowerFederation
 
 
@@ -188,11 +188,7 @@ class SecureTransport(PlainTransport):
 
     def exchange(self, plan, downlink, tally) -> list:
         fed = self.fed
-        hold(fed.settings, plan.round)
-        t0 = time.perf_counter()
-        fed.refresh_nodes()
-        t1 = time.perf_counter()
-        fed.join_sampled(plan.participants)
+        t0, t1 = reach_sampled(fed, plan)
         fitins = {}
         for pid in plan.participants:
             nid = fed.node_of.get(pid)

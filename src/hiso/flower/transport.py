@@ -37,6 +37,18 @@ def hold(settings, round: int) -> None:
         time.sleep(max(settings.poll_s, 0.05))
 
 
+def reach_sampled(fed: "FlowerFederation", plan) -> tuple[float, float]:
+    """What every Flower transport does before it sends a round's messages: wait while the run
+    is held, learn the nodes, have the sampled partitions' nodes join; returns (start, nodes
+    refreshed) for the round's timings."""
+    hold(fed.settings, plan.round)
+    t0 = time.perf_counter()
+    fed.refresh_nodes()
+    t1 = time.perf_counter()
+    fed.join_sampled(plan.participants)
+    return t0, t1
+
+
 class GridTransport(PlainTransport):
     """A Flower grid as the round's transport: the nodes refreshed, the sampled partitions'
     nodes asked (a node whose replica is older than the server thought says ``behind`` and is
@@ -55,11 +67,7 @@ class GridTransport(PlainTransport):
 
     def exchange(self, plan, downlink, tally) -> list:
         fed = self.fed
-        hold(fed.settings, plan.round)
-        t0 = time.perf_counter()
-        fed.refresh_nodes()
-        t1 = time.perf_counter()
-        fed.join_sampled(plan.participants)
+        t0, t1 = reach_sampled(fed, plan)
         replies = fed._send(plan.round, plan.participants, downlink, self.content, self.kept)
         self.ask_behind(plan, replies, downlink)
         fed.times = (t0, t1, time.perf_counter())
