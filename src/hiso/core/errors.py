@@ -2,7 +2,10 @@
 
 
 class MessageError(ValueError):
-    """A message that cannot be decoded or does not fit the receiver's state."""
+    """A message that cannot be decoded or does not fit the receiver's state. ``code``: the
+    reason a round counts it under (a subclass names its own)."""
+
+    code = "malformed"
 
 
 class JoinError(MessageError):

@@ -88,10 +88,9 @@ class PlainTransport:
 
 def reject_code(e: MessageError) -> str:
     """The counted reason of a reply the decoder refused."""
-    name = type(e).__name__
-    if name == "ChecksumError":
-        return "checksum"
-    return "non_finite" if "non-finite" in str(e) else "malformed"
+    if e.code == "malformed" and "non-finite" in str(e):  # the decoders' refusal of a nan or inf
+        return "non_finite"
+    return e.code
 
 
 class RoundsExhausted(RuntimeError):

@@ -249,11 +249,7 @@ class FlowerFederation:
                              "sampled": list(plan.participants), **({"join_s": self.join_s} if self.join_s else {}),
                              **extra})
 
-    def _downlink(self, pid: int, rnd: int) -> bytes:
-        """Partition ``pid``'s encoded downlink for the planned round."""
-        return encode_downlink(self.server.downlink(pid), self.server.wire)
-
-    def _send(self, rnd: int, pids, downlink=None, content=None, kept=None) -> dict[int, object]:
+    def _send(self, rnd: int, pids, downlink, content=None, kept=None) -> dict[int, object]:
         """Downlinks to ``pids`` (those with a node; ``downlink(pid)``: its message, counted);
         the replies by partition. ``content(down)``: a train message's RecordDict (default: the
         downlink in the ``down`` field of the hiso ConfigRecord); ``kept(pid, reply)``: what is
@@ -263,11 +259,7 @@ class FlowerFederation:
             nid = self.node_of.get(pid)
             if nid is None:
                 continue
-            if downlink is not None:
-                down = downlink(pid)
-            else:
-                down = self._downlink(pid, rnd)
-                self.comm.down[pid] += len(down)
+            down = downlink(pid)
             if content is not None:
                 msgs.append(self._message_of(content(down), nid, "train", str(rnd)))
             else:  # a node of several partitions is told which one the message is for

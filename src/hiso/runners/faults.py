@@ -53,6 +53,8 @@ _SALT_FAULT, _SALT_DAMAGE, _SALT_BYZ, _SALT_ATTACK = 0xFA17, 0xDA3A, 0xB12A, 0xA
 class ChecksumError(MessageError):
     """A framed message whose CRC-32 does not match its bytes (damaged in transit)."""
 
+    code = "checksum"
+
 
 def seal(data: bytes) -> bytes:
     """``data`` followed by its CRC-32 (little-endian u32)."""
