@@ -129,10 +129,10 @@ class FullModelSimulation:
         with torch.no_grad():
             # written only if every new value is finite: a diverged run keeps its last finite model
             for p, s in zip(self.params, step):
-                if not bool(torch.isfinite(p + s.to(p.dtype)).all()):
+                if not bool(torch.isfinite(p + s.to(p.device, p.dtype)).all()):
                     raise FloatingPointError(f"the server step of round {r + 1} makes the model non-finite (lower lr or server_lr)")
             for p, s in zip(self.params, step):
-                p.add_(s.to(p.dtype))
+                p.add_(s.to(p.device, p.dtype))
         self.round += 1
 
     def run(self, rounds: int) -> Iterator[dict]:
