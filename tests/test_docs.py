@@ -44,14 +44,38 @@ def test_readme_stays_short():
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
                     reason="the docs extra is not installed (pip install -e '.[docs]')")
-def test_site_builds_strict(tmp_path):
+def test_site_builds_strict(tmp_path, monkeypatch):
+    """Built as it is published (HISO_REPO_URL set): the header and the example files link into
+    the repository."""
+    monkeypatch.setenv("HISO_REPO_URL", "https://github.com/example/hiso")
     clock = Patience(300)  # seconds at the speed the machine offers (a loaded machine's count slower)
     r = run_within([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--config-file",
                     str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")], clock=clock, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "api" / "index.html").is_file()
+    page = (tmp_path / "site" / "methods-api" / "index.html").read_text()
+    assert 'href="https://github.com/example/hiso"' in page
+    assert 'href="https://github.com/example/hiso/blob/main/examples/clip_method.py"' in page
+    home = (tmp_path / "site" / "index.html").read_text()
+    assert 'href="https://github.com/example/hiso/blob/main/examples/custom_task.py"' in home
     assert clock.used < 120
+
+
+def test_repo_files_link_into_the_repository_only_where_it_is_known():
+    blob = docgen.repo_blob({"repo_url": "https://github.com/o/hiso/", "edit_uri": "blob/main/docs/"})
+    assert blob == "https://github.com/o/hiso/blob/main/"
+    assert docgen.repo_blob({"repo_url": None}) is None
+    page = ("Run `examples/clip_method.py:ScalarClip` or `configs/mnist_main.toml`, not `examples/nothing.py`.\n"
+            "```bash\nhiso run --algorithm examples/clip_method.py:ScalarClip\n```\n"
+            "Already linked: [`examples/clip_method.py`](x).\n")
+    out = docgen.link_repo_files(page, blob, ROOT)
+    assert f"[`examples/clip_method.py:ScalarClip`]({blob}examples/clip_method.py)" in out
+    assert f"[`configs/mnist_main.toml`]({blob}configs/mnist_main.toml)" in out
+    assert "`examples/nothing.py`" in out and f"{blob}examples/nothing.py" not in out  # no such file
+    assert "```bash\nhiso run --algorithm examples/clip_method.py:ScalarClip\n```" in out  # code untouched
+    assert "[`examples/clip_method.py`](x)" in out and out.count("](x)") == 1
+    assert docgen.link_repo_files(page, None, ROOT) == page
 
 
 def test_ci_runs_the_readme_tests_command():

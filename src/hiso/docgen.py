@@ -221,18 +221,50 @@ if __name__ == "__main__":
 
 # MkDocs hook (mkdocs.yml: hooks): the site's home page is README.md and its changelog is
 # CHANGELOG.md, each read from the repository root, so neither is copied into docs/. Their links
-# are written for GitHub (docs/x.md); on the site they are rewritten to the pages' own paths, and
-# links to files outside docs/ (examples/...) become their text.
+# are written for GitHub (docs/x.md); on the site they are rewritten to the pages' own paths. A
+# file outside docs/ (examples/..., configs/...) is named in code spans on the pages and linked in
+# the README; on the site both become links into the repository where mkdocs.yml's repo_url is
+# set (HISO_REPO_URL when the site is built), and plain text otherwise.
 SITE_PAGES = {"index.md": "README.md", "changelog.md": "CHANGELOG.md"}
+OUTSIDE = "examples|src|configs|bench|tests"
+
+
+def repo_blob(config) -> str | None:
+    """The address of the repository's files (repo_url + edit_uri's branch), or None without a repo_url."""
+    repo = config.get("repo_url")
+    if not repo:
+        return None
+    edit = (config.get("edit_uri") or "blob/main/docs/").rstrip("/")
+    return repo.rstrip("/") + "/" + edit.removesuffix("docs").rstrip("/") + "/"
+
+
+def link_repo_files(markdown: str, blob: str | None, root: Path) -> str:
+    """Code spans naming an existing file outside docs/ become links to it under ``blob`` (fenced
+    code and text already in a link stay as they are); without ``blob`` the text is unchanged."""
+    import re
+
+    if blob is None:
+        return markdown
+    span = re.compile(r"(?<!\[)`((?:" + OUTSIDE + r")/[\w./-]+?)(?::\w+)?`(?!\])")
+
+    def link(m: re.Match) -> str:
+        path = m.group(1)
+        return f"[{m.group(0)}]({blob}{path})" if (root / path).is_file() else m.group(0)
+
+    parts = re.split(r"(^```.*?^```[ \t]*$)", markdown, flags=re.M | re.S)
+    return "".join(p if p.startswith("```") else span.sub(link, p) for p in parts)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     import re
 
+    root = Path(config["config_file_path"]).parent
+    blob = repo_blob(config)
     source = SITE_PAGES.get(page.file.src_uri)
     if source is None:
-        return markdown
-    text = (Path(config["config_file_path"]).parent / source).read_text()
+        return link_repo_files(markdown, blob, root)
+    text = (root / source).read_text()
     text = re.sub(r"\]\(docs/", "](", text)
     text = text.replace("](CHANGELOG.md)", "](changelog.md)")
-    return re.sub(r"\[([^\]]+)\]\((?:examples|src|configs|bench|tests)/[^)]*\)", r"\1", text)
+    outside = r"\[([^\]]+)\]\(((?:" + OUTSIDE + r")/[^)]*)\)"
+    return re.sub(outside, (lambda m: f"[{m.group(1)}]({blob}{m.group(2)})") if blob else r"\1", text)
