@@ -6,6 +6,7 @@ Tiny LM, no downloads."""
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,16 +87,18 @@ def test_the_base_is_held_quantized_and_the_adapters_train_in_float32(files, dty
 
 
 METHODS = [("hiso", "0.5"), ("decomfl", "0.5"), ("feedsign", "0.05"), ("fedkseed", "0.5"), ("sketch", "0.05"),
-           ("ferret", "0.05"), ("fedavg", "0.05")]
+           ("ferret", "0.05"), ("fedavg", "0.05"),
+           (str(Path(__file__).resolve().parents[1] / "examples" / "second_moment_method.py") + ":SecondMoment", "0.05")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("alg,lr", METHODS, ids=[m for m, _ in METHODS])
-def test_every_lora_method_runs_on_an_int4_base(files, tmp_path, capsys, alg, lr):
-    """The zeroth-order methods, the first-order clients (backpropagation through the quantized
-    base, as QLoRA does) and FedAvg-LoRA; the runs with a log rebuild bit for bit."""
-    out = tmp_path / alg
-    _ok(capsys, _args(files, out, "int4", "--algorithm", alg, "--lr", lr, rounds=2))
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+@pytest.mark.parametrize("alg,lr", METHODS, ids=[m.rsplit(":", 1)[-1] for m, _ in METHODS])
+def test_every_lora_method_runs_on_a_quantized_base(files, tmp_path, capsys, alg, lr, dtype):
+    """The zeroth-order methods (a user's too), the first-order clients (backpropagation through
+    the quantized base, as QLoRA does) and FedAvg-LoRA; the runs with a log rebuild bit for bit."""
+    out = tmp_path / "run"
+    _ok(capsys, _args(files, out, dtype, "--algorithm", alg, "--lr", lr, rounds=2))
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["train_loss"] is None or r["train_loss"] == r["train_loss"] for r in rows[1:])
     if (out / "history.bin").exists():
