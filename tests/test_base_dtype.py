@@ -126,6 +126,24 @@ def test_exports_give_an_adapter_for_the_base_as_given_and_a_float32_merged_mode
     assert any(float(v.abs().max()) > 0 for k, v in trained.items() if "lora_B" in k)  # it learned something
 
 
+def test_a_merged_export_is_written_in_the_dtype_asked_for(files, tmp_path, capsys):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    run = tmp_path / "run"
+    _ok(capsys, _args(files, run, "int8", "--lr", "0.5"))
+    for dtype in ("float32", "bfloat16"):
+        _ok(capsys, ["export", str(run), "--out", str(tmp_path / dtype), "--format", "merged", "--dtype", dtype])
+    with safe_open(str(tmp_path / "bfloat16" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "float32").eval()
+    half = AutoModelForCausalLM.from_pretrained(tmp_path / "bfloat16", dtype=torch.bfloat16).eval()
+    for (name, a), b in zip(full.named_parameters(), half.parameters()):
+        assert torch.equal(a.to(torch.bfloat16), b), name  # the float32 merge, rounded once
+    assert "weights written in bfloat16" in (tmp_path / "bfloat16" / "README.md").read_text()
+    assert main(["export", str(run), "--out", str(tmp_path / "p"), "--format", "peft", "--dtype", "bfloat16"]) == 2
+    assert "written as it was trained" in capsys.readouterr().err and not (tmp_path / "p").exists()
+
+
 def test_full_parameter_training_over_a_quantized_base_is_refused():
     with pytest.raises(ConfigError, match="base_dtype int4: the base is frozen at that precision, so it needs LoRA"):
         load_config(None, task="sst2", base_dtype="int4")

@@ -257,6 +257,9 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
                     "PeftModel.from_pretrained; merged: a model directory for AutoModelForCausalLM.from_pretrained; "
                     "state-dict: model.safetensors (any task). Default: merged for language runs, else state-dict")
     ex.add_argument("--round", type=int, help="export x_R, rebuilt from the first R logged rounds (default: the last)")
+    ex.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                    help="the floating dtype a merged model or state dict is written in (an adapter is written "
+                    "as trained, float32); a quantized base is merged in float32 first")
     ex.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export "
                     "(a directory holding anything else is refused)")
     _add_accept_flag(ex)

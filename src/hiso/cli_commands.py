@@ -262,7 +262,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .runners.export import export
 
-    done = export(args.run_dir, args.out, args.format, round=args.round, force=args.force)
+    done = export(args.run_dir, args.out, args.format, round=args.round, force=args.force, dtype=args.dtype)
     print(f"exported round {done['round']} of {args.run_dir} as {done['format']} into {done['out']}/: "
           f"{len(done['files'])} files, {done['bytes'] / 1e6:.1f} MB, {done['seconds']:.1f} s")
     return 0

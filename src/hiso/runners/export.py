@@ -35,6 +35,7 @@ from .runfiles import overwrites_run, saved_config
 from .runmodel import RunModel, load_run_model
 
 FORMATS = ("peft", "merged", "state-dict")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # the names an export's files had before hiso.json listed them (its own, transformers' and peft's
 # save_pretrained, a tokenizer's): --force replaces such an export only if it holds nothing else
@@ -47,6 +48,15 @@ EXPORT_FILES = re.compile(r"hiso\.json|README\.md|(generation_)?config\.json|ada
 def default_format(info: dict) -> str:
     """merged for language runs (loads with transformers alone), state-dict otherwise."""
     return "merged" if info.get("task") == "language" else "state-dict"
+
+
+def check_dtype(dtype: str, fmt: str) -> None:
+    """A merged model or state dict is written in any of DTYPES; an adapter as it was trained."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if fmt == "peft" and dtype != "float32":
+        raise ValueError(f"--dtype {dtype}: a PEFT adapter is written as it was trained (float32); "
+                         "use --format merged for a model in that dtype")
 
 
 def check_format(fmt: str, cfg, info: dict) -> None:
@@ -157,6 +167,8 @@ def model_card(meta: dict, info: dict) -> str:
     if meta.get("lora"):
         lo = meta["lora"]
         lines.append(f"- LoRA r = {lo['r']}, alpha = {lo['alpha']:g}, targets {', '.join(lo['targets'])}")
+    if meta.get("dtype"):
+        lines.append(f"- weights written in {meta['dtype']} (`--dtype`), merged in float32 first")
     if dp := meta.get("privacy"):
         spent = (f"({dp['epsilon']:.3g}, {dp['delta']:g})-DP at round {meta['round']} for the client that took part "
                  f"in the most rounds ({dp['participations_max']}), against a reader who knows who took part"
@@ -193,7 +205,7 @@ def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict) -> None:
         acfg["base_model_name_or_path"] = adapter_base(rm.info) or acfg.get("base_model_name_or_path")
         cfg_path.write_text(json.dumps(acfg, indent=2))
     elif fmt == "merged":
-        model = _plain_model(rm)
+        model = _plain_model(rm).to(DTYPES[meta.get("dtype", "float32")])
         model.config.hiso = meta  # config.json's "hiso": the run and the base it came from
         try:
             model.save_pretrained(tmp)
@@ -204,7 +216,9 @@ def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict) -> None:
 
         model = _plain_model(rm) if rm.info.get("lora") else rm.model
         # clones: tied tensors (an LM's embedding and head) are stored under both names
-        tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+        want = DTYPES[meta.get("dtype", "float32")]
+        tensors = {k: v.detach().to("cpu", want if v.is_floating_point() else v.dtype, copy=True).contiguous()
+                   for k, v in model.state_dict().items()}
         save_file(tensors, tmp / "model.safetensors", metadata={"hiso": json.dumps(meta)})
     if tok is not None and fmt != "state-dict":
         tok.save_pretrained(tmp)
@@ -260,9 +274,10 @@ def _usual_modes(root: Path) -> None:
 
 
 def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: int | None = None,
-           force: bool = False, device: str = "cpu", task=None) -> dict[str, Any]:
+           force: bool = False, device: str = "cpu", task=None, dtype: str = "float32") -> dict[str, Any]:
     """Export round ``round`` (None: the last) of the run in ``run_dir`` into the directory ``out``
-    (``task``: the run's task object; default: built from ``config.json``).
+    (``task``: the run's task object; default: built from ``config.json``), a merged model or state
+    dict with its floating tensors in ``dtype``.
 
     Returns what was written: format, round, files, bytes and seconds. Bad input raises
     ValueError / FileNotFoundError before anything is written.
@@ -272,12 +287,15 @@ def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: 
     cfg, info = saved_config(run_dir)
     fmt = fmt or default_format(info)
     check_format(fmt, cfg, info)
+    check_dtype(dtype, fmt)
     why = overwrites_run(out, run_dir)
     if why is not None:
         raise ValueError(f"--out {out} {why}: export elsewhere")
     _check_out(out, force)
     rm = load_run_model(run_dir, round, task=task, device=device)
     meta = metadata(rm, fmt)
+    if dtype != "float32":
+        meta["dtype"] = dtype
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
