@@ -67,9 +67,11 @@ def test_costs_and_pareto_marks_on_a_hand_made_table():
     assert all(t[n].rounds is None for n in ("decomfl", "sketch", "slow", "never"))
     md = to_markdown([ref, target])
     assert "**To DeComFL's best (80.00%)**" in md and "**To target 90.00%**" in md and "two forwards" in md
-    assert "| Sketch | * | 20 |" in md and "| never |  | not reached |" in md
+    assert "| Sketch | backprop | * | 20 |" in md and "| DeComFL | forwards only | * | 40 |" in md
+    assert c["decomfl"].forwards_only and not c["ferret"].forwards_only
     lines = to_csv([ref, target]).splitlines()
     assert lines[0].startswith("target,threshold,algorithm,pareto") and len(lines) == 1 + 2 * len(ARMS)
+    assert lines[0].endswith(",forwards_only") and lines[1].endswith(",1")  # decomfl: no backpropagation
 
 
 def test_pareto_ties_and_missing_axes():

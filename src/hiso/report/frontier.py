@@ -17,6 +17,9 @@ each arm's cost to reach it on four axes, all per client and lower is better:
 * **client peak memory**: the resident + transient peak of one client's answer (max over seeds;
   it does not depend on the target).
 
+Each arm is also marked by the work its clients do: **forwards only** (zeroth-order clients, the
+memory of inference) or **backprop** (first-order clients), from the measured backpropagations.
+
 An arm that reaches the target is **Pareto-optimal** (marked ``*``) when no other arm that
 reaches it is at least as good on every axis and better on one. An axis that some reaching arm
 lacks (runs without client measurements, older runs) is left out of the comparison for all,
@@ -60,6 +63,7 @@ class Cost:
     forward_eq: float | None
     peak_bytes: float | None
     pareto: bool = False
+    forwards_only: bool | None = None  # no backpropagation on a client (None: not measured)
 
     def axis(self, a: str) -> float | None:
         return getattr(self, a)
@@ -110,7 +114,8 @@ def cost_of(row, runs, select: str, threshold: float, higher: bool, reach=None) 
     return Cost(row.name, reach.reached, reach.n, rounds,
                 None if rounds is None or any(b is None for b in nbytes) else mean(nbytes),
                 None if rounds is None or fe_round is None else fe_round * rounds * share,
-                row.client_peak_bytes)
+                row.client_peak_bytes,
+                forwards_only=None if row.client_forwards is None else not row.client_backwards)
 
 
 def frontiers(table, arms, target: float | None = None) -> list[Frontier]:
@@ -142,24 +147,30 @@ def _fmt(v: float | None, kind: str) -> str:
     return f"{v:,.4g}"
 
 
+def _work(c: Cost) -> str:
+    return {True: "forwards only", False: "backprop", None: "—"}[c.forwards_only]
+
+
 def to_markdown(fronts: list[Frontier]) -> str:
     parts = []
     for f in fronts:
         lines = [f"**To {f.label}** (per client; `*`: Pareto-optimal)", "",
-                 "| algorithm | Pareto | " + " | ".join(AXIS_LABEL[a] for a in AXES) + " |",
-                 "|---|:---:|" + "---:|" * len(AXES)]
+                 "| algorithm | client | Pareto | " + " | ".join(AXIS_LABEL[a] for a in AXES) + " |",
+                 "|---|---|:---:|" + "---:|" * len(AXES)]
         for c in f.costs:
             cells = [_fmt(c.axis(a), a) for a in AXES]
             if c.rounds is None:
                 cells[0] = "not reached" if c.reached == 0 else f"— ({c.reached}/{c.seeds} seeds)"
-            lines.append(f"| {display_name(c.name)} | {'*' if c.pareto else ''} | " + " | ".join(cells) + " |")
+            lines.append(f"| {display_name(c.name)} | {_work(c)} | {'*' if c.pareto else ''} | "
+                         + " | ".join(cells) + " |")
         axes = ", ".join(AXIS_LABEL[a] for a in f.axes) or "none (no arm reached it)"
         lines += ["", f"Pareto over: {axes}."]
         parts.append("\n".join(lines))
     note = ("Forward-equivalents count a backpropagation as two forwards (the field's convention) and are a "
             "client's per answered round times the rounds to reach times the share of clients sampled a round; "
             "bytes are the encoded messages (up + down) per client at that round; an arm that does not reach the "
-            "target is not on the frontier.")
+            "target is not on the frontier. Client: forwards only (no backpropagation: a client needs inference "
+            "memory) or backprop.")
     return "\n\n".join(parts + [note]) + "\n"
 
 
@@ -167,11 +178,12 @@ def to_csv(fronts: list[Frontier]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["target", "threshold", "algorithm", "pareto", "seeds_reached", "rounds", "bytes_per_client",
-                "client_forward_equivalents", "client_peak_bytes"])
+                "client_forward_equivalents", "client_peak_bytes", "forwards_only"])
     for f in fronts:
         for c in f.costs:
             w.writerow([f.label, repr(f.threshold), c.name, int(c.pareto), c.reached,
-                        *("" if v is None else v for v in (c.rounds, c.bytes, c.forward_eq, c.peak_bytes))])
+                        *("" if v is None else v for v in (c.rounds, c.bytes, c.forward_eq, c.peak_bytes)),
+                        "" if c.forwards_only is None else int(c.forwards_only)])
     return buf.getvalue()
 
 
@@ -188,7 +200,8 @@ def write_frontier(out: str | Path, fronts: list[Frontier], plot: bool = True) -
 
 def plot_frontier(fronts: list[Frontier], path: Path) -> None:
     """One row per target: rounds against bytes / client, and rounds against client
-    forward-equivalents (log axes); Pareto-optimal arms filled and starred, the others hollow."""
+    forward-equivalents (log axes); Pareto-optimal arms filled and starred, the others hollow;
+    forwards-only arms' names end in "(fwd only)"."""
     import matplotlib
     import matplotlib.ticker
     matplotlib.use("Agg")
@@ -206,7 +219,8 @@ def plot_frontier(fronts: list[Frontier], path: Path) -> None:
                     ax.scatter([x], [y], marker="*", s=180, color="C3", zorder=3)
                 else:
                     ax.scatter([x], [y], marker="o", s=60, facecolors="none", edgecolors="C0")
-                ax.annotate(display_name(c.name), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+                name = display_name(c.name) + (" (fwd only)" if c.forwards_only else "")
+                ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
             if pts and all(c.axis(axis) > 0 for c in pts):
                 ax.set_xscale("log")
                 ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # no crowded 2x10^1 labels
