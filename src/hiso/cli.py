@@ -306,8 +306,8 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     pl.add_argument("--snapshot-after", type=int, help="snapshot rule (default: automatic)")
     pl.add_argument("--difference", choices=("forward", "central"), help="the ZO methods' finite difference "
                     "(default: each method's own: forward; central for feedsign and fedkseed)")
-    pl.add_argument("--ferret-k", type=int, help="ferret, sketch: K projections per block (default: as hiso run)")
-    pl.add_argument("--ferret-blocks", type=int, help="ferret, sketch: B blocks (default: as hiso run)")
+    pl.add_argument("--ferret-k", type=int, help="ferret, sketch, fedkrso: K directions per block (default: as hiso run)")
+    pl.add_argument("--ferret-blocks", type=int, help="ferret, sketch, fedkrso: B blocks (default: as hiso run)")
     pl.add_argument("--sketch-bits", type=int, help="sketch: bits per projection (default: as hiso run)")
     pl.add_argument("--seed-pool", type=int, help="fedkseed: K seeds in the pool (default: as hiso run)")
     pl.add_argument("--seed-sampling", choices=("weighted", "uniform"), help="fedkseed: how a step draws its seed "

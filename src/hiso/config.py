@@ -49,7 +49,8 @@ class RunConfig(BaseModel, MethodRules):
         "the federated algorithm (hiso, decomfl: seeds and scalars on the wire; feedsign: seeds and one sign bit "
         "per client-step, majority vote (P = 1, central differences by default); fedkseed: a fixed pool of seed_pool "
         "seeds, (index, scalar) pairs on the wire; ferret: first-order local steps, K projections per block on "
-        "the wire; sketch: ferret's projections as b-bit codes; the others send the model); or your own hiso.core.method.Method subclass as module:Class or "
+        "the wire; sketch: ferret's projections as b-bit codes; fedkrso: first-order local steps inside K seeded "
+        "directions per block, their K coefficients on the wire; the others send the model); or your own hiso.core.method.Method subclass as module:Class or "
         "path/to/file.py:Class"))
     method_opts: dict[str, Any] = Field(default_factory=dict, description=(
         "your method's own options, the fields of its Method subclass: --method-opt KEY=VALUE (repeatable), a "
@@ -183,11 +184,13 @@ class RunConfig(BaseModel, MethodRules):
         "|scalar| per seed) or uniform (plain FedKSeed)"))
     # Ferret (hiso.methods.ferret)
     ferret_k: int = Field(200, description=(
-        "ferret: K, the random directions per parameter block the local update is projected on (default: 200, the "
-        "authors' script; ferret_k x ferret_blocks <= 65536)"))
+        "ferret, sketch, fedkrso: K, the random directions per parameter block the local update is projected on "
+        "(fedkrso: its local steps are restricted to their span) (default: 200, the authors' script; ferret_k x "
+        "ferret_blocks <= 65536)"))
     ferret_blocks: int = Field(8, description=(
-        "ferret: B, contiguous blocks of trainable tensors of about equal size, each with its own K directions (a "
-        "tensor is never split: with fewer or very unequal tensors some blocks stay empty and send K zeros)"))
+        "ferret, sketch, fedkrso: B, contiguous blocks of trainable tensors of about equal size, each with its own K "
+        "directions (a tensor is never split: with fewer or very unequal tensors some blocks stay empty and send K "
+        "zeros)"))
     sketch_bits: int = Field(1, description=(
         "sketch: b, the bits of each of Ferret's projections on the uplink, one scale per block (1: the scaled "
         "sign; 2, 4, 8: a symmetric uniform grid; K and B are ferret_k and ferret_blocks)"))

@@ -56,7 +56,8 @@ METHOD_OPTIONS = {
 }
 _WHOSE = {"preconditioner": "HiSo's preconditioner", "server_lr": "the full-model baselines' and ferret's server step",
           "server_moments": "fedadam's and fedyogi's server moments", "server_tau": "the adaptive server optimisers'",
-          "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's", "ferret": "ferret's and sketch's", "sketch": "sketch's",
+          "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's",
+          "ferret": "ferret's, sketch's and fedkrso's", "sketch": "sketch's",
           "zo_estimate": "the zeroth-order estimate's"}
 
 
@@ -210,6 +211,11 @@ def _ferret(cfg):
     return FerretConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, grad_clip=cfg.grad_clip)
 
 
+def _fedkrso(cfg):
+    from .fedkrso import FedKRSOConfig
+    return FedKRSOConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, grad_clip=cfg.grad_clip)
+
+
 def _sketch(cfg):
     from .sketch import SketchConfig
     return SketchConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, grad_clip=cfg.grad_clip,
@@ -247,3 +253,9 @@ register_method(MethodInfo("sketch", "Sketch", gradient="first-order",
                            can=frozenset({"robust", "weighted", "backprop", "int8", "lowbit", "lr_decay", "grad_clip"}),
                            server_lr=1.0,
                            doc="first-order local steps, b-bit codes of K projections per block on the wire"))
+register_method(MethodInfo("fedkrso", "FedKRSO", gradient="first-order", options=frozenset({"server_lr", "ferret"}),
+                           build=_fedkrso,
+                           can=frozenset({"faults", "robust", "weighted", "backprop", "int8", "lowbit", "lr_decay",
+                                          "grad_clip"}),
+                           server_lr=1.0,
+                           doc="first-order local steps inside K seeded directions per block, their K coefficients on the wire"))

@@ -276,8 +276,10 @@ VISION_OPTIONS = {"data_dir", "partition", "alpha", "min_size", "eval_max", "val
 # sketch diverged): full MNIST, 400 rounds, seed-0 grids inside which each lies,
 # docs/results/seed-methods.md and frontier.md: FeedSign 3e-3, FedKSeed 1e-3 (K = 4096; 2e-3
 # diverged), Ferret 3e-2 (K = 200, 8 blocks; 1e-1 diverged), sketch 1e-2 (the 1-bit sketch at one
-# local step, the default; 3e-2 diverged; 4 local steps took 4e-2). Fashion-MNIST: MNIST's.
-_SEED_LR = {"feedsign": 3e-3, "fedkseed": 1e-3, "ferret": 3e-2, "sketch": 1e-2}
+# local step, the default; 3e-2 diverged; 4 local steps took 4e-2). FedKRSO: Ferret's 3e-2, not its
+# own grid: at one local step (the default) it sends Ferret's numbers and folds Ferret's step.
+# Fashion-MNIST: MNIST's.
+_SEED_LR = {"feedsign": 3e-3, "fedkseed": 1e-3, "ferret": 3e-2, "sketch": 1e-2, "fedkrso": 3e-2}
 register_task("mnist", metrics=VISION_METRICS,
               default_lr={"zo": 2e-3, "decomfl": 1.5e-3, "first-order": 0.1, **_SEED_LR},
               default_partition="dirichlet", validation=True, doc="MNIST digits, the authors' 29k-parameter CNN",
