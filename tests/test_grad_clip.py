@@ -30,7 +30,7 @@ def test_clip_grads_scales_to_the_norm_above_it_and_keeps_them_below():
     assert clip_grads(nan, 1.0)[0] is nan[0]  # left for the caller's finiteness check
 
 
-@pytest.mark.parametrize("algorithm", ["ferret", "sketch"])
+@pytest.mark.parametrize("algorithm", ["ferret", "sketch", "fedkrso"])
 def test_a_clipped_step_moves_lr_times_the_clip_along_the_gradient(algorithm):
     """One local step from x_r under grad_clip c moves x by lr c g / ||g|| when ||g|| > c: the
     answer equals an unclipped client's at lr c / ||g||, bit for bit in Ferret's float32
@@ -54,7 +54,7 @@ def test_a_clipped_step_moves_lr_times_the_clip_along_the_gradient(algorithm):
     assert np.array_equal(answer(zo(algorithm, lr=0.5, grad_clip=10 * norm)), answer(zo(algorithm, lr=0.5)))
 
 
-@pytest.mark.parametrize("algorithm", ["ferret", "sketch"])
+@pytest.mark.parametrize("algorithm", ["ferret", "sketch", "fedkrso"])
 def test_replicas_of_a_clipped_run_stay_bit_identical(algorithm):
     from seed_method_checks import assert_same_model, late_client
     cfg = zo(algorithm, lr=0.3, local_steps=2, grad_clip=0.05)
@@ -87,7 +87,7 @@ def test_the_cli_records_it_rebuilds_the_run_and_refuses_it_elsewhere(tmp_path, 
     capsys.readouterr()
     rc = main(["run", "--task", "quadratic", "--algorithm", "decomfl", "--grad-clip", "1", "--out", str(tmp_path / "x")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "grad_clip is for ferret and sketch" in err[0]
+    assert rc == 2 and len(err) == 1 and "grad_clip is for ferret, sketch and fedkrso" in err[0]
 
 
 def test_each_of_two_local_steps_is_clipped_as_computed_by_hand():
