@@ -161,8 +161,8 @@ def test_rebuild_and_resume_are_bit_for_bit_and_the_uplink_is_k_scalars_a_block(
     code, _, err = run_cli(["run", "--quiet", "--resume", str(short), "--rounds", "8"], capsys)
     assert code == 0, err
     assert (short / "history.bin").read_bytes() == (full / "history.bin").read_bytes()
-    a = _model(full / "model.pt")
-    assert a["round"] == 8 and all(torch.equal(a["model"][k], _model(short / "model.pt")["model"][k]) for k in a["model"])
+    a, b = _model(full / "model.pt"), _model(short / "model.pt")
+    assert a["round"] == 8 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     code, _, err = run_cli(["rebuild", str(full), "--out", str(tmp_path / "re.pt")], capsys)
     assert code == 0, err
     assert all(torch.equal(a["model"][k], _model(tmp_path / "re.pt")["model"][k]) for k in a["model"])

@@ -258,4 +258,5 @@ register_method(MethodInfo("fedkrso", "FedKRSO", gradient="first-order", options
                            can=frozenset({"faults", "robust", "weighted", "backprop", "int8", "lowbit", "lr_decay",
                                           "grad_clip"}),
                            server_lr=1.0,
-                           doc="first-order local steps inside K seeded directions per block, their K coefficients on the wire"))
+                           doc="first-order local steps inside K seeded directions per block, their coefficients on "
+                               "the wire"))
