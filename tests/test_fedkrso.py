@@ -197,3 +197,11 @@ def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatc
     from seed_method_checks import assert_serverapp_runs_it_as_the_simulator
     assert_serverapp_runs_it_as_the_simulator({"algorithm": "fedkrso", "ferret_k": 8, "ferret_blocks": 2,
                                                "local_steps": 2}, tmp_path, monkeypatch)
+
+
+def test_a_ferret_peer_cannot_join_a_fedkrso_run():
+    # the same options, another rule: the join fingerprint names the method's class
+    from hiso.core.join import config_blob, config_fingerprint
+    krso, fer = (load_config(None, algorithm=a, local_steps=2).zo() for a in ("fedkrso", "ferret"))
+    assert json.loads(config_blob(krso))["method"]["class"] == "hiso.methods.fedkrso.FedKRSOConfig"
+    assert config_fingerprint(krso) != config_fingerprint(fer)
