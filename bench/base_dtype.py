@@ -8,9 +8,11 @@ Each dtype runs in its own process, as a deployed client does, so its peak resid
 float32), hiso's own count of the client's bytes is taken (resident: its model, adapters and H;
 transient: one answer's peak), then ``--rounds`` rounds of the paper's federation (2 clients a
 round, one shared replica: a client's answer and its fold of the round) are timed. One JSON line
-per dtype: peak RSS after loading and after the rounds, resident memory once loading's freed pages
-are returned (malloc_trim) after loading, once the mapped weight files are paged out, and after
-the rounds (the working set the rounds touched again), hiso's resident and transient bytes,
+per dtype: peak RSS after loading, resident memory once loading's freed pages are returned
+(malloc_trim) after loading, once the mapped weight files are paged out, and after the rounds (the
+working set the rounds touched again), the peak RSS of the rounds alone (VmHWM reset after hiso's
+measuring answer: what a participating client needs, ``hiso plan``'s client memory), the peak RSS
+of the whole process (loading's, as a rule), hiso's resident and transient bytes,
 seconds a round, and the evaluation loss and accuracy after the rounds (--eval-max examples).
 """
 
@@ -30,6 +32,12 @@ def _vm_hwm_mb(key: str = "VmHWM") -> float:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _reset_peak() -> None:
+    """Reset the process's VmHWM to its resident memory now (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _rss_settled_mb() -> float:
@@ -81,10 +89,13 @@ def worker(args) -> None:
     _page_out_weight_files()
     rss_paged = _rss_settled_mb()
     sim.measure_client()
+    _rss_settled_mb()
+    _reset_peak()
     t0 = time.perf_counter()
     for _ in range(args.rounds):
         sim.step()
     per = (time.perf_counter() - t0) / args.rounds
+    rounds_peak = _vm_hwm_mb()
     ev = task.evaluate(sim.model)
     gpu = {"gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20, "gpu_now_mb": torch.cuda.memory_allocated() / 2**20,
            "gpu_name": torch.cuda.get_device_name()} if cuda else {}
@@ -93,7 +104,8 @@ def worker(args) -> None:
                       "seed": args.seed, "rounds": args.rounds, "threads": args.threads, "load_s": load_s,
                       "peak_rss_after_load_mb": rss_load, "rss_after_load_mb": rss_held,
                       "rss_weights_paged_out_mb": rss_paged,
-                      "rss_after_rounds_mb": _rss_settled_mb(), "peak_rss_mb": _vm_hwm_mb(), "s_per_round": per,
+                      "rss_after_rounds_mb": _rss_settled_mb(), "peak_rss_rounds_mb": rounds_peak,
+                      "peak_rss_mb": max(rss_load, rounds_peak), "s_per_round": per,
                       "resident_mb": (sim.cost.resident_bytes or 0) / 2**20,
                       "transient_mb": (sim.cost.transient_bytes or 0) / 2**20,
                       **gpu, **{k: v for k, v in cost.items() if "bytes" in k}, **ev}))
