@@ -12,7 +12,7 @@ from hiso.report.table import build_table
 CLIENTS, SAMPLED = 10, 2  # a round samples a fifth of the clients
 
 
-def _arm(name, acc, bytes_per_round, fwd, bwd, peak):
+def _arm(name, acc, bytes_per_round, fwd, bwd, peak, **config):
     """An arm of one seed evaluated every 10 rounds: ``acc`` at rounds 0, 10, ..., 60; the
     federation's bytes grow by ``bytes_per_round`` a round."""
     rows = [{"round": 10 * i, "eval_acc": a, "bytes_up": 10 * i * bytes_per_round / 2,
@@ -21,8 +21,8 @@ def _arm(name, acc, bytes_per_round, fwd, bwd, peak):
     summary = {"communication_per_client": {"bytes_up_mean": total / 2, "bytes_down_mean": total / 2},
                "client": {"forwards_per_round": fwd, "backwards_per_round": bwd, "s_per_round": 0.1,
                           "peak_bytes": peak}}
-    run = RunResult(Path("."), 0, {"clients": CLIENTS, "sampled": SAMPLED, "rounds": 60, "eval_every": 10},
-                    rows, summary)
+    run = RunResult(Path("."), 0, {"clients": CLIENTS, "sampled": SAMPLED, "rounds": 60, "eval_every": 10,
+                                   **config}, rows, summary)
     return ArmResult(name, name, 0.1, [run])
 
 
@@ -71,7 +71,21 @@ def test_costs_and_pareto_marks_on_a_hand_made_table():
     assert c["decomfl"].forwards_only and not c["ferret"].forwards_only
     lines = to_csv([ref, target]).splitlines()
     assert lines[0].startswith("target,threshold,algorithm,pareto") and len(lines) == 1 + 2 * len(ARMS)
-    assert lines[0].endswith(",forwards_only") and lines[1].endswith(",1")  # decomfl: no backpropagation
+    assert lines[0].endswith(",forwards_only,base_dtype") and lines[1].endswith(",1,")  # decomfl: no backpropagation
+
+
+def test_client_memory_names_its_base_dtype_where_a_run_set_one():
+    """The same method over an int4 and a float32 base: two clients, each memory named by its base;
+    runs that all hold a float32 base (or predate --base-dtype) keep the plain figure."""
+    arms = [_arm("decomfl", [0.1, 0.8], 20, 6, 0, 1.4e9, base_dtype="float32"),
+            _arm("decomfl-int4", [0.1, 0.8], 20, 6, 0, 0.9e9, base_dtype="int4")]
+    ref, = frontiers(build_table(arms, "decomfl", "eval_acc"), arms)
+    md = to_markdown([ref])
+    assert "| 1.4 GB (float32 base) |" in md and "| 900 MB (int4 base) |" in md
+    assert [x.name for x in ref.costs if x.pareto] == ["decomfl-int4"]  # less memory, same rounds and bytes
+    assert to_csv([ref]).splitlines()[2].endswith(",900000000.0,1,int4")
+    plain = to_markdown(frontiers(build_table(ARMS, "decomfl", "eval_acc"), ARMS))
+    assert "base)" not in plain and "| 1 MB |" in plain
 
 
 def test_pareto_ties_and_missing_axes():

@@ -15,7 +15,9 @@ each arm's cost to reach it on four axes, all per client and lower is better:
   rounds to reach, times the share of clients a round samples (m / M): the compute an average
   client spends to get there;
 * **client peak memory**: the resident + transient peak of one client's answer (max over seeds;
-  it does not depend on the target).
+  it does not depend on the target); where an arm's runs held the frozen base in another dtype
+  (``--base-dtype``), each arm's memory names its base (``167 MB (int4 base)``): the same method
+  at another base dtype is another client.
 
 Each arm is also marked by the work its clients do: **forwards only** (zeroth-order clients, the
 memory of inference) or **backprop** (first-order clients), from the measured backpropagations.
@@ -64,6 +66,7 @@ class Cost:
     peak_bytes: float | None
     pareto: bool = False
     forwards_only: bool | None = None  # no backpropagation on a client (None: not measured)
+    base_dtype: str | None = None  # the runs' --base-dtype (None: runs before it, a float32 base)
 
     def axis(self, a: str) -> float | None:
         return getattr(self, a)
@@ -115,7 +118,8 @@ def cost_of(row, runs, select: str, threshold: float, higher: bool, reach=None) 
                 None if rounds is None or any(b is None for b in nbytes) else mean(nbytes),
                 None if rounds is None or fe_round is None else fe_round * rounds * share,
                 row.client_peak_bytes,
-                forwards_only=None if row.client_forwards is None else not row.client_backwards)
+                forwards_only=None if row.client_forwards is None else not row.client_backwards,
+                base_dtype=cfg.get("base_dtype"))
 
 
 def frontiers(table, arms, target: float | None = None) -> list[Frontier]:
@@ -151,14 +155,20 @@ def _work(c: Cost) -> str:
     return {True: "forwards only", False: "backprop", None: "—"}[c.forwards_only]
 
 
+def _memory(c: Cost, by_dtype: bool) -> str:
+    cell = _fmt(c.peak_bytes, "peak_bytes")
+    return f"{cell} ({c.base_dtype or 'float32'} base)" if by_dtype and c.peak_bytes is not None else cell
+
+
 def to_markdown(fronts: list[Frontier]) -> str:
     parts = []
     for f in fronts:
+        by_dtype = any(c.base_dtype not in (None, "float32") for c in f.costs)
         lines = [f"**To {f.label}** (per client; `*`: Pareto-optimal)", "",
                  "| algorithm | client | Pareto | " + " | ".join(AXIS_LABEL[a] for a in AXES) + " |",
                  "|---|---|:---:|" + "---:|" * len(AXES)]
         for c in f.costs:
-            cells = [_fmt(c.axis(a), a) for a in AXES]
+            cells = [_memory(c, by_dtype) if a == "peak_bytes" else _fmt(c.axis(a), a) for a in AXES]
             if c.rounds is None:
                 cells[0] = "not reached" if c.reached == 0 else f"— ({c.reached}/{c.seeds} seeds)"
             lines.append(f"| {display_name(c.name)} | {_work(c)} | {'*' if c.pareto else ''} | "
@@ -178,12 +188,12 @@ def to_csv(fronts: list[Frontier]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["target", "threshold", "algorithm", "pareto", "seeds_reached", "rounds", "bytes_per_client",
-                "client_forward_equivalents", "client_peak_bytes", "forwards_only"])
+                "client_forward_equivalents", "client_peak_bytes", "forwards_only", "base_dtype"])
     for f in fronts:
         for c in f.costs:
             w.writerow([f.label, repr(f.threshold), c.name, int(c.pareto), c.reached,
                         *("" if v is None else v for v in (c.rounds, c.bytes, c.forward_eq, c.peak_bytes)),
-                        "" if c.forwards_only is None else int(c.forwards_only)])
+                        "" if c.forwards_only is None else int(c.forwards_only), c.base_dtype or ""])
     return buf.getvalue()
 
 
