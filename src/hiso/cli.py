@@ -291,7 +291,13 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     size = pl.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=int, help="the model's trainable parameters (d)")
     size.add_argument("--task", help="a built-in task whose model is counted (with --model for the LM tasks)")
+    size.add_argument("--params-model", help="a language model, counted from its structure with its client's "
+                      "memory by --base-dtype: a size (1B, 8B: an assumed Llama-3 shape), a short name, a local "
+                      "directory with a config.json or a hub name")
     pl.add_argument("--model", help="the LM tasks' model name (see hiso run --model)")
+    pl.add_argument("--lora-r", type=int, help="LoRA rank: d is the adapters' (default: full parameters)")
+    pl.add_argument("--base-dtype", choices=("float32", "bfloat16", "int8", "int4"), default="float32",
+                    help="how a LoRA client holds the frozen base, as hiso run's (default: float32)")
     pl.add_argument("--clients", type=int, required=True, help="population (M)")
     pl.add_argument("--sampled", type=int, required=True, help="clients per round (m)")
     pl.add_argument("--rounds", type=int, required=True, help="rounds")

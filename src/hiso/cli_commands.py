@@ -410,9 +410,12 @@ def _stopped_by(e: BaseException) -> int | None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """``hiso plan``: print :func:`hiso.runners.plan.format_plan` for the deployment."""
     from .runners.plan import Deployment, format_plan, plan
+    from .runners.plan_memory import plan_structure, with_memory
 
-    d = args.params
-    if d is None:
+    d, s = args.params, plan_structure(args)
+    if s is not None:
+        d = s.lora if args.lora_r else s.params
+    elif d is None:
         from .tasks.registry import build_task
         opts = {"task": args.task} | ({"model": args.model} if args.model else {})
         model = build_task(RunConfig(**opts)).build_model()
@@ -421,5 +424,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      args.scalar_dtype, args.bandwidth, args.forward_s, args.snapshot_after, args.seed,
                      args.difference, args.ferret_k, args.ferret_blocks, args.sketch_bits, args.seed_pool,
                      args.seed_sampling)
-    print(format_plan(plan([m.strip() for m in args.methods.split(",") if m.strip()], dep), dep))
+    rows = plan([m.strip() for m in args.methods.split(",") if m.strip()], dep)
+    print(format_plan(rows, dep))
+    if s is not None:
+        print(with_memory(rows, s, args.base_dtype, args.lora_r))
     return 0

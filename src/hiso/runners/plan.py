@@ -11,7 +11,8 @@ differences, Ferret's (B, K) record). Compute and memory are arithmetic on the s
 and backwards as the runners count them, directions of d values a client draws (replay at
 :data:`~hiso.core.server.REPLAY_RATE` values a second), the values a client keeps (no
 activations). The server's seconds per round are measured: the protocol's own work while
-planning, plus the fold of a record into its replica at the same rate.
+planning, plus the fold of a record into its replica at the same rate. Given a language model's
+structure (``--params-model``), :mod:`.plan_memory` adds a client's memory by base dtype.
 """
 
 from __future__ import annotations
