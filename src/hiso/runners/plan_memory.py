@@ -37,7 +37,7 @@ BASE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 RUNTIME_PROCESS = 673 * MiB  # the rounds' peak of a client of a tiny LM (tensors < 1 MiB) on SST-2's data:
 # Python with torch, transformers, peft, torchao and bitsandbytes imported (502 MiB alone), the data, the rest
 TOKENIZER_PER_ENTRY = 1280  # bytes per vocabulary entry of a fast tokenizer (Gemma-3's alone: 320 MiB for 262,144)
-TOKENS = 512  # tokens of one packed forward (SST-2 at batch 16)
+PROMPTS, TOKENS = 16, 512  # one forward: 16 prompts of up to 32 tokens (SST-2 at batch 16)
 CUDA_WORKSPACE = 32 * MiB  # cuBLAS' workspace, taken from the allocator on Hopper
 
 
@@ -100,13 +100,18 @@ def base_bytes(s: Structure, dtype: str) -> int:
     raise ValueError(f"base dtype must be one of {', '.join(BASE_DTYPES)}, got {dtype!r}")
 
 
-def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS) -> int:
-    """One answer's transient peak: a forward's activations over ``tokens`` packed tokens (the
-    residual stream, the MLP's two intermediate tensors, one layer's attention scores), plus on a
-    CPU a quantized base's largest weight dequantized to float32, and on CUDA cuBLAS' workspace."""
+def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS, prompts: int = PROMPTS) -> int:
+    """One answer's transient peak: a forward's activations over ``tokens`` tokens (the residual
+    stream, the MLP's two intermediate tensors, one layer's attention scores), plus on CUDA cuBLAS'
+    workspace; on a CPU, an int8 or int4 base's largest weight dequantized to float32, and a
+    bfloat16 base's output head copied once per prompt: torch (2.13) computes the head over each
+    prompt's last position, a strided slice, as a batched matmul that materialises the bfloat16
+    weight ``prompts`` times (SmolLM2-135M: 864 MiB at 16 prompts; float32 takes another path)."""
     act = 4 * tokens * (4 * s.hidden + 3 * s.intermediate) + 4 * s.heads * tokens * tokens
     if device == "cuda":
         return act + CUDA_WORKSPACE
+    if dtype == "bfloat16":
+        return act + 2 * prompts * s.vocab * s.hidden
     return act + (4 * s.largest if dtype in ("int8", "int4") else 0)
 
 
@@ -200,7 +205,7 @@ def format_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None
     how = "quantized, embeddings, norms and the output head float32" if dtype in ("int8", "int4") else dtype
     head[-1] += (f"base {dtype}: {mib(base_bytes(s, dtype))} (linear weights {how}); "
                  f"CPU runtime: the libraries, the tokenizer and the process (measured); transient: a forward over "
-                 f"{TOKENS} tokens; CUDA: the allocator's peak, the CUDA context not in it")
+                 f"{PROMPTS} prompts, {TOKENS} tokens; CUDA: the allocator's peak, the CUDA context not in it")
     return "\n".join(head)
 
 
