@@ -202,8 +202,9 @@ def format_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None
         head.append("  ".join(f"{c:>13}" for c in cells))
     head.append(f"models the resident peak during the rounds, not loading's (with an int8 or int4 base higher: the "
                 f"float32 weights are read before they are quantized); ")
-    how = "quantized, embeddings, norms and the output head float32" if dtype in ("int8", "int4") else dtype
-    head[-1] += (f"base {dtype}: {mib(base_bytes(s, dtype))} (linear weights {how}); "
+    how = ("linear weights quantized, embeddings, norms and the output head float32" if dtype in ("int8", "int4")
+           else f"every weight {dtype}")
+    head[-1] += (f"base {dtype}: {mib(base_bytes(s, dtype))} ({how}); "
                  f"CPU runtime: the libraries, the tokenizer and the process (measured); transient: a forward over "
                  f"{PROMPTS} prompts, {TOKENS} tokens; CUDA: the allocator's peak, the CUDA context not in it")
     return "\n".join(head)
