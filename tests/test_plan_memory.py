@@ -97,3 +97,12 @@ def test_cli_plan_refuses_a_quantized_base_without_lora_or_a_structure(files, ca
         args += ["--params-model", files["tied"]]
     code, _, err = run_cli(args, capsys)
     assert code == 2 and ("needs --lora-r" in err if why else "need the model's structure" in err)
+
+
+def test_cli_plan_counts_a_tasks_model_too(files, capsys):
+    """``--task sst2 --model DIR --lora-r 2``: the same structure, d the adapters', the memory table."""
+    code, out, err = run_cli(["plan", "--task", "sst2", "--model", files["untied"], "--lora-r", "2", "--clients", "6",
+                              "--sampled", "2", "--rounds", "4", "--methods", "decomfl", "--base-dtype", "int8"], capsys)
+    assert code == 0, err
+    s = pm.structure(files["untied"], lora_r=2)
+    assert out.startswith(f"d={s.lora:,} params") and "base int8" in out
