@@ -185,3 +185,19 @@ def test_a_first_order_gradient_through_an_int4_base_is_that_of_its_dequantized_
     g, want = grad(model), grad(plain)
     assert float(want.abs().max()) > 0
     assert torch.allclose(g, want, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_bfloat16_head_reads_a_contiguous_input_and_a_float32_one_is_left_alone(files, dtype):
+    """A strided input to a bfloat16 head copies the head per prompt on a CPU (hiso.tasks.lm_head)."""
+    from hiso.tasks.registry import build_task
+    cfg = load_config(None, task="sst2", model=files["lm"], data_dir=files["sst2"], lora_r=2, base_dtype=dtype,
+                      clients=3, sampled=2, min_size=2, label_words=" terrible, great", pack_sequences=False)
+    task = build_task(cfg)
+    model = task.build_model()
+    seen = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda m, a: seen.append(a[0].is_contiguous()))
+    with torch.no_grad():
+        loss = task.loss(model, task.batch(0, 0, 0, 4))
+    assert seen and bool(torch.isfinite(loss))
+    assert all(seen) if dtype == "bfloat16" else not any(seen)  # float32: transformers' strided slice, as before

@@ -100,18 +100,14 @@ def base_bytes(s: Structure, dtype: str) -> int:
     raise ValueError(f"base dtype must be one of {', '.join(BASE_DTYPES)}, got {dtype!r}")
 
 
-def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS, prompts: int = PROMPTS) -> int:
+def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS) -> int:
     """One answer's transient peak: a forward's activations over ``tokens`` tokens (the residual
     stream, the MLP's two intermediate tensors, one layer's attention scores), plus on CUDA cuBLAS'
-    workspace; on a CPU, an int8 or int4 base's largest weight dequantized to float32, and a
-    bfloat16 base's output head copied once per prompt: torch (2.13) computes the head over each
-    prompt's last position, a strided slice, as a batched matmul that materialises the bfloat16
-    weight ``prompts`` times (SmolLM2-135M: 864 MiB at 16 prompts; float32 takes another path)."""
+    workspace; on a CPU, an int8 or int4 base's largest weight dequantized to float32. (A bfloat16
+    head no longer adds a copy of itself per prompt: :mod:`hiso.tasks.lm_head`.)"""
     act = 4 * tokens * (4 * s.hidden + 3 * s.intermediate) + 4 * s.heads * tokens * tokens
     if device == "cuda":
         return act + CUDA_WORKSPACE
-    if dtype == "bfloat16":
-        return act + 2 * prompts * s.vocab * s.hidden
     return act + (4 * s.largest if dtype in ("int8", "int4") else 0)
 
 

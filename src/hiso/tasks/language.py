@@ -46,6 +46,7 @@ from ..data import partition as partitioners
 from ..data.partition import label_entropy, label_histograms
 from . import lm
 from .base import Task
+from .lm_head import contiguous_head_input
 from .packed_forward import _hidden_size, _packed_logits, packing_pays, packing_works
 from .prompts import _FIELDS, CLASSIFICATION, LANGUAGE_TASKS, QA, _check_template
 from .registry import register_task
@@ -124,6 +125,7 @@ class LanguageTask(Task):
         if self.lora is not None:
             model = lm.add_lora(model, self.lora["r"], self.lora["alpha"], self.lora["targets"],
                                 seed=int(np.random.SeedSequence([_SALT_LORA, self.seed]).generate_state(1)[0]))
+        contiguous_head_input(model)
         if self.pack and self._pack_ok is None:  # here, before any forward (which may run under vmap)
             self._pack_ok = packing_works(model, self.tok)
         return model
