@@ -73,6 +73,11 @@ class ZOConfig:
         return int(self.method.bits) if self.method is not None and self.method.uplink == "codes" else 0
 
     @property
+    def choice(self) -> bool:
+        """Whether clients upload one (index, value) pair per local step (a chosen direction)."""
+        return self.method is not None and self.method.uplink == "choice"
+
+    @property
     def shape(self) -> tuple[int, int]:
         """(tau, P): the shape of a round's seeds and scalars."""
         return (self.local_steps, self.perturbations)

@@ -27,6 +27,9 @@ FeedSign (``Wire.signs``): an uplink's tau*P scalars are signs, packed 8 to a by
 A quantised sketch (``Wire.code_bits`` = b): an uplink's (tau, P) values are b-bit codes with
 one float32 scale per row (:func:`hiso.core.scalars.encode_codes`: 4 tau + ceil(tau*P*b / 8)
 bytes); the loss follows in the scalar dtype's loss format, the downlink is unchanged.
+A chosen direction a step (``Wire.choice``, :mod:`hiso.methods.greedy`): an uplink's (tau, P)
+values have at most one nonzero a row and travel as tau indices (one byte each up to P = 256)
+and tau scalars (:func:`hiso.core.scalars.encode_choices`); the downlink is unchanged.
 
 ``n_retried`` lists the missed rounds that were planned more than once (record j of the
 history has attempt_j > 0; almost never), so a record costs its scalars and nothing else.
@@ -58,7 +61,8 @@ from .history import RoundRecord
 from .join import (FINGERPRINT_BYTES, Hello, Welcome, check_welcome, config_fingerprint, decode_hello,  # noqa: F401
                    decode_welcome, encode_hello, encode_welcome, tensors_fingerprint, welcome_for)
 from .scalars import (SCALAR_BYTES, SCALAR_DTYPES, _check_dtype, block_size, decode_blocks,  # noqa: F401
-                      decode_codes, decode_scalars, encode_blocks, encode_codes, encode_scalars, loss_dtype,
+                      decode_choices, decode_codes, decode_scalars, encode_blocks, encode_choices, encode_codes,
+                      encode_scalars, loss_dtype,
                       pack_signs, packed_signs_size, quantize, unpack_signs)
 from .seeds import MAX_ATTEMPT, MAX_ROUND, round_seeds, seeds_of  # noqa: F401
 from .snapshot import encode_state, load_state, state_size  # noqa: F401
@@ -212,6 +216,11 @@ def encode_uplink(msg: Uplink, wire: Wire | None = None, *, check: bool = True) 
             out += encode_codes(msg.scalars, wire.code_bits, check)
         except ValueError as e:  # values off their grid (FloatingPointError passes through)
             raise ValueError(f"uplink from client {msg.client}: {e}") from None
+    elif wire is not None and wire.choice:
+        try:
+            out += encode_choices(msg.scalars, dtype, check)
+        except ValueError as e:  # a row with two values
+            raise ValueError(f"uplink from client {msg.client}: {e}") from None
     else:
         out += encode_scalars(msg.scalars, dtype, check)
     if msg.loss is not None:  # in the scalar dtype too (monitoring only; bfloat16 beside int8)
@@ -253,6 +262,17 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
             scalars = decode_codes(data, off, wire.tau, wire.P, wire.code_bits)
         except ValueError as e:
             raise MessageError(f"uplink from client {client}: {e}") from None
+        loss = _loss(data, off + nb, wire, client) if has_loss else None
+        return Uplink(client, rnd, scalars, loss, att)
+    if wire.choice:  # one (index, value) pair a row, then the loss
+        nb = wire.uplink_bytes
+        _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
+        try:
+            scalars = decode_choices(data, off, wire.tau, wire.P, wire.dtype)
+        except ValueError as e:
+            raise MessageError(f"uplink from client {client}: {e}") from None
+        if not np.all(np.isfinite(scalars)):
+            raise MessageError(f"uplink from client {client}: non-finite scalar (diverged? lower lr or mu)")
         loss = _loss(data, off + nb, wire, client) if has_loss else None
         return Uplink(client, rnd, scalars, loss, att)
     _end(data, off + wire.record_bytes + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")

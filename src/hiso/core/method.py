@@ -20,9 +20,11 @@ hook                called by, and when
 ``stages``          every replica, once: the chain's stages (step-size stages, then the step
                     stage); a method adds a stage with state of its own or replaces the step
                     (its state is saved in model.pt and checkpoint.pt, sent in snapshots)
-``uplink``          the wire: ``"scalars"`` (the run's scalar dtype), ``"signs"`` (one bit) or
+``uplink``          the wire: ``"scalars"`` (the run's scalar dtype), ``"signs"`` (one bit),
                     ``"codes"`` (b-bit codes with a scale per row of the record, b the
-                    method's ``bits`` field; :func:`hiso.core.scalars.encode_codes`)
+                    method's ``bits`` field; :func:`hiso.core.scalars.encode_codes`) or
+                    ``"choice"`` (each row of the answer has at most one nonzero: its index
+                    and value; :func:`hiso.core.scalars.encode_choices`)
 ==================  ==========================================================================
 
 Everything a method computes must be a pure function of what the protocol gives it (x_r, the
@@ -53,7 +55,7 @@ class Method:
     """DeComFL's round: the ZO estimate on the client, the (robust) mean on the server, the
     chain fold on every replica. Subclass it and override a hook to make another method."""
 
-    uplink: ClassVar[str] = "scalars"  # or "signs", or "codes" (then the method has ``bits``)
+    uplink: ClassVar[str] = "scalars"  # or "signs", "choice", or "codes" (then the method has ``bits``)
 
     def batches(self, cfg) -> int:
         """Minibatches a client's answer takes (one per local step)."""
@@ -90,8 +92,8 @@ def check_method(method: Any) -> Method:
     """``method`` if it is a :class:`Method` (one-line error otherwise)."""
     if not isinstance(method, Method):
         raise TypeError(f"a method must be a hiso.core.method.Method, got {type(method).__name__}")
-    if method.uplink not in ("scalars", "signs", "codes"):
-        raise ValueError(f"a method's uplink must be 'scalars', 'signs' or 'codes', got {method.uplink!r}")
+    if method.uplink not in ("scalars", "signs", "codes", "choice"):
+        raise ValueError(f"a method's uplink must be 'scalars', 'signs', 'codes' or 'choice', got {method.uplink!r}")
     if method.uplink == "codes":
         from .scalars import CODE_BITS
         bits = getattr(method, "bits", None)

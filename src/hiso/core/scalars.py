@@ -321,3 +321,56 @@ def decode_codes(data, off: int, rows: int, cols: int, bits: int) -> np.ndarray:
             raise ValueError(f"codes: an invalid {bits}-bit code")
         codes = (u - L).astype(np.int16)
     return codes_values(scales, codes.reshape(rows, cols))
+
+
+# ------------------------------------------------------------------ one chosen column a row
+#
+# The uplink of a method whose answer keeps one value a row (``uplink = "choice"``: a client
+# that picks one of a step's P directions, :mod:`hiso.methods.greedy`): a (rows, cols) block
+# with at most one nonzero a row travels as the rows' column indices (u8, or u16 little-endian
+# past 256 columns), then the rows' values as one block of the run's scalar dtype. A row of
+# zeros is index 0 with value 0 (the only encoding of it: a decoder refuses a zero at another
+# index, so the same values never have other bytes).
+
+
+def choice_index_bytes(cols: int) -> int:
+    """Bytes of one row's column index: 1 up to 256 columns, else 2."""
+    if not 1 <= cols <= 65536:
+        raise ValueError(f"a choice is one of 1 to 65536 columns, got {cols}")
+    return 1 if cols <= 256 else 2
+
+
+def choices_size(rows: int, cols: int, dtype: str) -> int:
+    """Bytes of a (rows, cols) block as one (index, value) pair a row."""
+    return rows * choice_index_bytes(cols) + block_size(rows, dtype)
+
+
+def encode_choices(x, dtype: str, check: bool = True) -> bytes:
+    """A (rows, cols) block with at most one nonzero a row as its indices and values. Without
+    ``check`` (a lost answer's size, a simulated attacker) a row's largest |value| is kept."""
+    x32 = np.asarray(x, dtype=np.float32)
+    if x32.ndim != 2:
+        raise ValueError(f"choices are for a (rows, cols) block, got shape {x32.shape}")
+    rows, cols = x32.shape
+    nz = x32 != 0  # NaN counts as nonzero
+    if check and np.any(nz.sum(axis=1) > 1):
+        raise ValueError("a choice row has more than one nonzero value")
+    idx = np.argmax(np.where(nz, np.abs(x32), np.float32(-1)), axis=1)  # (NaN counts as the largest)
+    vals = x32[np.arange(rows), idx]
+    kind = "<u1" if choice_index_bytes(cols) == 1 else "<u2"
+    return idx.astype(kind).tobytes() + encode_scalars(vals, dtype, check)
+
+
+def decode_choices(data, off: int, rows: int, cols: int, dtype: str) -> np.ndarray:
+    """A (rows, cols) float32 block from ``data[off:]`` (``choices_size`` bytes); an index past
+    the columns or a zero value at an index other than 0: ValueError."""
+    ib = choice_index_bytes(cols)
+    idx = np.frombuffer(data, "<u1" if ib == 1 else "<u2", rows, off).astype(np.int64)
+    if np.any(idx >= cols):
+        raise ValueError(f"choice: an index past the {cols} columns")
+    vals = decode_scalars(data, off + rows * ib, rows, dtype)
+    if np.any((vals == 0) & (idx != 0)):
+        raise ValueError("choice: a zero value at an index other than 0 (not one an encoder makes)")
+    out = np.zeros((rows, cols), np.float32)
+    out[np.arange(rows), idx] = vals
+    return out

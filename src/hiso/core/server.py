@@ -103,7 +103,8 @@ class Server:
         self._sample_rng = client_sampler(seed)
         # signs: FeedSign's majority vote; code_bits: a quantised sketch's b-bit codes
         code_bits = int(method.bits) if method is not None and method.uplink == "codes" else 0
-        self.wire = Wire(local_steps, perturbations, scalar_dtype, seed, signs, code_bits)
+        choice = method is not None and method.uplink == "choice"  # one (index, value) pair a local step
+        self.wire = Wire(local_steps, perturbations, scalar_dtype, seed, signs, code_bits, choice)
         self.attempt = 0  # how often the current round was planned and abandoned
         self.history: list[RoundRecord] = []  # the kept records: rounds first .. round-1
         self.first = 0

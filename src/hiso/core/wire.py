@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import JoinError, MessageError  # noqa: F401 (defined below both wire and scalars)
-from .scalars import CODE_BITS, SCALAR_BYTES, _check_dtype, block_size, codes_size, loss_dtype, packed_signs_size
+from .scalars import (CODE_BITS, SCALAR_BYTES, _check_dtype, block_size, choices_size, codes_size, loss_dtype,
+                      packed_signs_size)
 from .seeds import round_seeds
 
 VERSION = 2
@@ -66,16 +67,19 @@ class Wire:
     seed: int = 0
     signs: bool = False  # FeedSign: uplink scalars are signs, packed 8 to a byte
     code_bits: int = 0  # a quantised sketch: uplink rows as b-bit codes with a scale each (0: none)
+    choice: bool = False  # uplink rows as one (index, value) pair each (a client keeps one value a row)
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
         if self.code_bits and (self.signs or self.code_bits not in CODE_BITS):
             raise ValueError(f"code_bits must be one of {CODE_BITS} (and not with signs), got {self.code_bits}")
+        if self.choice and (self.signs or self.code_bits):
+            raise ValueError("a choice uplink is neither signs nor codes")
 
     @classmethod
     def of(cls, zo, seed: int) -> "Wire":
         return cls(zo.local_steps, zo.perturbations, getattr(zo, "scalar_dtype", "float32"), seed,
-                   bool(getattr(zo, "signs", False)), int(getattr(zo, "code_bits", 0)))
+                   bool(getattr(zo, "signs", False)), int(getattr(zo, "code_bits", 0)), bool(getattr(zo, "choice", False)))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -97,11 +101,14 @@ class Wire:
 
     @property
     def uplink_bytes(self) -> int:
-        """Bytes of an uplink's tau*P answers (signs, b-bit codes with a scale a row, or scalars)."""
+        """Bytes of an uplink's tau*P answers (signs, b-bit codes with a scale a row, one (index,
+        value) pair a row, or scalars)."""
         if self.signs:
             return packed_signs_size(self.n)
         if self.code_bits:
             return codes_size(self.tau, self.P, self.code_bits)
+        if self.choice:
+            return choices_size(self.tau, self.P, self.dtype)
         return self.record_bytes
 
     @property
