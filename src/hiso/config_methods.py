@@ -33,15 +33,16 @@ class MethodRules:
         return self.method.server_lr if self.method.server_lr is not None else 0.01
 
     def _method_opts_checks(self) -> None:
-        """Type a user's method's options by its fields; a built-in method has none of its own."""
+        """Type a method's options by its Method class's fields (a user's method, or a built-in one
+        written on the contract: conmezo, greedy); the other built-in methods have none of their own."""
         from .methods.options import check_options
-        from .methods.registry import is_user_method, user_method_class
         if not self.method_opts:
             return
-        if not is_user_method(self.algorithm):
+        cls = self.method.option_class
+        if cls is None:
             raise ValueError(f"method_opts: {self.algorithm} has no options of its own (its options are flags: "
                              "hiso run --help); method_opts is for a Method subclass's fields")
-        self.method_opts = check_options(user_method_class(self.algorithm), self.method_opts, self.algorithm)
+        self.method_opts = check_options(cls, self.method_opts, self.algorithm)
 
     def _base_dtype_checks(self) -> None:
         """A base held below float32 is frozen: only LoRA's adapters train (and stay float32)."""

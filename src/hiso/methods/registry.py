@@ -11,7 +11,10 @@ with), ``hiso compare``, the reports, the runners, rebuild, export, resume and t
 * ``options``: the method-specific options it reads (:data:`METHOD_OPTIONS`); one it does not
   read, set to another value than its default, is refused or reported as unused;
 * ``can``: its capabilities (:data:`CAPABILITIES`); an option that needs one it lacks is refused;
-* ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls (None: DeComFL's).
+* ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls (None: DeComFL's);
+* ``cls``: for a method written on the contract (ConMeZO, greedy), its Method class: its
+  dataclass fields are its options (``--method-opt KEY=VALUE``, as a user's method's), and it is
+  built as a user's method is (``from_config``, then the options).
 
 A user's method needs no registration: ``--algorithm module:Class`` (or
 ``path/to/file.py:Class``) names a :class:`hiso.core.method.Method` subclass; its class
@@ -75,6 +78,7 @@ class MethodInfo:
     server_lr: float | None = None  # the server step's default (full-model baselines, ferret)
     server_opt: str | None = None  # the full-model server optimiser (hiso.baselines.server_opt)
     doc: str = ""
+    cls: type | None = field(default=None, compare=False)  # a Method class whose fields are its options
 
     def __post_init__(self) -> None:
         if self.family not in ("scalar", "seed-pool", "full-model"):
@@ -100,6 +104,11 @@ class MethodInfo:
     def has_log(self) -> bool:
         """Whether a run keeps a log its model is rebuilt and resumed from (scalar or seed pool)."""
         return self.family != "full-model"
+
+    @property
+    def option_class(self) -> type | None:
+        """The Method class whose dataclass fields are this method's ``method_opts`` (None: none)."""
+        return self.cls
 
     def reads(self, option: str) -> bool:
         return any(option in METHOD_OPTIONS[g] for g in self.options)
@@ -162,7 +171,20 @@ def _user_method_info(spec: str) -> MethodInfo:
     options = frozenset(getattr(obj, "options", ())) | {"zo_estimate"}
     return MethodInfo(spec, getattr(obj, "display", obj.__name__), "scalar", getattr(obj, "gradient", "zo"),
                       options, frozenset(getattr(obj, "can", ())),
-                      lambda cfg: build_user_method(obj, cfg), doc=(obj.__doc__ or "").strip().split("\n")[0])
+                      lambda cfg: build_user_method(obj, cfg), doc=(obj.__doc__ or "").strip().split("\n")[0], cls=obj)
+
+
+def contract_method(name: str, module: str, cls_name: str) -> MethodInfo:
+    """A built-in method written on the contract as a user's would be: its class's ``display``,
+    ``gradient``, ``options`` and ``can`` are its registry entry, its fields its options."""
+    import importlib
+
+    from .options import build_user_method
+
+    obj = getattr(importlib.import_module(module), cls_name)
+    options = frozenset(getattr(obj, "options", ())) | {"zo_estimate"}
+    return MethodInfo(name, obj.display, "scalar", obj.gradient, options, frozenset(obj.can),
+                      lambda cfg: build_user_method(obj, cfg), doc=(obj.__doc__ or "").strip().split("\n")[0], cls=obj)
 
 
 REFERENCE = "decomfl"  # the paper's baseline: a comparison's default reference arm
