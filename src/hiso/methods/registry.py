@@ -282,3 +282,4 @@ register_method(MethodInfo("fedkrso", "FedKRSO", gradient="first-order", options
                            server_lr=1.0,
                            doc="first-order local steps inside K seeded directions per block, their coefficients on "
                                "the wire"))
+register_method(contract_method("greedy", "hiso.methods.greedy", "Greedy"))
