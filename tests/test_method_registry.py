@@ -95,7 +95,7 @@ def test_every_builtin_method_is_registered_with_what_it_declares():
         info = method_info(name)
         assert info.name == name and info.display
     assert [n for n in method_names() if method_info(n).scalar_only] == ["hiso", "decomfl", "feedsign", "ferret",
-                                                                          "sketch", "fedkrso", "greedy"]
+                                                                          "sketch", "fedkrso", "greedy", "conmezo"]
     assert [n for n in method_names() if not method_info(n).has_log] == ["fedzo", "fedavg", "fedadam", "fedyogi",
                                                                          "fedadagrad"]
 

@@ -283,3 +283,4 @@ register_method(MethodInfo("fedkrso", "FedKRSO", gradient="first-order", options
                            doc="first-order local steps inside K seeded directions per block, their coefficients on "
                                "the wire"))
 register_method(contract_method("greedy", "hiso.methods.greedy", "Greedy"))
+register_method(contract_method("conmezo", "hiso.methods.conmezo", "ConMeZO"))

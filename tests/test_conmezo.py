@@ -1,0 +1,187 @@
+"""ConMeZO: directions in a cone around the replicated momentum m, kept by every replica from the log."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hiso.config import load_config
+from hiso.core import Client, Downlink, ModelState, decode_downlink, encode_downlink
+from hiso.core.messages import encode_state
+from hiso.core.directions import direction
+from hiso.core.seeds import round_seeds
+from hiso.methods import conmezo
+from hiso.runners.simulate import Simulation
+
+from cli_helpers import run_cli
+from conftest import TinyTask
+from seed_method_checks import LinearTask, assert_run_refused, assert_same_model, late_client
+
+
+def _zo(lr=0.05, **kw):
+    opts = kw.pop("method_opts", {})
+    return load_config(None, algorithm="conmezo", task="quadratic", lr=lr, method_opts=opts, **kw).zo()
+
+
+def _m(state) -> list[torch.Tensor]:
+    return state.slots[conmezo.SLOT]
+
+
+# ---------------------------------------------------------------- known answer: two rounds by hand
+
+_C = [(1.0, 0.0), (0.0, 2.0)]  # f_i(w) = c_i . w: the derivative along any z is c_i . z
+
+
+def test_two_rounds_worked_by_hand():
+    theta, beta, lr, mu = 1.0, 0.75, 0.1, 1e-3
+    zo = _zo(lr=lr, perturbations=1, mu=mu, method_opts={"theta": theta, "beta": beta})
+    sim = Simulation(LinearTask(_C), zo, clients_per_round=2, seed=0, mode="faithful", eval_every=100)
+    u = [direction(int(round_seeds(0, r, 0, 1, 1)[0, 0]), [torch.Size([1, 2])])[0].reshape(-1).double().numpy()
+         for r in range(2)]
+    cbar = np.mean(_C, axis=0)  # the round's mean scalar is cbar . z (both clients answer)
+    # round 0, m = 0: a plain direction z_0 = u_0, then m_1 = (1 - beta) g_0 z_0
+    g0 = cbar @ u[0]
+    w1, m1 = -lr * g0 * u[0], (1 - beta) * g0 * u[0]
+    # round 1: z_1 = cos(theta) sqrt(d) m_1 / |m_1| + sin(theta) u_1, d = 2
+    z1 = math.cos(theta) * math.sqrt(2) * m1 / np.linalg.norm(m1) + math.sin(theta) * u[1]
+    g1 = cbar @ z1
+    w2, m2 = w1 - lr * g1 * z1, beta * m1 + (1 - beta) * g1 * z1
+    r0, _ = sim.step()
+    assert r0.scalars[0, 0] == pytest.approx(g0, rel=1e-5)
+    assert _m(sim.state)[0].reshape(-1).tolist() == pytest.approx(m1.tolist(), rel=1e-5)
+    r1, _ = sim.step()
+    # the clients measured the derivative along the cone's z_1, not along u_1
+    assert r1.scalars[0, 0] == pytest.approx(g1, rel=1e-4) and abs(g1 - cbar @ u[1]) > 0.1
+    assert sim.state.params[0].reshape(-1).tolist() == pytest.approx(w2.tolist(), rel=1e-4)
+    assert _m(sim.state)[0].reshape(-1).tolist() == pytest.approx(m2.tolist(), rel=1e-4)
+    assert all(torch.equal(c.state.params[0], sim.state.params[0]) for c in sim.clients.values() if c.state.round == 2)
+
+
+def test_the_cone_direction_has_its_axis_share_and_the_norm_of_u():
+    # d = 10,000: z = c m + b u with |z|^2 ~ d and <z, m/|m|> = cos(theta) sqrt(d) + sin(theta) <u, m/|m|>
+    gen = conmezo  # the helpers a replica and a client share
+    m = [torch.linspace(-1, 1, 6000).reshape(60, 100), torch.ones(4000)]
+    d, theta = 10_000, 1.2
+    c = gen.axis_scale(m, theta)
+    assert c == pytest.approx(math.cos(theta) * math.sqrt(d) / math.sqrt(sum(float((t.double() ** 2).sum()) for t in m)))
+    assert gen.axis_scale([torch.zeros(3)], theta) is None
+    from hiso.core.directions import DirectionGenerator
+    g = DirectionGenerator()
+    z = [conmezo.cone_combine(g, i, t, np.array([7], np.uint64), np.array([1.0], np.float32), t, c,
+                              math.sin(theta)).clone() for i, t in enumerate(m)]
+    flat, mhat = torch.cat([t.reshape(-1) for t in z]).double(), torch.cat([t.reshape(-1) for t in m]).double()
+    mhat = mhat / mhat.norm()
+    along = float(flat @ mhat)
+    assert abs(along - math.cos(theta) * math.sqrt(d)) < 4 * math.sin(theta)  # u's share along m is N(0, 1)-sized
+    assert float(flat.norm() ** 2) == pytest.approx(d, rel=0.05)
+
+
+# ---------------------------------------------------------------- exact replicas, late clients, snapshots
+
+def snapshot_client(sim, task, zo) -> Client:
+    """A client that took part in no round, brought to the server's round by a snapshot downlink
+    (through the bytes): x and m from the snapshot alone."""
+    r = sim.server.round
+    late = Client(99, ModelState(task.build_model(), zo), task.loss, lambda r, k: None)
+    wire = late.join(sim.welcome)
+    data = encode_downlink(Downlink(r, wire.seeds(r), r, (), 0, encode_state(sim.state)), wire)
+    late.catch_up(decode_downlink(data, wire))
+    return late
+
+
+@pytest.mark.parametrize("local_steps, snapshot_after", [(1, 1000), (2, 1000), (1, 4)])
+def test_replicas_and_clients_that_skipped_many_rounds_match_bit_for_bit(local_steps, snapshot_after):
+    zo = _zo(lr=0.02, local_steps=local_steps, perturbations=3)
+    task = TinyTask(num_clients=20)
+    sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,
+                     snapshot_after=snapshot_after)
+    rows = list(sim.run(60))
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    assert max(sim.server.round - c.state.round for c in sim.clients.values()) > 10  # some skipped many rounds
+    assert all(bool(t.abs().sum() > 0) for t in _m(sim.state))
+    sim.sync_all()
+    late = late_client(sim, task, zo) if snapshot_after > 60 else snapshot_client(sim, task, zo)
+    replicas = [c.state for c in sim.clients.values()] + [late.state]
+    assert_same_model(sim.state, replicas)
+    for s in replicas:  # m too: the next round's cone is the same on every replica
+        assert all(torch.equal(a, b) for a, b in zip(_m(s), _m(sim.state)))
+
+
+# ---------------------------------------------------------------- the command line: rebuild, resume, refusals
+
+RUN = ["--task", "quadratic", "--dim", "30", "--clients", "5", "--sampled", "2", "--lr", "0.05",
+       "--eval-every", "2", "--threads", "1", "--algorithm", "conmezo", "--method-opt", "theta=1.3"]
+
+
+def _model(path):
+    return torch.load(path, weights_only=False)
+
+
+def _same(a, b) -> bool:
+    return a["round"] == b["round"] and all(torch.equal(a[part][k], b[part][k]) for part in ("model", "cone")
+                                            for k in a[part])
+
+
+def test_rebuild_and_resume_are_bit_for_bit(tmp_path, capsys):
+    full, short = tmp_path / "full", tmp_path / "short"
+    for d, rounds in ((full, 8), (short, 4)):
+        code, _, err = run_cli(["run", "--quiet", *RUN, "--rounds", str(rounds), "--out", str(d)], capsys)
+        assert code == 0, err
+    code, _, err = run_cli(["run", "--quiet", "--resume", str(short), "--rounds", "8"], capsys)
+    assert code == 0, err
+    assert (short / "history.bin").read_bytes() == (full / "history.bin").read_bytes()
+    a = _model(full / "model.pt")
+    assert set(a) == {"round", "model", "cone"} and _same(a, _model(short / "model.pt"))
+    code, _, err = run_cli(["rebuild", str(full), "--out", str(tmp_path / "re.pt")], capsys)
+    assert code == 0, err
+    assert _same(a, _model(tmp_path / "re.pt"))
+    cfg = json.loads((full / "config.json").read_text())
+    assert cfg["algorithm"] == "conmezo" and cfg["method_opts"] == {"theta": 1.3}
+    # theta is the run's: another value gives another log
+    code, _, err = run_cli(["run", "--quiet", *RUN, "--method-opt", "theta=0.5", "--rounds", "8",
+                            "--out", str(tmp_path / "other")], capsys)
+    assert code == 0, err
+    assert (tmp_path / "other" / "history.bin").read_bytes() != (full / "history.bin").read_bytes()
+
+
+def test_the_uplink_is_p_scalars(tmp_path, capsys):
+    d = tmp_path / "r"
+    code, _, err = run_cli(["run", "--quiet", *RUN, "--clients", "2", "--sampled", "2", "--rounds", "3",
+                            "--out", str(d)], capsys)
+    assert code == 0, err
+    comm = json.loads((d / "summary.json").read_text())["communication_per_client"]
+    # the hello (4 bytes), then 3 uplinks: header 6, P = 5 float32 scalars, the float32 loss: DeComFL's
+    assert comm["bytes_up_mean"] == 4 + 3 * (6 + 5 * 4 + 4)
+
+
+def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatch):
+    from seed_method_checks import assert_serverapp_runs_it_as_the_simulator
+    assert_serverapp_runs_it_as_the_simulator({"algorithm": "conmezo", "method_opts": {"theta": "1.2", "beta": "0.5"}},
+                                             tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+def test_hiso_flower_deploys_it_as_hiso_run_runs_it(tmp_path, capsys):
+    """``hiso flower``: a SuperLink and two SuperNodes as processes; the run is ``hiso run``'s, bit for bit."""
+    pytest.importorskip("flwr", reason="the flower extra is not installed")
+    args = [*RUN, "--clients", "2", "--sampled", "2", "--rounds", "3"]
+    code, _, err = run_cli(["flower", "--nodes", "2", "--round-timeout", "120", "--out", str(tmp_path / "flower"),
+                            *args], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["run", "--quiet", "--out", str(tmp_path / "sim"), *args], capsys)
+    assert code == 0, err
+    assert (tmp_path / "flower" / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()
+    assert _same(_model(tmp_path / "flower" / "model.pt"), _model(tmp_path / "sim" / "model.pt"))
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--method-opt", "theta=2"], "conmezo: theta must be in (0, pi/2] radians, got 2.0"),
+    (["--method-opt", "beta=1"], "conmezo: beta must be in [0, 1), got 1.0"),
+    (["--method-opt", "gamma=1"], "no such option (its options: theta, beta)"),
+    (["--momentum", "0.9"], "momentum is for hiso, decomfl and greedy, not conmezo"),
+    (["--step-norm", "std"], "step_norm is for hiso, decomfl and feedsign, not conmezo"),
+])
+def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):
+    assert_run_refused(tmp_path, capsys, ["--task", "quadratic", "--algorithm", "conmezo", *flags], msg)
