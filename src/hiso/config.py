@@ -50,11 +50,13 @@ class RunConfig(BaseModel, MethodRules):
         "per client-step, majority vote (P = 1, central differences by default); fedkseed: a fixed pool of seed_pool "
         "seeds, (index, scalar) pairs on the wire; ferret: first-order local steps, K projections per block on "
         "the wire; sketch: ferret's projections as b-bit codes; fedkrso: first-order local steps inside K seeded "
-        "directions per block, their K coefficients on the wire; the others send the model); or your own hiso.core.method.Method subclass as module:Class or "
+        "directions per block, their K coefficients on the wire; greedy: the best of P candidate directions a "
+        "step as (index, scalar); conmezo: directions in a cone around a replicated momentum, P scalars; the "
+        "others send the model); or your own hiso.core.method.Method subclass as module:Class or "
         "path/to/file.py:Class"))
     method_opts: dict[str, Any] = Field(default_factory=dict, description=(
-        "your method's own options, the fields of its Method subclass: --method-opt KEY=VALUE (repeatable), a "
-        "[method] table in TOML"))
+        "your method's own options, the fields of its Method subclass (or conmezo's theta and beta): "
+        "--method-opt KEY=VALUE (repeatable), a [method] table in TOML"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
