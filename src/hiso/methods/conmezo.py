@@ -111,8 +111,9 @@ class ConMeZO(Method):
             raise ValueError(f"conmezo: beta must be in [0, 1), got {self.beta}")
 
     def stages(self, chain: list) -> list:
-        """The chain's stages plus m (the fold itself is :meth:`apply_`)."""
-        return [*chain, ConeMomentum()]
+        """m alone: the fold is :meth:`apply_`, so no stage of the chain runs (a run's momentum or
+        step_norm would be dropped, and hiso.methods.honour refuses it by name)."""
+        return [ConeMomentum()]
 
     def _cone(self, state) -> tuple[float | None, float]:
         c = axis_scale(state.slots[SLOT], self.theta)
