@@ -278,8 +278,11 @@ VISION_OPTIONS = {"data_dir", "partition", "alpha", "min_size", "eval_max", "val
 # diverged), Ferret 3e-2 (K = 200, 8 blocks; 1e-1 diverged), sketch 1e-2 (the 1-bit sketch at one
 # local step, the default; 3e-2 diverged; 4 local steps took 4e-2). FedKRSO: Ferret's 3e-2, not its
 # own grid: at one local step (the default) it sends Ferret's numbers and folds Ferret's step.
+# conmezo 1e-3 and greedy 1.5e-3 (P = 5): configs/frontier_cone_mnist.toml's seed-0 grids over 300
+# rounds (docs/results/frontier.md; greedy's 3e-3 peaked and collapsed, conmezo's 1.5e-3 and 2e-3 ended lower).
 # Fashion-MNIST: MNIST's.
-_SEED_LR = {"feedsign": 3e-3, "fedkseed": 1e-3, "ferret": 3e-2, "sketch": 1e-2, "fedkrso": 3e-2}
+_SEED_LR = {"feedsign": 3e-3, "fedkseed": 1e-3, "ferret": 3e-2, "sketch": 1e-2, "fedkrso": 3e-2, "conmezo": 1e-3,
+            "greedy": 1.5e-3}
 register_task("mnist", metrics=VISION_METRICS,
               default_lr={"zo": 2e-3, "decomfl": 1.5e-3, "first-order": 0.1, **_SEED_LR},
               default_partition="dirichlet", validation=True, doc="MNIST digits, the authors' 29k-parameter CNN",
