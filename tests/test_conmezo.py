@@ -146,6 +146,21 @@ def test_rebuild_and_resume_are_bit_for_bit(tmp_path, capsys):
     assert (tmp_path / "other" / "history.bin").read_bytes() != (full / "history.bin").read_bytes()
 
 
+def test_faults_attackers_and_a_robust_rule_fold_like_any_record(tmp_path, capsys):
+    # what it declares (faults, robust, weighted, int8): lost, late, duplicated and damaged answers and a
+    # lying client change which records the server logs, never how a replica folds them
+    d = tmp_path / "f"
+    code, _, err = run_cli(["run", "--quiet", *RUN, "--clients", "8", "--sampled", "4", "--rounds", "10",
+                            "--drop-rate", "0.2", "--late-rate", "0.1", "--duplicate-rate", "0.1", "--corrupt-rate", "0.1",
+                            "--byzantine", "1", "--attack", "scale", "--aggregate", "trimmed-mean", "--trim", "0.25",
+                            "--weighted", "--scalar-dtype", "int8", "--lr", "0.01", "--out", str(d)], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["rebuild", str(d), "--out", str(tmp_path / "re.pt")], capsys)
+    assert code == 0, err
+    assert _same(_model(d / "model.pt"), _model(tmp_path / "re.pt"))
+    assert json.loads((d / "config.json").read_text())["aggregate"] == "trimmed-mean"
+
+
 def test_the_uplink_is_p_scalars(tmp_path, capsys):
     d = tmp_path / "r"
     code, _, err = run_cli(["run", "--quiet", *RUN, "--clients", "2", "--sampled", "2", "--rounds", "3",
