@@ -15,6 +15,8 @@ SHAPES = [  # (algorithm, clients, sampled, rounds, local_steps, dim, options)
     ("ferret", 15, 3, 10, 2, 30, {"ferret_k": 4, "ferret_blocks": 2}),
     ("sketch", 30, 2, 20, 1, 50, {"ferret_k": 8, "ferret_blocks": 3, "sketch_bits": 2, "snapshot_after": 4}),
     ("sketch", 8, 2, 6, 1, 10, {"ferret_k": 5, "ferret_blocks": 1, "scalar_dtype": "sign"}),
+    ("greedy", 30, 2, 20, 2, 50, {"perturbations": 8, "snapshot_after": 4}),  # one (index, scalar) a step up
+    ("conmezo", 30, 2, 20, 1, 50, {"snapshot_after": 4}),  # its snapshots carry m beside x
 ]
 
 

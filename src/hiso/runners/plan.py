@@ -103,11 +103,21 @@ def _full_model(info, cfg, dep: Deployment, times: np.ndarray) -> dict:
             "server_bytes": 8 * d, "server_s": dep.sampled * d / REPLAY_RATE}
 
 
+def _per_tensor_stages(zo) -> int:
+    """The fold's stages that keep a tensor per trainable tensor (a momentum buffer, conmezo's m):
+    each is d more values in a replica and a snapshot."""
+    import torch
+
+    from ..core.chain import stages_of
+    chain = stages_of(zo) if zo.method is None else zo.method.stages(stages_of(zo))
+    return sum(1 for st in chain if st.name is not None and isinstance(st.init([torch.zeros(1)]), list))
+
+
 def _scalar(info, cfg, dep: Deployment) -> dict:
     d, M = dep.params, dep.clients
     zo = cfg.zo()
     tau, P = zo.shape  # Ferret and sketch: (B, K), their SGD steps are cfg.local_steps
-    values = d * (2 if zo.precond is not None else 1)
+    values = d * (1 + (zo.precond is not None) + _per_tensor_stages(zo))
     st: dict = {}
     comm = protocol_traffic(M, dep.sampled, tau, P, dep.rounds, scalar_dtype=zo.scalar_dtype, seed=dep.seed,
                             state_values=values, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth,
@@ -126,7 +136,8 @@ def _scalar(info, cfg, dep: Deployment) -> dict:
         shifts = per * zo_directions(tau, P, zo.difference, tau - 1)
         drawn = st["records"] * tau * P / M + shifts
         client = 4 * values + (4 * d if tau > 1 else 0)  # (+ the local iterate's delta)
-        note = f"P={P}, {zo.difference} differences" + (", one sign bit a step up" if zo.signs else "")
+        note = f"P={P}, {zo.difference} differences" + (", one sign bit a step up" if zo.signs else
+                                                         ", one (index, scalar) a step up" if zo.choice else "")
     return {"up": float(comm.up.mean()), "down": float(comm.down.mean()),
             "join": (st["join_down"] + st["join_up"]) / M, "snapshots": snap,
             "catch_up": float(comm.down.mean()) - snap - st["join_down"] / M,
