@@ -127,7 +127,7 @@ def test_int8_only_for_hiso_and_decomfl():
     from hiso.config import ConfigError, load_config
     load_config(None, task="quadratic", algorithm="decomfl", scalar_dtype="int8")
     for algo in ("fedkseed", "feedsign", "ferret"):
-        with pytest.raises(ConfigError, match="int8 is for hiso, decomfl, sketch and fedkrso"):
+        with pytest.raises(ConfigError, match="int8 is for hiso, decomfl, sketch, fedkrso, greedy and conmezo"):
             load_config(None, task="quadratic", algorithm=algo, scalar_dtype="int8")
     with pytest.raises(ConfigError, match="scalar_dtype"):
         load_config(None, task="quadratic", scalar_dtype="int3")  # (int4, int2 and sign are low-bit formats)

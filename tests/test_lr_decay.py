@@ -93,7 +93,8 @@ def test_config_records_lr_decay_rebuild_reproduces_it_and_full_model_runs_refus
     _, ckpt = rebuild(tmp_path)
     final = torch.load(tmp_path / "model.pt")
     assert all(torch.equal(final["model"][k], v) for k, v in ckpt["model"].items())
-    with pytest.raises(ConfigError, match="lr_decay is for hiso, decomfl, feedsign, ferret, sketch and fedkrso"):
+    with pytest.raises(ConfigError,
+                       match="lr_decay is for hiso, decomfl, feedsign, ferret, sketch, fedkrso, greedy and conmezo"):
         load_config(None, algorithm="fedavg", task="quadratic", lr_decay=5.0)
     with pytest.raises(ConfigError, match="lr_decay"):
         load_config(None, lr_decay=-1.0)
