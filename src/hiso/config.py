@@ -97,7 +97,7 @@ class RunConfig(BaseModel, MethodRules):
         "chosen at round 0 from the initial model (default: a fresh random subset per direction)"))
     scalar_dtype: Literal["float32", "float16", "bfloat16", "int8", "int4", "int2", "sign"] = Field(
         "float32", description=(
-            "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl; 2 bytes for "
+            "number format of the ZO scalars, both directions and in history.bin (hiso, decomfl, conmezo, greedy; 2 bytes for "
             "float16/bfloat16; int8: one byte a scalar plus a float32 scale per message and per history record; "
             "int4, int2 (ternary), sign (1 bit, the scaled sign): that many bits a scalar plus a float32 scale per "
             "message and per record (hiso, decomfl: more perturbations per byte; sketch: its downlink))"))
@@ -134,10 +134,11 @@ class RunConfig(BaseModel, MethodRules):
         "Adam-style bias correction of H's moving average (H_1 is the first statistic, not 0.95 + 0.05 x it) (HiSo)"))
     momentum: float | None = Field(None, gt=0, lt=1, description=(
         "server-side momentum beta on the replayed global update, EMA form m = beta m + (1-beta) ghat (hiso, "
-        "decomfl; default: none)"))
+        "decomfl, greedy; default: none)"))
     lr_decay: float | None = Field(None, gt=0, description=(
         "inverse-time lr decay over rounds: round r steps with lr / (1 + r / lr_decay), half of lr at round "
-        "lr_decay (hiso, decomfl, feedsign; ferret and sketch: their clients' SGD lr; default: constant lr)"))
+        "lr_decay (hiso, decomfl, feedsign, conmezo, greedy; ferret and sketch: their clients' SGD lr; default: "
+        "constant lr)"))
     grad_clip: float | None = Field(None, gt=0, description=(
         "clip each local SGD step's gradient to this L2 norm over the trainable tensors, as torch's "
         "clip_grad_norm_ (ferret, sketch; default: not clipped)"))
