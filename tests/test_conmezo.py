@@ -146,6 +146,26 @@ def test_rebuild_and_resume_are_bit_for_bit(tmp_path, capsys):
     assert (tmp_path / "other" / "history.bin").read_bytes() != (full / "history.bin").read_bytes()
 
 
+def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_run(tmp_path, capsys):
+    import contextlib
+    import io
+
+    from crash_harness import Crash
+    from hiso.cli import main
+    args = [*RUN, "--checkpoint-every", "2", "--quiet"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    code, _, err = run_cli(["run", *args, "--rounds", "6", "--out", str(full)], capsys)
+    assert code == 0, err
+    with Crash(cut, 16) as crash, contextlib.suppress(BaseException), \
+            contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        main(["run", *args, "--rounds", "6", "--out", str(cut)])
+    assert crash.dead, "the run finished before the kill: kill it earlier"
+    code, _, err = run_cli(["run", "--quiet", "--resume", str(cut)], capsys)
+    assert code == 0, err
+    assert (cut / "history.bin").read_bytes() == (full / "history.bin").read_bytes()
+    assert _same(_model(cut / "model.pt"), _model(full / "model.pt"))
+
+
 def test_faults_attackers_and_a_robust_rule_fold_like_any_record(tmp_path, capsys):
     # what it declares (faults, robust, weighted, int8): lost, late, duplicated and damaged answers and a
     # lying client change which records the server logs, never how a replica folds them
