@@ -11,6 +11,7 @@ from hiso.config import load_config
 from hiso.core import Client, Downlink, ModelState, decode_downlink, encode_downlink
 from hiso.core.messages import encode_state
 from hiso.core.directions import direction
+from hiso.core.history import read_history
 from hiso.core.seeds import round_seeds
 from hiso.methods import conmezo
 from hiso.runners.simulate import Simulation
@@ -34,9 +35,10 @@ def _m(state) -> list[torch.Tensor]:
 _C = [(1.0, 0.0), (0.0, 2.0)]  # f_i(w) = c_i . w: the derivative along any z is c_i . z
 
 
-def test_two_rounds_worked_by_hand():
+@pytest.mark.parametrize("difference", ["forward", "central"])
+def test_two_rounds_worked_by_hand(difference):
     theta, beta, lr, mu = 1.0, 0.75, 0.1, 1e-3
-    zo = _zo(lr=lr, perturbations=1, mu=mu, method_opts={"theta": theta, "beta": beta})
+    zo = _zo(lr=lr, perturbations=1, mu=mu, difference=difference, method_opts={"theta": theta, "beta": beta})
     sim = Simulation(LinearTask(_C), zo, clients_per_round=2, seed=0, mode="faithful", eval_every=100)
     u = [direction(int(round_seeds(0, r, 0, 1, 1)[0, 0]), [torch.Size([1, 2])])[0].reshape(-1).double().numpy()
          for r in range(2)]
@@ -164,6 +166,19 @@ def test_a_run_killed_mid_way_resumes_to_the_uninterrupted_run(tmp_path, capsys)
     assert code == 0, err
     assert (cut / "history.bin").read_bytes() == (full / "history.bin").read_bytes()
     assert _same(_model(cut / "model.pt"), _model(full / "model.pt"))
+
+
+def test_the_cone_is_perturbed_alike_in_every_perturb_mode(tmp_path, capsys):
+    # the cone's axis rides as the shifted points' delta: hooks and swap give the same scalars, batched
+    # (one stacked forward) the same up to the rounding of a differently shaped product
+    logs = {}
+    for mode in ("hooks", "swap", "batched"):
+        code, _, err = run_cli(["run", "--quiet", *RUN, "--rounds", "6", "--difference", "central",
+                                "--perturb-mode", mode, "--out", str(tmp_path / mode)], capsys)
+        assert code == 0, err
+        logs[mode] = np.stack([r.scalars for r in read_history(tmp_path / mode / "history.bin")[2]])
+    assert np.abs(logs["hooks"]).max() > 1 and np.array_equal(logs["hooks"], logs["swap"])
+    assert np.allclose(logs["batched"], logs["hooks"], rtol=1e-3, atol=1e-3)
 
 
 def test_faults_attackers_and_a_robust_rule_fold_like_any_record(tmp_path, capsys):
