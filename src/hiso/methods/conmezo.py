@@ -23,8 +23,9 @@ the authors' OPT script's (theta = 1.35, beta = 0.99); their LLM trainer also wa
 save a pass over m; here beta is fixed and |m| exact, so the rule is one function of the log.
 
 Exactness: |m|^2 is summed in float64 from each tensor's float64 squares (exact) by numpy's
-pairwise sum (the order of HiSo's blockwise H: independent of torch's threads); c is computed
-in Python float64 and rounded to float32 once. A local step's direction is
+pairwise sum (the order of HiSo's blockwise H: independent of torch's threads); cos(theta) and
+sin(theta) are rounded to float32 (:func:`trig`), and c is computed in Python float64 and rounded
+to float32 once. A local step's direction is
 fl(b U) + fl(fl(c S) m_i) with U = sum_p c_p u_p the run's replay (c_p = float32(g_p / P)) and
 S = sum_p c_p in float64: every operation one rounding, the same bits on every replica.
 
@@ -70,13 +71,19 @@ def norm(m: list[torch.Tensor]) -> float:
     return math.sqrt(total)
 
 
+def trig(theta: float) -> tuple[float, float]:
+    """cos(theta) and sin(theta) rounded to float32: the C library's values may differ in their last
+    float64 bit between machines, the float32 ones only if they straddle a rounding boundary."""
+    return float(np.float32(math.cos(theta))), float(np.float32(math.sin(theta)))
+
+
 def axis_scale(m: list[torch.Tensor], theta: float) -> float | None:
     """c = cos(theta) sqrt(d) / |m| (float64), or None where m = 0 (plain directions)."""
     n = norm(m)
     if n == 0.0:
         return None
     d = sum(t.numel() for t in m)
-    return math.cos(theta) * math.sqrt(d) / n
+    return trig(theta)[0] * math.sqrt(d) / n
 
 
 def cone_combine(gen, i: int, p: torch.Tensor, seeds: np.ndarray, scalars: np.ndarray,
@@ -117,7 +124,7 @@ class ConMeZO(Method):
 
     def _cone(self, state) -> tuple[float | None, float]:
         c = axis_scale(state.slots[SLOT], self.theta)
-        return c, (1.0 if c is None else math.sin(self.theta))
+        return c, (1.0 if c is None else trig(self.theta)[1])
 
     @torch.no_grad()
     def local_update(self, state, perturber, loss_fn, batches, seeds):
