@@ -63,12 +63,12 @@ def test_two_rounds_worked_by_hand(difference):
 
 def test_the_cone_direction_has_its_axis_share_and_the_norm_of_u():
     # d = 10,000: z = c m + b u with |z|^2 ~ d and <z, m/|m|> = cos(theta) sqrt(d) + sin(theta) <u, m/|m|>
-    gen = conmezo  # the helpers a replica and a client share
     m = [torch.linspace(-1, 1, 6000).reshape(60, 100), torch.ones(4000)]
     d, theta = 10_000, 1.2
-    c = gen.axis_scale(m, theta)
-    assert c == pytest.approx(math.cos(theta) * math.sqrt(d) / math.sqrt(sum(float((t.double() ** 2).sum()) for t in m)))
-    assert gen.axis_scale([torch.zeros(3)], theta) is None
+    c = conmezo.axis_scale(m, theta)  # the helpers a replica and a client share
+    norm = math.sqrt(sum(float((t.double() ** 2).sum()) for t in m))
+    assert c == pytest.approx(math.cos(theta) * math.sqrt(d) / norm)
+    assert conmezo.axis_scale([torch.zeros(3)], theta) is None
     from hiso.core.directions import DirectionGenerator
     g = DirectionGenerator()
     z = [conmezo.cone_combine(g, i, t, np.array([7], np.uint64), np.array([1.0], np.float32), t, c,
@@ -186,7 +186,8 @@ def test_faults_attackers_and_a_robust_rule_fold_like_any_record(tmp_path, capsy
     # lying client change which records the server logs, never how a replica folds them
     d = tmp_path / "f"
     code, _, err = run_cli(["run", "--quiet", *RUN, "--clients", "8", "--sampled", "4", "--rounds", "10",
-                            "--drop-rate", "0.2", "--late-rate", "0.1", "--duplicate-rate", "0.1", "--corrupt-rate", "0.1",
+                            "--drop-rate", "0.2", "--late-rate", "0.1", "--duplicate-rate", "0.1",
+                            "--corrupt-rate", "0.1",
                             "--byzantine", "1", "--attack", "scale", "--aggregate", "trimmed-mean", "--trim", "0.25",
                             "--weighted", "--scalar-dtype", "int8", "--lr", "0.01", "--out", str(d)], capsys)
     assert code == 0, err

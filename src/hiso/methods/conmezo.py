@@ -159,7 +159,8 @@ class ConMeZO(Method):
                 up = delta if c is None else plus
                 down = delta if c is None else minus
                 if cfg.difference == "forward":
-                    shifts = [Shift(gen, None, 0.0, None, delta)] + [Shift(gen, int(s), mu * b, None, up) for s in seeds[k]]
+                    shifts = [Shift(gen, None, 0.0, None, delta)]
+                    shifts += [Shift(gen, int(s), mu * b, None, up) for s in seeds[k]]
                 else:
                     shifts = [Shift(gen, int(s), sign * mu * b, None, up if sign > 0 else down)
                               for s in seeds[k] for sign in (1.0, -1.0)]
