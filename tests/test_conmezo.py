@@ -207,6 +207,17 @@ def test_the_uplink_is_p_scalars(tmp_path, capsys):
     assert comm["bytes_up_mean"] == 4 + 3 * (6 + 5 * 4 + 4)
 
 
+def test_a_clients_resident_memory_counts_m(tmp_path, capsys):
+    resident = {}
+    for alg in ("decomfl", "conmezo"):
+        code, _, err = run_cli(["run", "--quiet", *RUN[:-4], "--algorithm", alg, "--rounds", "2",
+                                "--out", str(tmp_path / alg)], capsys)
+        assert code == 0, err
+        summary = json.loads((tmp_path / alg / "summary.json").read_text())
+        resident[alg], d = summary["client"]["resident_bytes"], summary["parameters"]
+    assert resident["conmezo"] - resident["decomfl"] == 4 * d  # m: a float32 per trainable value
+
+
 def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatch):
     from seed_method_checks import assert_serverapp_runs_it_as_the_simulator
     assert_serverapp_runs_it_as_the_simulator({"algorithm": "conmezo", "method_opts": {"theta": "1.2", "beta": "0.5"}},

@@ -68,8 +68,11 @@ def model_bytes(model: torch.nn.Module, extra: Iterable[torch.Tensor] = ()) -> i
 
 
 def replica_bytes(state) -> int:
-    """Resident bytes of a :class:`~hiso.core.state.ModelState`: its model, H and momentum buffer."""
-    return model_bytes(state.model, [*(state.h or []), *(getattr(state, "m", None) or [])])
+    """Resident bytes of a :class:`~hiso.core.state.ModelState`: its model and every stage's state
+    (H, a momentum buffer, a method's own, e.g. conmezo's m)."""
+    slots = [t for slot in getattr(state, "slots", {}).values()
+             for t in (slot if isinstance(slot, (list, tuple)) else [slot]) if isinstance(t, torch.Tensor)]
+    return model_bytes(state.model, slots)
 
 
 @contextmanager
