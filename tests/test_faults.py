@@ -242,7 +242,8 @@ def test_cli_records_faults_and_reports_them(tmp_path, capsys):
     (["--byzantine", "30", "--clients", "20"], "cannot exceed clients"),
     (["--attack", "flip"], "unknown attack"),
     (["--trim", "0.5"], "trim"),
-    (["--algorithm", "fedavg", "--drop-rate", "0.1"], "seed-and-scalar methods (hiso, decomfl, feedsign, ferret, conmezo), not fedavg"),
+    (["--algorithm", "fedavg", "--drop-rate", "0.1"],
+     "seed-and-scalar methods (hiso, decomfl, feedsign, ferret, fedkrso, conmezo), not fedavg"),
 ])
 def test_bad_reliability_options_are_refused_in_one_line(tmp_path, capsys, args, msg):
     code, _, err = run_cli(["run", "--rounds", "2", *args, "--out", str(tmp_path / "r"), "--quiet"], capsys)
