@@ -141,6 +141,19 @@ def test_rebuild_and_resume_are_bit_for_bit(tmp_path, capsys):
     assert all(torch.equal(a["model"][k], _model(tmp_path / "re.pt")["model"][k]) for k in a["model"])
 
 
+def test_what_it_declares_runs_together_and_rebuilds(tmp_path, capsys):
+    # int8 (the tau values as one block up, the record as one down), server momentum, lr decay, weights
+    d = tmp_path / "r"
+    code, _, err = run_cli(["run", "--quiet", *RUN, "--sampled", "3", "--rounds", "10", "--scalar-dtype", "int8",
+                            "--momentum", "0.5", "--lr-decay", "10", "--weighted", "--out", str(d)], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["rebuild", str(d), "--out", str(tmp_path / "re.pt")], capsys)
+    assert code == 0, err
+    a, b = _model(d / "model.pt"), _model(tmp_path / "re.pt")
+    assert set(a) == {"round", "model", "momentum"}
+    assert all(torch.equal(a[p][k], b[p][k]) for p in ("model", "momentum") for k in a[p])
+
+
 def test_the_uplink_bytes_counted_are_an_index_and_a_scalar(tmp_path, capsys):
     d = tmp_path / "r"
     code, _, err = run_cli(["run", "--quiet", *RUN, "--clients", "2", "--sampled", "2", "--rounds", "3",
