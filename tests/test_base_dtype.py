@@ -82,6 +82,9 @@ def test_the_base_is_held_quantized_and_the_adapters_train_in_float32(files, dty
     w = q.base_layer.weight
     stored = w.dtype if dtype == "int4" else w.__tensor_flatten__()[0] and w.qdata.dtype
     assert stored in (torch.uint8, torch.int8)  # int4: two codes a byte; int8: one
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert emb.qdata.dtype == torch.int8 and emb.scale.shape == (emb.shape[0], 1)  # int8 per row, int4 base too
+    assert head is emb  # the tied head shares the embedding's one quantized tensor
     assert q.lora_A["default"].weight.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
