@@ -204,3 +204,34 @@ def test_a_bfloat16_head_reads_a_contiguous_input_and_a_float32_one_is_left_alon
         loss = task.loss(model, task.batch(0, 0, 0, 4))
     assert seen and bool(torch.isfinite(loss))
     assert all(seen) if dtype == "bfloat16" else not any(seen)  # float32: transformers' strided slice, as before
+
+
+def test_the_int8_embedding_and_head_compute_with_the_dequantized_weight_without_making_it(monkeypatch):
+    """A lookup is the dequantized table's rows exactly (a Gemma-style subclass still scales it);
+    the logits are those of the dequantized head, computed ``HEAD_ROWS`` rows at a time: the whole
+    table is never dequantized (torchao's own embedding and linear would)."""
+    from torchao.quantization import Int8Tensor
+
+    from hiso.tasks import lm
+
+    class Scaled(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 3.0
+
+    g = torch.Generator().manual_seed(0)
+    emb = Scaled(100, 16)
+    torch.nn.init.normal_(emb.weight, generator=g)
+    head = torch.nn.Linear(16, 100, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Module()
+    model.get_input_embeddings, model.get_output_embeddings = (lambda: emb), (lambda: head)
+    lm.quantize_embeddings(model)
+    w = emb.weight
+    assert head.weight is w and isinstance(w, Int8Tensor) and isinstance(emb, Scaled)
+    full = w.dequantize()
+    monkeypatch.setattr(Int8Tensor, "dequantize", lambda *a, **k: pytest.fail("the whole table dequantized"))
+    monkeypatch.setattr(lm, "HEAD_ROWS", 7)  # several blocks, the last one short
+    ids = torch.tensor([[3, 99, 0], [5, 5, 42]])
+    assert torch.equal(emb(ids), full[ids] * 3.0)
+    x = torch.randn(2, 3, 16, generator=g)
+    assert torch.allclose(head(x), x @ full.t(), rtol=1e-6, atol=1e-5)
