@@ -210,7 +210,7 @@ def test_the_int8_embedding_and_head_compute_with_the_dequantized_weight_without
     """A lookup is the dequantized table's rows exactly (a Gemma-style subclass still scales it);
     the logits are those of the dequantized head, computed ``HEAD_ROWS`` rows at a time: the whole
     table is never dequantized (torchao's own embedding and linear would)."""
-    from torchao.quantization import Int8Tensor
+    from torchao.quantization import Int8Tensor, PerRow
 
     from hiso.tasks import lm
 
@@ -225,13 +225,21 @@ def test_the_int8_embedding_and_head_compute_with_the_dequantized_weight_without
     head.weight = emb.weight
     model = torch.nn.Module()
     model.get_input_embeddings, model.get_output_embeddings = (lambda: emb), (lambda: head)
+    whole = Int8Tensor.from_hp(emb.weight.detach(), granularity=PerRow())
+    monkeypatch.setattr(lm, "HEAD_ROWS", 7)  # several blocks, the last one short
     lm.quantize_embeddings(model)
     w = emb.weight
     assert head.weight is w and isinstance(w, Int8Tensor) and isinstance(emb, Scaled)
+    assert all(torch.equal(getattr(w, n), getattr(whole, n)) for n in ("qdata", "scale", "zero_point"))  # by blocks
     full = w.dequantize()
     monkeypatch.setattr(Int8Tensor, "dequantize", lambda *a, **k: pytest.fail("the whole table dequantized"))
-    monkeypatch.setattr(lm, "HEAD_ROWS", 7)  # several blocks, the last one short
     ids = torch.tensor([[3, 99, 0], [5, 5, 42]])
     assert torch.equal(emb(ids), full[ids] * 3.0)
     x = torch.randn(2, 3, 16, generator=g)
-    assert torch.allclose(head(x), x @ full.t(), rtol=1e-6, atol=1e-5)
+    with torch.no_grad():
+        assert torch.allclose(head(x), x @ full.t(), rtol=1e-6, atol=1e-5)  # the reused buffer
+    x.requires_grad_(True)
+    head(x).square().sum().backward()  # a first-order client's path: fresh blocks, kept for the backward
+    want = x.detach().requires_grad_(True)
+    (want @ full.t()).square().sum().backward()
+    assert torch.allclose(x.grad, want.grad, rtol=1e-5, atol=1e-4)
