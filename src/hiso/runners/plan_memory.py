@@ -110,12 +110,17 @@ def base_bytes(s: Structure, dtype: str) -> int:
 def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS) -> int:
     """One answer's transient peak: a forward's activations over ``tokens`` tokens (the residual
     stream, the MLP's two intermediate tensors, one layer's attention scores), plus on CUDA cuBLAS'
-    workspace; on a CPU, an int8 or int4 base's largest weight dequantized to float32. (A bfloat16
-    head no longer adds a copy of itself per prompt: :mod:`hiso.tasks.lm_head`.)"""
+    workspace; on a CPU, an int8 or int4 base's largest weight dequantized to float32 or, if
+    larger, its int8 head's block buffer (:data:`hiso.tasks.lm.HEAD_ROWS` rows in float32) with
+    the logits three times over (the blocks', joined, scaled) for :data:`PROMPTS` prompts. (A
+    bfloat16 head no longer adds a copy of itself per prompt: :mod:`hiso.tasks.lm_head`.)"""
     act = 4 * tokens * (4 * s.hidden + 3 * s.intermediate) + 4 * s.heads * tokens * tokens
     if device == "cuda":
         return act + CUDA_WORKSPACE
-    return act + (4 * s.largest if dtype in ("int8", "int4") else 0)
+    if dtype in ("int8", "int4"):
+        from ..tasks.lm import HEAD_ROWS
+        return act + max(4 * s.largest, 4 * HEAD_ROWS * s.hidden + 3 * 4 * PROMPTS * s.vocab)
+    return act
 
 
 def runtime_bytes(s: Structure, device: str) -> int:
