@@ -12,8 +12,9 @@ no weights are read), the way hiso holds it (:func:`hiso.tasks.lm.base_precision
   absmax per block of 64 and a 16-entry float32 code table per layer.
 
 Under both, the input embedding and the output head are int8 per row as well (one tensor for a
-tied pair: :func:`hiso.tasks.lm.quantize_embeddings`); norms and biases stay float32. The LoRA adapters (r x (in + out) per target linear)
-and the method's state (HiSo's H, a local iterate's delta) are float32, from :mod:`.plan`.
+tied pair: :func:`hiso.tasks.lm.quantize_embeddings`); norms and biases stay float32. The LoRA
+adapters (r x (in + out) per target linear) and the method's state (HiSo's H, a local iterate's
+delta) are float32, from :mod:`.plan`.
 
 On top of the tensors: a CPU client's process runtime (Python, torch, transformers and peft
 imported, the tokenizer, the rest of the process), and one answer's transient peak (the
