@@ -1,7 +1,7 @@
 """The base's evaluation loss and accuracy before training with its input embedding and output
-head held as each quantized base holds them: float32 (hiso before 0.x: neither library quantizes
-them), int8 per row (hiso's choice) and NF4 in blocks of 64 (what an int4 base's linears get;
-simulated: quantized and dequantized back to float32, for the accuracy only).
+head held as each quantized base may hold them: float32 (hiso before issue 56: neither library
+quantizes them), int8 per row (hiso's choice) and NF4 in blocks of 64 (what an int4 base's
+linears get; simulated: quantized and dequantized back to float32, for the accuracy only).
 
     python bench/embed_quant_accuracy.py --data-dir ../shared/data/sst2 --model smollm2-135m --eval-max 200
 

@@ -21,7 +21,7 @@ imported, the tokenizer, the rest of the process), and one answer's transient pe
 activations of a forward; on a CPU a quantized base's dequantized weights). What is modelled is
 the peak resident memory *during the rounds* (``bench/base_dtype.py``'s ``peak_rss_rounds_mb``),
 not loading's: with an int8 or int4 base loading reads the float32 weights before quantizing them
-and peaks higher (SmolLM2-135M int4: 1,351 MiB against the rounds' 947). On CUDA
+and peaks higher (SmolLM2-135M int4: 1,553 MiB against the rounds' 852). On CUDA
 the figure is the allocator's peak (the CUDA context and the host process are not in it).
 The per-item figures below were measured on a 2-core AMD EPYC (torch 2.13, transformers 5.24);
 docs/results/language.md compares the whole estimate with measured peaks.
