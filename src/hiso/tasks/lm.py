@@ -284,11 +284,15 @@ def quantize_embeddings(model: nn.Module) -> nn.Module:
     """Hold ``model``'s input embedding and output head as int8 per row (torchao's weight-only
     format, symmetric: a float32 scale and an int8 zero point a row; one tensor for a tied pair),
     for int8 and int4 bases alike: 4-bit embeddings cost more accuracy (docs/llm.md). The float32
-    tensors they replace are dropped. An embedding with ``max_norm`` stays float32."""
+    tensors they replace are dropped. An embedding with ``max_norm``, and a weight a library has
+    already quantized, are left as they are."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     done: dict[int, nn.Parameter] = {}
     for module, rows in ((emb, Int8RowsEmbedding), (head, Int8RowsHead)):
         if not isinstance(module, rows.__base__) or getattr(module, "max_norm", None) is not None:
+            continue
+        if id(module.weight) not in done and (type(module.weight.data) is not torch.Tensor
+                                              or not module.weight.is_floating_point()):
             continue
         w = module.weight
         if id(w) not in done:
