@@ -243,3 +243,18 @@ def test_the_int8_embedding_and_head_compute_with_the_dequantized_weight_without
     want = x.detach().requires_grad_(True)
     (want @ full.t()).square().sum().backward()
     assert torch.allclose(x.grad, want.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_a_head_a_library_already_quantized_is_left_alone():
+    """An untied head whose weight torchao already holds int8 is not requantized from its codes."""
+    from torchao.quantization import Int8Tensor, PerRow
+
+    from hiso.tasks import lm
+    emb, head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False)
+    held = torch.nn.Parameter(Int8Tensor.from_hp(head.weight.detach(), granularity=PerRow()), requires_grad=False)
+    head.weight = held
+    model = torch.nn.Module()
+    model.get_input_embeddings, model.get_output_embeddings = (lambda: emb), (lambda: head)
+    lm.quantize_embeddings(model)
+    assert head.weight is held and type(head) is torch.nn.Linear
+    assert isinstance(emb.weight, Int8Tensor)
