@@ -258,3 +258,36 @@ def test_a_head_a_library_already_quantized_is_left_alone():
     lm.quantize_embeddings(model)
     assert head.weight is held and type(head) is torch.nn.Linear
     assert isinstance(emb.weight, Int8Tensor)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_run_made_before_the_int8_embedding_rebuilds_and_exports_as_made(files, tmp_path, capsys, dtype):
+    """An int8 or int4 run written by a hiso that held the embedding and head float32 (its
+    config.json has no ``quantize_embedding``) reads as made: it rebuilds bit for bit, exports, and
+    keeps the configuration hash it had; a run with the default (int8 embedding) rebuilds too."""
+    from hiso.compat import HASH_LATER_FIELDS
+    from hiso.config import RunConfig
+    from hiso.runners.runfiles import saved_config
+    old, new = tmp_path / "old", tmp_path / "new"
+    _ok(capsys, _args(files, old, dtype, "--no-quantize-embedding", rounds=2))
+    raw = json.loads((old / "config.json").read_text())
+    assert raw.pop("quantize_embedding") is False
+    (old / "config.json").write_text(json.dumps(raw))  # as an older hiso wrote it
+    assert saved_config(old)[0].quantize_embedding is False
+    _ok(capsys, ["rebuild", str(old), "--out", str(tmp_path / "old.pt")])
+    assert _same(_state(tmp_path / "old.pt"), _state(old / "model.pt"))
+    _ok(capsys, ["export", str(old), "--out", str(tmp_path / "peft"), "--format", "peft"])
+    before = {k: v for k, v in saved_config(old)[0].model_dump().items() if k != "quantize_embedding"}
+    for name in HASH_LATER_FIELDS:  # the hash an older hiso computed, without the field
+        if before.get(name) == RunConfig.model_fields[name].get_default(call_default_factory=True):
+            before.pop(name)
+    import hashlib
+    sha = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+    exported = json.loads((tmp_path / "peft" / "hiso.json").read_text())["config_sha256"]
+    assert exported == sha
+    _ok(capsys, _args(files, new, dtype, rounds=2))
+    assert json.loads((new / "config.json").read_text())["quantize_embedding"] is True
+    _ok(capsys, ["rebuild", str(new), "--out", str(tmp_path / "new.pt")])
+    assert _same(_state(tmp_path / "new.pt"), _state(new / "model.pt"))
+    _ok(capsys, ["export", str(new), "--out", str(tmp_path / "peft-new"), "--format", "peft"])
+    assert json.loads((tmp_path / "peft-new" / "hiso.json").read_text())["config_sha256"] != sha

@@ -185,11 +185,13 @@ def load_tokenizer(name: str, source: str):
     return _loading(name, _tokenizer, source)
 
 
-def load_model(name: str, source: str, base_dtype: str = "float32", device: str = "cpu") -> nn.Module:
+def load_model(name: str, source: str, base_dtype: str = "float32", device: str = "cpu",
+               quantize_embedding: bool = True) -> nn.Module:
     """The model in eval mode (``source`` from :func:`resolve_model`): float32, or its weights held
-    in ``base_dtype`` as they are read (:func:`base_precision`)."""
+    in ``base_dtype`` as they are read (:func:`base_precision`); under int8 and int4 its embedding
+    and head int8 per row too unless ``quantize_embedding`` is false (runs made before: float32)."""
     model = _loading(name, _model, source, **base_precision(base_dtype, device))
-    return quantize_embeddings(model) if base_dtype in ("int8", "int4") else model
+    return quantize_embeddings(model) if quantize_embedding and base_dtype in ("int8", "int4") else model
 
 
 def base_precision(base_dtype: str, device: str = "cpu") -> dict:
