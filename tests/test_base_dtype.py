@@ -82,6 +82,9 @@ def test_the_base_is_held_quantized_and_the_adapters_train_in_float32(files, dty
     w = q.base_layer.weight
     stored = w.dtype if dtype == "int4" else w.__tensor_flatten__()[0] and w.qdata.dtype
     assert stored in (torch.uint8, torch.int8)  # int4: two codes a byte; int8: one
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert emb.qdata.dtype == torch.int8 and emb.scale.shape == (emb.shape[0], 1)  # int8 per row, int4 base too
+    assert head is emb  # the tied head shares the embedding's one quantized tensor
     assert q.lora_A["default"].weight.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
@@ -201,3 +204,90 @@ def test_a_bfloat16_head_reads_a_contiguous_input_and_a_float32_one_is_left_alon
         loss = task.loss(model, task.batch(0, 0, 0, 4))
     assert seen and bool(torch.isfinite(loss))
     assert all(seen) if dtype == "bfloat16" else not any(seen)  # float32: transformers' strided slice, as before
+
+
+def test_the_int8_embedding_and_head_compute_with_the_dequantized_weight_without_making_it(monkeypatch):
+    """A lookup is the dequantized table's rows exactly (a Gemma-style subclass still scales it);
+    the logits are those of the dequantized head, computed ``HEAD_ROWS`` rows at a time: the whole
+    table is never dequantized (torchao's own embedding and linear would)."""
+    from torchao.quantization import Int8Tensor, PerRow
+
+    from hiso.tasks import lm
+
+    class Scaled(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 3.0
+
+    g = torch.Generator().manual_seed(0)
+    emb = Scaled(100, 16)
+    torch.nn.init.normal_(emb.weight, generator=g)
+    head = torch.nn.Linear(16, 100, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Module()
+    model.get_input_embeddings, model.get_output_embeddings = (lambda: emb), (lambda: head)
+    whole = Int8Tensor.from_hp(emb.weight.detach(), granularity=PerRow())
+    monkeypatch.setattr(lm, "HEAD_ROWS", 7)  # several blocks, the last one short
+    lm.quantize_embeddings(model)
+    w = emb.weight
+    assert head.weight is w and isinstance(w, Int8Tensor) and isinstance(emb, Scaled)
+    assert all(torch.equal(getattr(w, n), getattr(whole, n)) for n in ("qdata", "scale", "zero_point"))  # by blocks
+    full = w.dequantize()
+    monkeypatch.setattr(Int8Tensor, "dequantize", lambda *a, **k: pytest.fail("the whole table dequantized"))
+    ids = torch.tensor([[3, 99, 0], [5, 5, 42]])
+    assert torch.equal(emb(ids), full[ids] * 3.0)
+    x = torch.randn(2, 3, 16, generator=g)
+    with torch.no_grad():
+        assert torch.allclose(head(x), x @ full.t(), rtol=1e-6, atol=1e-5)  # the reused buffer
+    x.requires_grad_(True)
+    head(x).square().sum().backward()  # a first-order client's path: fresh blocks, kept for the backward
+    want = x.detach().requires_grad_(True)
+    (want @ full.t()).square().sum().backward()
+    assert torch.allclose(x.grad, want.grad, rtol=1e-5, atol=1e-4)
+
+
+def test_a_head_a_library_already_quantized_is_left_alone():
+    """An untied head whose weight torchao already holds int8 is not requantized from its codes."""
+    from torchao.quantization import Int8Tensor, PerRow
+
+    from hiso.tasks import lm
+    emb, head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False)
+    held = torch.nn.Parameter(Int8Tensor.from_hp(head.weight.detach(), granularity=PerRow()), requires_grad=False)
+    head.weight = held
+    model = torch.nn.Module()
+    model.get_input_embeddings, model.get_output_embeddings = (lambda: emb), (lambda: head)
+    lm.quantize_embeddings(model)
+    assert head.weight is held and type(head) is torch.nn.Linear
+    assert isinstance(emb.weight, Int8Tensor)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_run_made_before_the_int8_embedding_rebuilds_and_exports_as_made(files, tmp_path, capsys, dtype):
+    """An int8 or int4 run written by a hiso that held the embedding and head float32 (its
+    config.json has no ``quantize_embedding``) reads as made: it rebuilds bit for bit, exports, and
+    keeps the configuration hash it had; a run with the default (int8 embedding) rebuilds too."""
+    from hiso.compat import HASH_LATER_FIELDS
+    from hiso.config import RunConfig
+    from hiso.runners.runfiles import saved_config
+    old, new = tmp_path / "old", tmp_path / "new"
+    _ok(capsys, _args(files, old, dtype, "--no-quantize-embedding", rounds=2))
+    raw = json.loads((old / "config.json").read_text())
+    assert raw.pop("quantize_embedding") is False
+    (old / "config.json").write_text(json.dumps(raw))  # as an older hiso wrote it
+    assert saved_config(old)[0].quantize_embedding is False
+    _ok(capsys, ["rebuild", str(old), "--out", str(tmp_path / "old.pt")])
+    assert _same(_state(tmp_path / "old.pt"), _state(old / "model.pt"))
+    _ok(capsys, ["export", str(old), "--out", str(tmp_path / "peft"), "--format", "peft"])
+    before = {k: v for k, v in saved_config(old)[0].model_dump().items() if k != "quantize_embedding"}
+    for name in HASH_LATER_FIELDS:  # the hash an older hiso computed, without the field
+        if before.get(name) == RunConfig.model_fields[name].get_default(call_default_factory=True):
+            before.pop(name)
+    import hashlib
+    sha = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+    exported = json.loads((tmp_path / "peft" / "hiso.json").read_text())["config_sha256"]
+    assert exported == sha
+    _ok(capsys, _args(files, new, dtype, rounds=2))
+    assert json.loads((new / "config.json").read_text())["quantize_embedding"] is True
+    _ok(capsys, ["rebuild", str(new), "--out", str(tmp_path / "new.pt")])
+    assert _same(_state(tmp_path / "new.pt"), _state(new / "model.pt"))
+    _ok(capsys, ["export", str(new), "--out", str(tmp_path / "peft-new"), "--format", "peft"])
+    assert json.loads((tmp_path / "peft-new" / "hiso.json").read_text())["config_sha256"] != sha

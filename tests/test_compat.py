@@ -29,7 +29,8 @@ def test_migrate_gives_an_unversioned_file_the_values_its_run_had():
     raw = {"task": "squad", "task_info": {"max_length": 256}, "max_length": None}
     rest, older = compat.migrate(raw)
     assert "schema" not in rest
-    assert older == {"pack_sequences": False, "directions": "torch-normal", "strip_text": False, "max_length": 256}
+    assert older == {"pack_sequences": False, "directions": "torch-normal", "strip_text": False, "max_length": 256,
+                     "quantize_embedding": False}
     assert compat.migrate({"schema": compat.SCHEMA, "task": "quadratic", "directions": "philox-rademacher"})[1] == {}
     for bad in (0, "2", True):
         with pytest.raises(ValueError, match="schema"):

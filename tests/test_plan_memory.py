@@ -32,7 +32,8 @@ def files(tmp_path_factory):
 @pytest.mark.parametrize("dtype", pm.BASE_DTYPES)
 def test_plan_counts_the_base_as_hiso_holds_it(files, head, dtype):
     """The structure's count (meta device, no weights) equals hiso's own count of the client's
-    model as hiso builds it: quantized linears, float32 embeddings, norms and head, float32 adapters."""
+    model as hiso builds it: quantized linears, an int8 embedding and head (one tensor when tied),
+    float32 norms and adapters."""
     from hiso.runners.client_cost import model_bytes
     from hiso.tasks.registry import build_task
     cfg = load_config(None, task="sst2", model=files[head], data_dir=files["sst2"], lora_r=2, base_dtype=dtype,
@@ -47,7 +48,10 @@ def test_the_quantized_bases_are_smaller_in_the_order_hiso_holds_them(files):
     s = pm.structure(files["untied"])
     sizes = [pm.base_bytes(s, d) for d in pm.BASE_DTYPES]
     assert sizes[0] == 2 * sizes[1] - s.buffer_bytes  # bfloat16: half, buffers float32
-    assert s.other == s.params - s.linear > 0  # the head and embeddings: float32 under int8 and int4
+    assert s.other == s.params - s.linear - s.embed > 0  # the norms: float32 under int8 and int4
+    assert (s.embed, s.embed_rows) == (2 * s.vocab * s.hidden, 2 * s.vocab)  # embedding and untied head: int8
+    tied = pm.structure(files["tied"])
+    assert (tied.embed, tied.embed_rows) == (tied.vocab * tied.hidden, tied.vocab)  # one tensor for the pair
     assert sizes[2] - sizes[3] > 0
 
 

@@ -16,8 +16,10 @@ SCHEMA = 2  # config.json's "schema"; a file without one was written before sche
 # options added later whose default computes differently: option -> (the tasks it applies to, None
 # for every task; the value runs made before it had). A config.json without `directions` predates
 # the option, when torch-normal was the only family, so its run is rebuilt with that family.
+# A config.json without `quantize_embedding` held an int8 or int4 base's embedding and head float32.
+LANGUAGE = {"sst2", "qqp", "squad", "text", "instruct"}
 MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False), "directions": (None, "torch-normal"),
-               "strip_text": ({"sst2", "qqp", "squad"}, False)}
+               "strip_text": ({"sst2", "qqp", "squad"}, False), "quantize_embedding": (LANGUAGE, False)}
 
 # task defaults changed since: task -> (option, its default before), for runs that took the default
 # (None in config.json) when it was the old value (task_info records the value used).
@@ -28,6 +30,12 @@ DEFAULT_BEFORE = {"squad": ("max_length", 256)}
 # (runners.runmodel.config_sha256): at their default they are left out, so older runs keep theirs
 HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares", "grad_clip", "method_opts",
                      "text_column", "label_column", "prompt_column", "response_column", "base_dtype")
+
+# RunConfig fields that count in the configuration's hash only where they change what a run computes
+# from what hiso computed before them (field -> that test on the configuration's values): a run that
+# reads as made before them (MADE_BEFORE), or where they do nothing, keeps the hash it had
+HASH_ONLY_WHERE = {"quantize_embedding": lambda v: v.get("quantize_embedding") is True
+                   and v.get("base_dtype") in ("int8", "int4")}
 
 # a built-in method's place in the protocol fingerprint hiso wrote before methods were plugins
 # (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`

@@ -281,6 +281,9 @@ class RunConfig(BaseModel, MethodRules):
     lora_targets: str = Field("q_proj,v_proj", description="comma-separated module names LoRA adapts")
     base_dtype: Literal["float32", "bfloat16", "int8", "int4"] = Field("float32", description=(
         "language tasks with LoRA: the frozen base's precision (int8 weight-only, int4 NF4); adapters float32"))
+    quantize_embedding: bool = Field(True, description=(
+        "under an int8 or int4 base, hold the input embedding and output head int8 per row (ignored otherwise; "
+        "runs made before this option: false, a float32 embedding and head)"))
     autocast: Literal["auto", "bf16", "none"] = Field("auto", description=(
         "language tasks' precision: bf16 autocast; auto: bf16 only where bf16 matrix units exist"))
     eval_batch_size: int = Field(16, gt=0, description="language tasks: examples per evaluation batch")

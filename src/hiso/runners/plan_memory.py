@@ -7,20 +7,21 @@ no weights are read), the way hiso holds it (:func:`hiso.tasks.lm.base_precision
 
 * ``float32``: every parameter and buffer in 4 bytes; ``bfloat16``: parameters in 2, buffers 4;
 * ``int8`` (torchao weight-only): every ``nn.Linear`` weight but the output head as int8 codes
-  with a float32 scale and an int8 zero point per output row; the rest float32;
+  with a float32 scale and an int8 zero point per output row;
 * ``int4`` (bitsandbytes NF4, blocks of 64): those weights as two codes a byte with a float32
-  absmax per block of 64 and a 16-entry float32 code table per layer; the rest float32.
+  absmax per block of 64 and a 16-entry float32 code table per layer.
 
-Embeddings, norms, biases and the output head stay float32 under int8 and int4 (both libraries
-leave the output head alone, tied or not). The LoRA adapters (r x (in + out) per target linear)
-and the method's state (HiSo's H, a local iterate's delta) are float32, from :mod:`.plan`.
+Under both, the input embedding and the output head are int8 per row as well (one tensor for a
+tied pair: :func:`hiso.tasks.lm.quantize_embeddings`); norms and biases stay float32. The LoRA
+adapters (r x (in + out) per target linear) and the method's state (HiSo's H, a local iterate's
+delta) are float32, from :mod:`.plan`.
 
 On top of the tensors: a CPU client's process runtime (Python, torch, transformers and peft
 imported, the tokenizer, the rest of the process), and one answer's transient peak (the
 activations of a forward; on a CPU a quantized base's dequantized weights). What is modelled is
 the peak resident memory *during the rounds* (``bench/base_dtype.py``'s ``peak_rss_rounds_mb``),
 not loading's: with an int8 or int4 base loading reads the float32 weights before quantizing them
-and peaks higher (SmolLM2-135M int4: 1,351 MiB against the rounds' 947). On CUDA
+and peaks higher (SmolLM2-135M int4: 1,553 MiB against the rounds' 852). On CUDA
 the figure is the allocator's peak (the CUDA context and the host process are not in it).
 The per-item figures below were measured on a 2-core AMD EPYC (torch 2.13, transformers 5.24);
 docs/results/language.md compares the whole estimate with measured peaks.
@@ -50,6 +51,8 @@ class Structure:
     linear: int  # elements of the quantized linear weights (every nn.Linear but the output head)
     rows: int  # their output rows (int8's per-row scale and zero point)
     layers: int  # how many such linears (int4's code table each)
+    embed: int  # elements of the input embedding and an untied output head (int8 per row under int8 and int4)
+    embed_rows: int  # their rows
     buffer_bytes: int  # buffers (rotary frequencies): float32 in every dtype
     lora: int  # adapter parameters at lora_r on the targets (0 without LoRA)
     hidden: int
@@ -61,8 +64,8 @@ class Structure:
 
     @property
     def other(self) -> int:
-        """Parameters that stay float32 under int8 and int4: embeddings, norms, biases, the head."""
-        return self.params - self.linear
+        """Parameters that stay float32 under int8 and int4: norms, biases."""
+        return self.params - self.linear - self.embed
 
 
 def count(config, name: str, lora_r: int | None = None, targets=("q_proj", "v_proj"), note: str = "") -> Structure:
@@ -73,6 +76,10 @@ def count(config, name: str, lora_r: int | None = None, targets=("q_proj", "v_pr
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     head = model.get_output_embeddings()
+    pair = [m for m in (model.get_input_embeddings(), head)
+            if isinstance(m, (torch.nn.Embedding, torch.nn.Linear)) and getattr(m, "max_norm", None) is None]
+    quantized = {id(m.weight): m.weight for m in pair}.values()  # a tied pair once
+    embed, embed_rows = sum(w.numel() for w in quantized), sum(w.shape[0] for w in quantized)
     linear = rows = layers = largest = lora = 0
     for mname, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and m is not head:
@@ -81,7 +88,7 @@ def count(config, name: str, lora_r: int | None = None, targets=("q_proj", "v_pr
             if lora_r and mname.rsplit(".", 1)[-1] in targets:
                 lora += lora_r * (m.in_features + m.out_features)
     text = getattr(config, "text_config", None) or config
-    return Structure(name, sum(p.numel() for p in model.parameters()), linear, rows, layers,
+    return Structure(name, sum(p.numel() for p in model.parameters()), linear, rows, layers, embed, embed_rows,
                      sum(b.numel() * 4 for b in model.buffers()), lora, text.hidden_size,
                      getattr(text, "intermediate_size", 4 * text.hidden_size), text.num_attention_heads,
                      text.vocab_size, largest, note)
@@ -93,22 +100,28 @@ def base_bytes(s: Structure, dtype: str) -> int:
         return 4 * s.params + s.buffer_bytes
     if dtype == "bfloat16":
         return 2 * s.params + s.buffer_bytes
+    embed = s.embed + 5 * s.embed_rows  # int8 per row, under int8 and int4
     if dtype == "int8":
-        return s.linear + 5 * s.rows + 4 * s.other + s.buffer_bytes
+        return s.linear + 5 * s.rows + embed + 4 * s.other + s.buffer_bytes
     if dtype == "int4":
-        return s.linear // 2 + 4 * -(-s.linear // 64) + 64 * s.layers + 4 * s.other + s.buffer_bytes
+        return s.linear // 2 + 4 * -(-s.linear // 64) + 64 * s.layers + embed + 4 * s.other + s.buffer_bytes
     raise ValueError(f"base dtype must be one of {', '.join(BASE_DTYPES)}, got {dtype!r}")
 
 
 def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS) -> int:
     """One answer's transient peak: a forward's activations over ``tokens`` tokens (the residual
     stream, the MLP's two intermediate tensors, one layer's attention scores), plus on CUDA cuBLAS'
-    workspace; on a CPU, an int8 or int4 base's largest weight dequantized to float32. (A bfloat16
-    head no longer adds a copy of itself per prompt: :mod:`hiso.tasks.lm_head`.)"""
+    workspace; on a CPU, an int8 or int4 base's largest weight dequantized to float32 or, if
+    larger, its int8 head's block buffer (:data:`hiso.tasks.lm.HEAD_ROWS` rows in float32) with
+    the logits three times over (the blocks', joined, scaled) for :data:`PROMPTS` prompts. (A
+    bfloat16 head no longer adds a copy of itself per prompt: :mod:`hiso.tasks.lm_head`.)"""
     act = 4 * tokens * (4 * s.hidden + 3 * s.intermediate) + 4 * s.heads * tokens * tokens
     if device == "cuda":
         return act + CUDA_WORKSPACE
-    return act + (4 * s.largest if dtype in ("int8", "int4") else 0)
+    if dtype in ("int8", "int4"):
+        from ..tasks.lm import HEAD_ROWS
+        return act + max(4 * s.largest, 4 * HEAD_ROWS * s.hidden + 3 * 4 * PROMPTS * s.vocab)
+    return act
 
 
 def runtime_bytes(s: Structure, device: str) -> int:
@@ -198,7 +211,8 @@ def format_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None
         head.append("  ".join(f"{c:>13}" for c in cells))
     head.append(f"models the resident peak during the rounds, not loading's (with an int8 or int4 base higher: the "
                 f"float32 weights are read before they are quantized); ")
-    how = ("linear weights quantized, embeddings, norms and the output head float32" if dtype in ("int8", "int4")
+    how = ("linear weights quantized, the embedding and output head int8 per row, norms float32"
+           if dtype in ("int8", "int4")
            else f"every weight {dtype}")
     head[-1] += (f"base {dtype}: {mib(base_bytes(s, dtype))} ({how}); "
                  f"CPU runtime: the libraries, the tokenizer and the process (measured); transient: a forward over "

@@ -68,7 +68,8 @@ class LanguageTask(Task):
                  lora_alpha: float = 16.0, lora_targets: list[str] | tuple[str, ...] = ("q_proj", "v_proj"),
                  autocast: str = "auto", eval_batch_size: int = 16, max_new_tokens: int = 16,
                  pack: bool = True, val_fraction: float = 0.0, strip_text: bool = True,
-                 device: str = "cpu", perturb_mode: str = "hooks", base_dtype: str = "float32"):
+                 device: str = "cpu", perturb_mode: str = "hooks", base_dtype: str = "float32",
+                 quantize_embedding: bool = True):
         super().__init__(num_clients, seed)
         if name not in LANGUAGE_TASKS:
             raise ValueError(f"unknown language task {name!r} (choose from {', '.join(LANGUAGE_TASKS)})")
@@ -98,6 +99,7 @@ class LanguageTask(Task):
         if base_dtype != "float32" and self.lora is None:
             raise ValueError(f"base_dtype {base_dtype} needs LoRA (the base is frozen at that precision)")
         self.base_dtype, self.device = base_dtype, device
+        self.quantize_embedding = bool(quantize_embedding)
         self.model_name = model
         self.source = lm.resolve_model(model)
         self.tok = lm.load_tokenizer(model, self.source)
@@ -121,7 +123,8 @@ class LanguageTask(Task):
     # ------------------------------------------------------------------ model
 
     def _fresh_model(self) -> nn.Module:
-        model = lm.load_model(self.model_name, self.source, self.base_dtype, self.device)
+        model = lm.load_model(self.model_name, self.source, self.base_dtype, self.device,
+                             quantize_embedding=self.quantize_embedding)
         if self.lora is not None:
             model = lm.add_lora(model, self.lora["r"], self.lora["alpha"], self.lora["targets"],
                                 seed=int(np.random.SeedSequence([_SALT_LORA, self.seed]).generate_state(1)[0]))
@@ -399,6 +402,7 @@ def _builder(name: str, cls: type = LanguageTask, extra=lambda cfg: {}):
                             max_new_tokens=cfg.max_new_tokens, pack=cfg.pack_sequences,
                             val_fraction=cfg.val_fraction, strip_text=cfg.strip_text,
                             device=cfg.device, perturb_mode=cfg.perturb_mode, base_dtype=cfg.base_dtype,
+                            quantize_embedding=cfg.quantize_embedding,
                             **extra(cfg))
     return build
 
@@ -410,7 +414,7 @@ def _builder(name: str, cls: type = LanguageTask, extra=lambda cfg: {}):
 _LM_LR = {"zo": 5e-6, "zo+lora": 1e-2, "zo+lora@gemma3-270m": 1e-3}
 _LM_OPTIONS = {"data_dir", "partition", "alpha", "min_size", "eval_max", "val_fraction", "train_max", "model",
                "max_length", "template", "lora_r", "lora_alpha", "lora_targets", "autocast", "eval_batch_size",
-               "pack_sequences", "strip_text", "base_dtype"}
+               "pack_sequences", "strip_text", "base_dtype", "quantize_embedding"}
 for _name, _doc in (("sst2", "SST-2 sentiment, prompt + label words on a causal LM"),
                     ("qqp", "QQP paraphrase, prompt + label words on a causal LM")):
     register_task(_name, metrics={"eval_acc": "max", "eval_loss": "min"}, default_lr=_LM_LR,

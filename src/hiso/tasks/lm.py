@@ -185,10 +185,13 @@ def load_tokenizer(name: str, source: str):
     return _loading(name, _tokenizer, source)
 
 
-def load_model(name: str, source: str, base_dtype: str = "float32", device: str = "cpu") -> nn.Module:
+def load_model(name: str, source: str, base_dtype: str = "float32", device: str = "cpu",
+               quantize_embedding: bool = True) -> nn.Module:
     """The model in eval mode (``source`` from :func:`resolve_model`): float32, or its weights held
-    in ``base_dtype`` as they are read (:func:`base_precision`)."""
-    return _loading(name, _model, source, **base_precision(base_dtype, device))
+    in ``base_dtype`` as they are read (:func:`base_precision`); under int8 and int4 its embedding
+    and head int8 per row too unless ``quantize_embedding`` is false (runs made before: float32)."""
+    model = _loading(name, _model, source, **base_precision(base_dtype, device))
+    return quantize_embeddings(model) if quantize_embedding and base_dtype in ("int8", "int4") else model
 
 
 def base_precision(base_dtype: str, device: str = "cpu") -> dict:
@@ -196,8 +199,9 @@ def base_precision(base_dtype: str, device: str = "cpu") -> dict:
     weight is read (a client's memory never holds the float32 model): ``bfloat16`` weights;
     ``int8`` weight-only (torchao: activations stay float32, so the small loss differences a
     LoRA perturbation makes are not rounded away, as the activation-quantized LLM.int8 would);
-    ``int4`` NF4 in blocks of 64 (bitsandbytes, QLoRA's format, float32 compute). Embeddings and
-    norms stay float32 under int8 and int4. Under LoRA only the adapters train, in float32."""
+    ``int4`` NF4 in blocks of 64 (bitsandbytes, QLoRA's format, float32 compute). Neither library
+    quantizes the input embedding or the output head: :func:`quantize_embeddings` does, after
+    loading. Norms stay float32. Under LoRA only the adapters train, in float32."""
     if base_dtype == "float32":
         return {}
     if base_dtype == "bfloat16":
@@ -211,6 +215,93 @@ def base_precision(base_dtype: str, device: str = "cpu") -> dict:
     else:
         raise ValueError(f"base_dtype must be float32, bfloat16, int8 or int4, got {base_dtype!r}")
     return {"quantization_config": q, "device_map": str(device)}
+
+
+HEAD_ROWS = 4096  # rows of a quantized output head dequantized at a time (Gemma-3-270M: 10 MiB)
+
+
+class Int8RowsEmbedding(nn.Embedding):
+    """An embedding whose weight is int8 per row (torchao ``Int8Tensor``): a lookup gathers the
+    rows it needs and scales them, equal to the dequantized weight's rows, where torchao's own
+    embedding dequantizes the whole table every forward (Gemma-3-270M: 640 MiB)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return w.qdata[ids].to(w.dtype) * w.scale[ids]
+
+
+class Int8RowsHead(nn.Linear):
+    """An output head whose weight is int8 per row: the logits computed ``HEAD_ROWS`` rows at a
+    time, so no float32 copy of the whole head is made (torchao's weight-only linear casts all of
+    it). Without a gradient to keep, the rows are cast into one reused buffer: a fresh block each
+    time grew a CPU process's resident memory by the whole head's float32 size (glibc did not
+    reuse the freed blocks; Gemma-3-270M: +644 MiB). A tied head shares the embedding's tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        flat = x.reshape(-1, x.shape[-1])
+        buf = None if torch.is_grad_enabled() and flat.requires_grad else flat.new_empty(HEAD_ROWS, flat.shape[-1])
+        parts = []
+        for i in range(0, w.qdata.shape[0], HEAD_ROWS):
+            rows = w.qdata[i:i + HEAD_ROWS]
+            block = rows.to(flat.dtype) if buf is None else buf[:rows.shape[0]].copy_(rows)
+            parts.append(flat @ block.t())
+        out = torch.cat(parts, dim=1) * w.scale.reshape(-1)
+        out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], -1)
+
+
+_SWAPPED: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: nn.Module, rows: type) -> None:
+    """Give ``module`` ``rows``' forward beneath its own class (a Gemma embedding still scales what
+    ``super().forward`` returns); one class per pair, so replicas share it."""
+    cls = type(module)
+    if cls is rows.__base__:
+        module.__class__ = rows
+        return
+    if (cls, rows) not in _SWAPPED:
+        _SWAPPED[(cls, rows)] = type(f"{rows.__name__[:8]}{cls.__name__}", (cls, rows), {})
+    module.__class__ = _SWAPPED[(cls, rows)]
+
+
+def _int8_rows(w: torch.Tensor):
+    """``w`` as torchao's int8 per-row ``Int8Tensor``, quantized ``HEAD_ROWS`` rows at a time into
+    tensors allocated once (per-row quantization: the same tensor as at once). All at once, and
+    by blocks kept until joined, both left Gemma-3-270M's loading 1.6 GiB larger."""
+    from torchao.quantization import Int8Tensor, PerRow
+
+    rows, cols = w.shape
+    qdata = torch.empty(rows, cols, dtype=torch.int8, device=w.device)
+    scale, zero = torch.empty(rows, 1, device=w.device), torch.empty(rows, 1, dtype=torch.int8, device=w.device)
+    for i in range(0, rows, HEAD_ROWS):
+        block = Int8Tensor.from_hp(w[i:i + HEAD_ROWS].float(), granularity=PerRow())
+        for out, part in ((qdata, block.qdata), (scale, block.scale), (zero, block.zero_point)):
+            out[i:i + HEAD_ROWS].copy_(part)
+    return Int8Tensor(qdata, scale, [1, cols], torch.float32, zero_point=zero)
+
+
+def quantize_embeddings(model: nn.Module) -> nn.Module:
+    """Hold ``model``'s input embedding and output head as int8 per row (torchao's weight-only
+    format, symmetric: a float32 scale and an int8 zero point a row; one tensor for a tied pair),
+    for int8 and int4 bases alike: 4-bit embeddings cost more accuracy (docs/llm.md). The float32
+    tensors they replace are dropped. An embedding with ``max_norm``, and a weight a library has
+    already quantized, are left as they are."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    done: dict[int, nn.Parameter] = {}
+    for module, rows in ((emb, Int8RowsEmbedding), (head, Int8RowsHead)):
+        if not isinstance(module, rows.__base__) or getattr(module, "max_norm", None) is not None:
+            continue
+        if id(module.weight) not in done and (type(module.weight.data) is not torch.Tensor
+                                              or not module.weight.is_floating_point()):
+            continue
+        w = module.weight
+        if id(w) not in done:
+            done[id(w)] = nn.Parameter(_int8_rows(w.detach()), requires_grad=False)
+        module.weight = done[id(w)]
+        _swap_class(module, rows)
+    return model
 
 
 def frozen_state(model: nn.Module) -> dict[str, torch.Tensor]:

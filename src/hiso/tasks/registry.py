@@ -77,6 +77,7 @@ TASK_OPTIONS = frozenset({
     "data_dir", "partition", "alpha", "min_size", "eval_max", "val_fraction", "train_max",  # data
     "model", "max_length", "template", "label_words", "lora_r", "lora_alpha", "lora_targets", "autocast",
     "eval_batch_size", "max_new_tokens", "pack_sequences", "strip_text", "base_dtype",  # language models
+    "quantize_embedding",
     "text_column", "label_column", "prompt_column", "response_column",  # your own files (text, instruct)
 })
 
