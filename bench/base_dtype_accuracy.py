@@ -4,7 +4,8 @@
 
 Each run is read from its own config.json (model, algorithm, base_dtype), so arm names do not
 matter. Prints one markdown row per model x method x dtype: seeds, accuracy at the last round
-(mean, each seed), its gap to the same method on a float32 base, the best accuracy over the
+(mean, each seed in seed order), its mean gap to the same method on a float32 base over the seeds
+both have, the best accuracy over the
 evaluated rounds, the evaluation loss before training and at the end, and seconds a round. The
 plot draws mean accuracy against rounds, a panel per model x method, a line per dtype.
 """
@@ -29,7 +30,9 @@ def read_runs(roots: list[Path]) -> dict:
             cfg = cfg.get("config", cfg)
             method = cfg["algorithm"] + ("1" if cfg["algorithm"] == "sketch" and cfg.get("sketch_bits") == 1 else "")
             rows = [json.loads(x) for x in (summary.parent / "metrics.jsonl").read_text().splitlines() if x.strip()]
-            runs[(cfg["model"], method, cfg.get("base_dtype", "float32"))].append((rows, json.loads(summary.read_text())))
+            s = json.loads(summary.read_text())
+            s["seed"] = cfg["seed"]
+            runs[(cfg["model"], method, cfg.get("base_dtype", "float32"))].append((rows, s))
     return runs
 
 
@@ -39,15 +42,16 @@ def _evals(rows: list[dict], key: str) -> dict[int, float]:
 
 def table(runs: dict) -> str:
     """The markdown table (mean over the seeds each cell has; gaps against float32's mean)."""
-    out = ["| model | method | base | seeds | accuracy at the last round | gap to float32 | best | eval loss before -> after | s / round |",
-           "|---|---|---|---:|---|---:|---:|---|---:|"]
-    final = {k: statistics.mean(s["final"]["eval_acc"] for _, s in v) for k, v in runs.items()}
+    out = ["| model | method | base | seeds | accuracy at the last round | gap to float32, same seeds | best | "
+           "eval loss before -> after | s / round |", "|---|---|---|---:|---|---:|---:|---|---:|"]
     for key in sorted(runs, key=lambda k: (k[0], k[1], DTYPES.index(k[2]))):
         model, method, dtype = key
-        v = runs[key]
+        v = sorted(runs[key], key=lambda x: x[1]["seed"])
         accs = [s["final"]["eval_acc"] * 100 for _, s in v]
-        ref = final.get((model, method, "float32"))
-        gap = "" if ref is None or dtype == "float32" else f"{(final[key] - ref) * 100:+.1f}"
+        ref = {s["seed"]: s["final"]["eval_acc"] * 100 for _, s in runs.get((model, method, "float32"), [])}
+        pairs = [(s["final"]["eval_acc"] * 100, ref[s["seed"]]) for _, s in v if s["seed"] in ref]
+        gap = "" if not pairs or dtype == "float32" else \
+            f"{statistics.mean(a - b for a, b in pairs):+.1f} ({len(pairs)})"
         loss0 = statistics.mean(_evals(r, "eval_loss").get(0, float("nan")) for r, _ in v)
         loss1 = statistics.mean(s["final"].get("eval_loss", float("nan")) for _, s in v)
         best = statistics.mean(s["best"]["eval_acc"] for _, s in v) * 100
