@@ -91,7 +91,8 @@ def test_the_base_is_held_quantized_and_the_adapters_train_in_float32(files, dty
 
 METHODS = [("hiso", "0.5"), ("decomfl", "0.5"), ("feedsign", "0.05"), ("fedkseed", "0.5"), ("sketch", "0.05"),
            ("ferret", "0.05"), ("fedkrso", "0.05"), ("fedavg", "0.05"), ("conmezo", "0.5"), ("greedy", "0.5"),
-           (str(Path(__file__).resolve().parents[1] / "examples" / "second_moment_method.py") + ":SecondMoment", "0.05")]
+           (str(Path(__file__).resolve().parents[1] / "examples" / "second_moment_method.py") + ":SecondMoment",
+            "0.05")]
 
 
 @pytest.mark.slow
