@@ -198,7 +198,7 @@ def test_default_lr_lookup_algorithm_then_family_then_a_clear_error(monkeypatch)
     got = {alg: load_config(None, algorithm=alg).lr for alg in ALGORITHMS}
     assert got == {"hiso": 0.01, "decomfl": 0.02, "fedzo": 0.01, "fedavg": 0.3, "fedadam": 0.3,
                    "fedyogi": 0.3, "fedadagrad": 0.3, "feedsign": 0.01, "fedkseed": 0.01, "ferret": 0.3,
-                   "sketch": 0.3}
+                   "sketch": 0.3, "fedkrso": 0.3, "greedy": 0.01, "conmezo": 0.01}
     assert load_config(None, algorithm="decomfl", lr=0.7).lr == 0.7  # a given lr always wins
     _set_default_lr(monkeypatch, "quadratic", {})
     with pytest.raises(ConfigError, match="no default lr for hiso on task quadratic.*--lr"):
