@@ -227,9 +227,14 @@ def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s:
         if cut_s > 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "HOLD").write_text(f"{after}\n")
-        run_id = fed.submit(cfg, out, round_timeout=round_timeout)
+        # the join waits long: on a loaded machine the nodes' start (and 3 % of chunks reset) can
+        # outlast the default minute, and a ServerApp that gave up would look like a stall here
+        run_id = fed.submit(cfg, out, round_timeout=round_timeout, wait_nodes_s=600)
         if cut_s > 0:
-            wait_rounds(out, after)
+            try:
+                wait_rounds(out, after)
+            except TimeoutError as e:  # say what the ServerApp said
+                raise TimeoutError(f"{e}\nServerApp log:\n{fed.logs_of(run_id)[-4000:]}") from None
             if netns:
                 _ip("link", "set", netns[-1][1], "down")
             else:
