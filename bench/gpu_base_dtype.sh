@@ -9,7 +9,7 @@
 #   bench/gpu_base_dtype.sh start NAME CONFIG JOBS    unpack /tmp/x/NAME, then `hiso compare` in the background
 #   bench/gpu_base_dtype.sh collect WAIT_S            wait for the compares (at most WAIT_S), pack them into $OUT
 #
-# `start` runs the compare in its own session (setsid), so it goes on while later calls carry the
+# `start` runs the compare in its own session, so it goes on while later calls carry the
 # next model's parts; the machine keeps it while calls follow within its idle release (30 s).
 # The compares resume: a `start` again after a lost machine runs only what is missing. $EXTRA is
 # added to the compare's command line (a check on a CPU: EXTRA="--device cpu --rounds 1").
@@ -51,8 +51,16 @@ EOF
     if [ -f "$X/$name/manifest.json" ] && [ ! -f "$X/$name.unpacked" ]; then
       python3 -m hiso.cli cache unpack "$X/$name" --quiet && touch "$X/$name.unpacked" || exit 1
     fi
-    cd "$X" && setsid nohup python3 -m hiso.cli compare --config "$X/$config" --data-dir "$X/sst2" \
-      --out "$X/runs/$name" --jobs "$jobs" --quiet ${EXTRA:-} > "$X/$name.log" 2>&1 < /dev/null &
+    # a new session with every other descriptor closed: a child holding the tool's pipes would keep
+    # the device call open until its timeout (seen: `setsid nohup ... &` held it 60 s)
+    cd "$X" && python3 - "$X" "$config" "$name" "$jobs" ${EXTRA:-} <<'PY'
+import subprocess, sys
+x, config, name, jobs, *extra = sys.argv[1:]
+cmd = [sys.executable, "-m", "hiso.cli", "compare", "--config", f"{x}/{config}", "--data-dir", f"{x}/sst2",
+       "--out", f"{x}/runs/{name}", "--jobs", jobs, "--quiet", *extra]
+subprocess.Popen(cmd, stdout=open(f"{x}/{name}.log", "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                 start_new_session=True, close_fds=True)
+PY
     sleep 5; echo "started $name: $(pgrep -fc 'hiso.cli compare') compare(s) running"
     ;;
   collect)
