@@ -1,6 +1,7 @@
-"""Checks the seed-based methods' tests share (FeedSign, FedKSeed, Ferret): the linear task their
-two rounds by hand run on, every replica holding the server's model bit for bit, a client that
-skipped every round catching up to it, and a bad setting refused with one line, nothing written."""
+"""Checks the seed-based methods' tests share (FeedSign, FedKSeed, Ferret, FedKRSO, ConMeZO, greedy):
+the linear task their two rounds by hand run on, every replica holding the server's model bit for
+bit, a client that skipped every round catching up to it, a bad setting refused with one line,
+nothing written, and a run resumed, rebuilt and deployed over Flower as `hiso run` ran it."""
 
 import torch
 from torch import nn
@@ -76,3 +77,37 @@ def assert_serverapp_runs_it_as_the_simulator(options: dict, tmp_path, monkeypat
     run_to_dir(cfg, tmp_path / "sim")
     assert _same_model(_load(tmp_path / "flower" / "model.pt"), _load(tmp_path / "sim" / "model.pt"))
     assert (tmp_path / "flower" / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()
+
+
+def load_state(path):
+    """A model.pt / checkpoint / rebuild file as saved (round, model, the stages' state)."""
+    return torch.load(path, weights_only=False)
+
+
+def resumed_and_rebuilt(run: list, tmp_path, capsys, rounds: int = 8):
+    """``hiso run RUN`` for ``rounds`` rounds (in ``tmp_path/full``), the same stopped at half and
+    resumed (``tmp_path/short``; the two logs asserted byte for byte) and ``hiso rebuild`` of the
+    first: their saved states (full, resumed, rebuilt)."""
+    full, short = tmp_path / "full", tmp_path / "short"
+    for d, n in ((full, rounds), (short, rounds // 2)):
+        code, _, err = run_cli(["run", "--quiet", *run, "--rounds", str(n), "--out", str(d)], capsys)
+        assert code == 0, err
+    code, _, err = run_cli(["run", "--quiet", "--resume", str(short), "--rounds", str(rounds)], capsys)
+    assert code == 0, err
+    assert (short / "history.bin").read_bytes() == (full / "history.bin").read_bytes()
+    code, _, err = run_cli(["rebuild", str(full), "--out", str(tmp_path / "re.pt")], capsys)
+    assert code == 0, err
+    return load_state(full / "model.pt"), load_state(short / "model.pt"), load_state(tmp_path / "re.pt")
+
+
+def flower_and_run(run: list, tmp_path, capsys):
+    """``hiso flower`` (a SuperLink and two SuperNodes as processes) and ``hiso run`` of ``run``
+    with 2 clients, both sampled, 3 rounds: the logs asserted byte for byte; their saved states."""
+    args = [*run, "--clients", "2", "--sampled", "2", "--rounds", "3"]
+    code, _, err = run_cli(["flower", "--nodes", "2", "--round-timeout", "120", "--out", str(tmp_path / "flower"),
+                            *args], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["run", "--quiet", "--out", str(tmp_path / "sim"), *args], capsys)
+    assert code == 0, err
+    assert (tmp_path / "flower" / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()
+    return load_state(tmp_path / "flower" / "model.pt"), load_state(tmp_path / "sim" / "model.pt")

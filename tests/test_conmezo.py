@@ -127,18 +127,11 @@ def _same(a, b) -> bool:
 
 
 def test_rebuild_and_resume_are_bit_for_bit(tmp_path, capsys):
-    full, short = tmp_path / "full", tmp_path / "short"
-    for d, rounds in ((full, 8), (short, 4)):
-        code, _, err = run_cli(["run", "--quiet", *RUN, "--rounds", str(rounds), "--out", str(d)], capsys)
-        assert code == 0, err
-    code, _, err = run_cli(["run", "--quiet", "--resume", str(short), "--rounds", "8"], capsys)
-    assert code == 0, err
-    assert (short / "history.bin").read_bytes() == (full / "history.bin").read_bytes()
-    a = _model(full / "model.pt")
-    assert set(a) == {"round", "model", "cone"} and _same(a, _model(short / "model.pt"))
-    code, _, err = run_cli(["rebuild", str(full), "--out", str(tmp_path / "re.pt")], capsys)
-    assert code == 0, err
-    assert _same(a, _model(tmp_path / "re.pt"))
+    from seed_method_checks import resumed_and_rebuilt
+    full = tmp_path / "full"
+    a, resumed, rebuilt = resumed_and_rebuilt(RUN, tmp_path, capsys)
+    assert set(a) == {"round", "model", "cone"} and _same(a, resumed)
+    assert _same(a, rebuilt)
     cfg = json.loads((full / "config.json").read_text())
     assert cfg["algorithm"] == "conmezo" and cfg["method_opts"] == {"theta": 1.3}
     # theta is the run's: another value gives another log
@@ -228,14 +221,8 @@ def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatc
 def test_hiso_flower_deploys_it_as_hiso_run_runs_it(tmp_path, capsys):
     """``hiso flower``: a SuperLink and two SuperNodes as processes; the run is ``hiso run``'s, bit for bit."""
     pytest.importorskip("flwr", reason="the flower extra is not installed")
-    args = [*RUN, "--clients", "2", "--sampled", "2", "--rounds", "3"]
-    code, _, err = run_cli(["flower", "--nodes", "2", "--round-timeout", "120", "--out", str(tmp_path / "flower"),
-                            *args], capsys)
-    assert code == 0, err
-    code, _, err = run_cli(["run", "--quiet", "--out", str(tmp_path / "sim"), *args], capsys)
-    assert code == 0, err
-    assert (tmp_path / "flower" / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()
-    assert _same(_model(tmp_path / "flower" / "model.pt"), _model(tmp_path / "sim" / "model.pt"))
+    from seed_method_checks import flower_and_run
+    assert _same(*flower_and_run(RUN, tmp_path, capsys))
 
 
 @pytest.mark.parametrize("flags, msg", [

@@ -127,18 +127,10 @@ def _model(path):
 
 
 def test_rebuild_and_resume_are_bit_for_bit(tmp_path, capsys):
-    full, short = tmp_path / "full", tmp_path / "short"
-    for d, rounds in ((full, 8), (short, 4)):
-        code, _, err = run_cli(["run", "--quiet", *RUN, "--rounds", str(rounds), "--out", str(d)], capsys)
-        assert code == 0, err
-    code, _, err = run_cli(["run", "--quiet", "--resume", str(short), "--rounds", "8"], capsys)
-    assert code == 0, err
-    assert (short / "history.bin").read_bytes() == (full / "history.bin").read_bytes()
-    a, b = _model(full / "model.pt"), _model(short / "model.pt")
+    from seed_method_checks import resumed_and_rebuilt
+    a, b, rebuilt = resumed_and_rebuilt(RUN, tmp_path, capsys)
     assert a["round"] == b["round"] == 8 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    code, _, err = run_cli(["rebuild", str(full), "--out", str(tmp_path / "re.pt")], capsys)
-    assert code == 0, err
-    assert all(torch.equal(a["model"][k], _model(tmp_path / "re.pt")["model"][k]) for k in a["model"])
+    assert all(torch.equal(a["model"][k], rebuilt["model"][k]) for k in a["model"])
 
 
 def test_what_it_declares_runs_together_and_rebuilds(tmp_path, capsys):
@@ -175,14 +167,8 @@ def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatc
 def test_hiso_flower_deploys_it_as_hiso_run_runs_it(tmp_path, capsys):
     """``hiso flower``: a SuperLink and two SuperNodes as processes; the run is ``hiso run``'s, bit for bit."""
     pytest.importorskip("flwr", reason="the flower extra is not installed")
-    args = [*RUN, "--clients", "2", "--sampled", "2", "--rounds", "3"]
-    code, _, err = run_cli(["flower", "--nodes", "2", "--round-timeout", "120", "--out", str(tmp_path / "flower"),
-                            *args], capsys)
-    assert code == 0, err
-    code, _, err = run_cli(["run", "--quiet", "--out", str(tmp_path / "sim"), *args], capsys)
-    assert code == 0, err
-    assert (tmp_path / "flower" / "history.bin").read_bytes() == (tmp_path / "sim" / "history.bin").read_bytes()
-    a, b = _model(tmp_path / "flower" / "model.pt"), _model(tmp_path / "sim" / "model.pt")
+    from seed_method_checks import flower_and_run
+    a, b = flower_and_run(RUN, tmp_path, capsys)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
