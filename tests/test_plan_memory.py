@@ -29,19 +29,19 @@ def files(tmp_path_factory):
 
 
 @pytest.mark.parametrize("head", ["tied", "untied"])
-@pytest.mark.parametrize("dtype", pm.BASE_DTYPES)
-def test_plan_counts_the_base_as_hiso_holds_it(files, head, dtype):
+@pytest.mark.parametrize("dtype,qe", [(d, True) for d in pm.BASE_DTYPES] + [("int8", False), ("int4", False)])
+def test_plan_counts_the_base_as_hiso_holds_it(files, head, dtype, qe):
     """The structure's count (meta device, no weights) equals hiso's own count of the client's
-    model as hiso builds it: quantized linears, an int8 embedding and head (one tensor when tied),
-    float32 norms and adapters."""
+    model as hiso builds it: quantized linears, an int8 embedding and head (one tensor when tied;
+    float32 with --no-quantize-embedding), float32 norms and adapters."""
     from hiso.runners.client_cost import model_bytes
     from hiso.tasks.registry import build_task
     cfg = load_config(None, task="sst2", model=files[head], data_dir=files["sst2"], lora_r=2, base_dtype=dtype,
-                      clients=3, sampled=2, min_size=2, label_words=" terrible, great")
+                      quantize_embedding=qe, clients=3, sampled=2, min_size=2, label_words=" terrible, great")
     model = build_task(cfg).build_model()
     s = pm.structure(files[head], lora_r=2)
     assert s.lora == sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert pm.base_bytes(s, dtype) + 4 * s.lora == model_bytes(model)
+    assert pm.base_bytes(s, dtype, qe) + 4 * s.lora == model_bytes(model)
 
 
 def test_the_quantized_bases_are_smaller_in_the_order_hiso_holds_them(files):
@@ -91,6 +91,13 @@ def test_cli_plan_prints_client_memory_by_base_dtype(files, capsys):
     hiso, decomfl = (line.split() for line in table.splitlines() if line.strip().startswith(("hiso ", "decomfl ")))
     held = pm.base_bytes(s, "int4") + 4 * s.lora
     assert decomfl[1] == f"{held / pm.MiB:,.0f}" and hiso[1] == f"{(held + 4 * s.lora) / pm.MiB:,.0f}"  # + H
+    code, out, err = _plan(files, capsys, "--lora-r", "2", "--base-dtype", "int4", "--no-quantize-embedding")
+    assert code == 0, err
+    table = out[out.index("client memory at the peak of a round"):]
+    decomfl = next(line.split() for line in table.splitlines() if line.strip().startswith("decomfl "))
+    assert "embedding and output head float32" in table
+    assert decomfl[1] == f"{(pm.base_bytes(s, 'int4', False) + 4 * s.lora) / pm.MiB:,.0f}"
+    assert pm.base_bytes(s, "int4", False) > pm.base_bytes(s, "int4")
 
 
 @pytest.mark.parametrize("bad,why", [(["--base-dtype", "int4"], "needs --lora-r"),

@@ -298,6 +298,8 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     pl.add_argument("--lora-r", type=int, help="LoRA rank: d is the adapters' (default: full parameters)")
     pl.add_argument("--base-dtype", choices=("float32", "bfloat16", "int8", "int4"), default="float32",
                     help="how a LoRA client holds the frozen base, as hiso run's (default: float32)")
+    pl.add_argument("--quantize-embedding", action=argparse.BooleanOptionalAction, default=True,
+                    help="under --base-dtype int8/int4, the embedding and head int8 per row, as hiso run's (default: on)")
     pl.add_argument("--clients", type=int, required=True, help="population (M)")
     pl.add_argument("--sampled", type=int, required=True, help="clients per round (m)")
     pl.add_argument("--rounds", type=int, required=True, help="rounds")

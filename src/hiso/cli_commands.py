@@ -427,5 +427,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = plan([m.strip() for m in args.methods.split(",") if m.strip()], dep)
     print(format_plan(rows, dep))
     if s is not None:
-        print(with_memory(rows, s, args.base_dtype, args.lora_r))
+        print(with_memory(rows, s, args.base_dtype, args.lora_r, args.quantize_embedding))
     return 0

@@ -94,13 +94,14 @@ def count(config, name: str, lora_r: int | None = None, targets=("q_proj", "v_pr
                      text.vocab_size, largest, note)
 
 
-def base_bytes(s: Structure, dtype: str) -> int:
-    """Bytes of the frozen base held in ``dtype`` (the adapters not included)."""
+def base_bytes(s: Structure, dtype: str, quantize_embedding: bool = True) -> int:
+    """Bytes of the frozen base held in ``dtype`` (the adapters not included); under int8 and int4
+    the embedding and head are int8 per row unless ``quantize_embedding`` is False (float32)."""
     if dtype == "float32":
         return 4 * s.params + s.buffer_bytes
     if dtype == "bfloat16":
         return 2 * s.params + s.buffer_bytes
-    embed = s.embed + 5 * s.embed_rows  # int8 per row, under int8 and int4
+    embed = s.embed + 5 * s.embed_rows if quantize_embedding else 4 * s.embed
     if dtype == "int8":
         return s.linear + 5 * s.rows + embed + 4 * s.other + s.buffer_bytes
     if dtype == "int4":
@@ -108,7 +109,8 @@ def base_bytes(s: Structure, dtype: str) -> int:
     raise ValueError(f"base dtype must be one of {', '.join(BASE_DTYPES)}, got {dtype!r}")
 
 
-def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS) -> int:
+def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS,
+                    quantize_embedding: bool = True) -> int:
     """One answer's transient peak: a forward's activations over ``tokens`` tokens (the residual
     stream, the MLP's two intermediate tensors, one layer's attention scores), plus on CUDA cuBLAS'
     workspace; on a CPU, an int8 or int4 base's largest weight dequantized to float32 or, if
@@ -120,7 +122,8 @@ def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS)
         return act + CUDA_WORKSPACE
     if dtype in ("int8", "int4"):
         from ..tasks.lm import HEAD_ROWS
-        return act + max(4 * s.largest, 4 * HEAD_ROWS * s.hidden + 3 * 4 * PROMPTS * s.vocab)
+        head = 4 * HEAD_ROWS * s.hidden + 3 * 4 * PROMPTS * s.vocab if quantize_embedding else 0
+        return act + max(4 * s.largest, head)
     return act
 
 
@@ -185,18 +188,19 @@ def structure(model: str, lora_r: int | None = None, targets=("q_proj", "v_proj"
     return count(cfg, model, lora_r, targets)
 
 
-def client_memory(s: Structure, dtype: str, state_bytes: float, lora: bool) -> dict:
+def client_memory(s: Structure, dtype: str, state_bytes: float, lora: bool, quantize_embedding: bool = True) -> dict:
     """A client's peak during a round, by part, on CPU and CUDA: ``held`` (the base at ``dtype``
     with LoRA, plus ``state_bytes``: the values the method keeps, trainable model included)."""
-    held = (base_bytes(s, dtype) if lora else 0) + int(state_bytes)
+    held = (base_bytes(s, dtype, quantize_embedding) if lora else 0) + int(state_bytes)
     out = {"held": held}
     for dev in ("cpu", "cuda"):
-        tr, rt = transient_bytes(s, dtype, dev), runtime_bytes(s, dev)
+        tr, rt = transient_bytes(s, dtype, dev, quantize_embedding=quantize_embedding), runtime_bytes(s, dev)
         out |= {f"{dev}_transient": tr, f"{dev}_runtime": rt, f"{dev}_total": held + tr + rt}
     return out
 
 
-def format_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None) -> str:
+def format_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None,
+                  quantize_embedding: bool = True) -> str:
     """``hiso plan``'s client-memory table (rows: :func:`hiso.runners.plan.plan`'s, with ``memory``)."""
     mib = lambda x: f"{x / MiB:,.0f} MiB"  # noqa: E731
     what = f"LoRA r={lora_r} ({s.lora:,} trainable)" if lora_r else "full parameters"
@@ -211,10 +215,10 @@ def format_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None
         head.append("  ".join(f"{c:>13}" for c in cells))
     head.append(f"models the resident peak during the rounds, not loading's (with an int8 or int4 base higher: the "
                 f"float32 weights are read before they are quantized); ")
-    how = ("linear weights quantized, the embedding and output head int8 per row, norms float32"
-           if dtype in ("int8", "int4")
+    how = (f"linear weights quantized, the embedding and output head {'int8 per row' if quantize_embedding else 'float32'}"
+           ", norms float32" if dtype in ("int8", "int4")
            else f"every weight {dtype}")
-    head[-1] += (f"base {dtype}: {mib(base_bytes(s, dtype))} ({how}); "
+    head[-1] += (f"base {dtype}: {mib(base_bytes(s, dtype, quantize_embedding))} ({how}); "
                  f"CPU runtime: the libraries, the tokenizer and the process (measured); transient: a forward over "
                  f"{PROMPTS} prompts, {TOKENS} tokens; CUDA: the allocator's peak, the CUDA context not in it")
     return "\n".join(head)
@@ -234,8 +238,9 @@ def plan_structure(args) -> Structure | None:
     return structure(name, args.lora_r)
 
 
-def with_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None) -> str:
+def with_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None,
+                quantize_embedding: bool = True) -> str:
     """Add each plan row's ``memory`` (:func:`client_memory`) and return the table."""
     for r in rows:
-        r["memory"] = client_memory(s, dtype, r["client_bytes"], bool(lora_r))
-    return format_memory(rows, s, dtype, lora_r)
+        r["memory"] = client_memory(s, dtype, r["client_bytes"], bool(lora_r), quantize_embedding)
+    return format_memory(rows, s, dtype, lora_r, quantize_embedding)
