@@ -52,6 +52,24 @@ def late_client(sim, task, zo) -> Client:
     return late
 
 
+def skippers_match(zo, rounds: int = 60):
+    """60 rounds of ``zo`` on 20 tiny clients, 3 a round: the loss fell, some clients skipped more
+    than 10 rounds, and after catching up every client and a late joiner hold the server's model bit
+    for bit. Returns the simulation."""
+    from conftest import TinyTask
+    from hiso.runners.simulate import Simulation
+    task = TinyTask(num_clients=20)
+    sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,
+                     snapshot_after=1000)
+    rows = list(sim.run(rounds))
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"]
+    gaps = [sim.server.round - c.state.round for c in sim.clients.values()]
+    assert max(gaps) > 10  # some clients last took part many rounds ago
+    sim.sync_all()
+    assert_same_model(sim.state, [c.state for c in sim.clients.values()] + [late_client(sim, task, zo).state])
+    return sim
+
+
 def assert_run_refused(tmp_path, capsys, args, msg) -> None:
     """``hiso run --out DIR ARGS`` exits 2 with one line on stderr naming ``msg``; DIR is not made."""
     code, _, err = run_cli(["run", "--out", str(tmp_path / "x"), *args], capsys)
