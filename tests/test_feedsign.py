@@ -12,6 +12,7 @@ from hiso.core.history import read_history
 from hiso.core.messages import MessageError, Uplink, Wire, decode_uplink, encode_uplink
 from hiso.core.seeds import round_seeds
 from hiso.core.server import Server
+from hiso.core.uplink import SIGNS
 from hiso.methods.feedsign import pack, unpack
 from hiso.runners.simulate import Simulation
 
@@ -37,7 +38,7 @@ def test_signs_pack_eight_to_a_byte_least_significant_bit_first():
 
 def test_uplink_payload_is_one_bit_per_client_step():
     signs = np.array([[1], [-1], [-1], [1], [1], [1], [-1], [-1], [1]], np.float32)  # tau = 9, P = 1
-    packed, plain = Wire(9, 1, signs=True), Wire(9, 1)
+    packed, plain = Wire(9, 1, uplink=SIGNS), Wire(9, 1)
     up = Uplink(3, 5, signs)
     a, b = encode_uplink(up, packed), encode_uplink(up, plain)
     head = 6  # version, kind, flags, client, round, attempt: one byte each here

@@ -10,10 +10,9 @@ from torch import nn
 from hiso.config import load_config
 from hiso.core.directions import direction
 from hiso.core.messages import MessageError, Uplink, Wire, decode_uplink, encode_uplink
-from hiso.core.scalars import choices_size
 from hiso.core.seeds import round_seeds
 from hiso.core.server import Server
-from hiso.methods.greedy import Greedy, choose
+from hiso.methods.greedy import CHOICE, Greedy, choices_size, choose
 from hiso.runners.simulate import Simulation
 
 from cli_helpers import run_cli
@@ -34,7 +33,7 @@ def test_a_client_keeps_the_first_candidate_of_largest_magnitude():
 
 
 def test_an_uplink_is_one_index_byte_and_one_scalar_a_step():
-    wire, plain = Wire(2, 8, choice=True), Wire(2, 8)
+    wire, plain = Wire(2, 8, uplink=CHOICE), Wire(2, 8)
     g = np.zeros((2, 8), np.float32)
     g[0, 5], g[1, 0] = -1.5, 0.25
     data = encode_uplink(Uplink(3, 7, g, 0.5), wire)
@@ -53,12 +52,12 @@ def test_an_uplink_is_one_index_byte_and_one_scalar_a_step():
         with pytest.raises(MessageError, match=words):
             decode_uplink(bad, wire)
     # int8: the tau values are one block (a float32 scale and a code each)
-    assert len(encode_uplink(Uplink(3, 7, g), Wire(2, 8, "int8", choice=True))) == head + 2 + 4 + 2
+    assert len(encode_uplink(Uplink(3, 7, g), Wire(2, 8, "int8", uplink=CHOICE))) == head + 2 + 4 + 2
 
 
 def test_the_server_logs_the_mean_of_the_answers_candidate_by_candidate():
     srv = Server(3, 3, 1, 4, seed=0, method=Greedy())
-    assert srv.wire.choice
+    assert srv.wire.uplink is CHOICE
     plan = srv.plan()
     answers = {0: [2.0, 0, 0, 0], 1: [0, 0, -1.0, 0], 2: [4.0, 0, 0, 0]}
     rec = srv.aggregate([Uplink(c, plan.round, np.array([answers[i]], np.float32), 0.0)

@@ -23,6 +23,7 @@ from hiso.core import messages as M  # noqa: E402
 from hiso.core.history import (RoundRecord, encode_header, encode_record, parse_history)  # noqa: E402
 from hiso.core.scalars import block_size, decode_scalars, encode_scalars  # noqa: E402
 from hiso.core.seeds import round_seeds  # noqa: E402
+from hiso.core.uplink import SCALARS, SIGNS  # noqa: E402
 
 FUZZ = settings(max_examples=int(os.environ.get("HISO_FUZZ_EXAMPLES", "60")), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -60,7 +61,7 @@ def hostile(valid: st.SearchStrategy) -> st.SearchStrategy:
 
 # ---------------------------------------------------------------------------------- messages
 wires = st.builds(M.Wire, st.integers(1, 3), st.integers(1, 3), st.sampled_from(DTYPES), st.integers(0, 2**64 - 1),
-                  st.booleans())
+                  st.sampled_from([SCALARS, SIGNS]))
 finite32 = st.floats(-1e4, 1e4, width=32)
 
 

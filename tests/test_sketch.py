@@ -9,6 +9,7 @@ import torch
 from hiso.config import load_config
 from hiso.core.messages import MessageError, Uplink, Wire, decode_uplink, encode_uplink
 from hiso.core.scalars import codes_size, decode_codes, encode_codes, quantize_rows
+from hiso.core.uplink import Codes
 from hiso.runners.simulate import Simulation
 
 from cli_helpers import run_cli
@@ -44,7 +45,7 @@ def test_two_rounds_worked_by_hand(bits, dtype, r1, x2):
     # run seed 0, B = 1, K = 2 (tests/test_ferret.py): round 0's directions are (-1, -1) twice,
     # round 1's (1, -1) and (1, 1)
     zo = _zo(clients=2, sampled=2, lr=0.5, ferret_k=2, ferret_blocks=1, sketch_bits=bits, scalar_dtype=dtype)
-    assert zo.shape == (1, 2) and zo.code_bits == bits and zo.method.server_lr == 1.0
+    assert zo.shape == (1, 2) and zo.uplink == Codes(bits) and zo.method.server_lr == 1.0
     sim = Simulation(LinearTask(_C), zo, clients_per_round=2, seed=0, mode="faithful", eval_every=100)
     # round 0: client 0's projections are (-0.5, -0.5), client 1's (1.5, 1.5): equal values are
     # on the 1- and 2-bit grids, so the round is Ferret's: mean 0.5, x_1 = (0.5, 0.5)
@@ -83,7 +84,7 @@ def test_the_client_quantises_each_block_with_its_own_scale():
 
 
 def test_an_uplink_of_one_bit_codes_byte_for_byte():
-    wire = Wire(1, 2, code_bits=1)
+    wire = Wire(1, 2, uplink=Codes(1))
     data = encode_uplink(Uplink(1, 1, [[1.0, -1.0]]), wire)
     # version 2, kind 5 (up), flags 0, client 1, round 1, attempt 0; the scale 1.0; codes +, - -> 0b01
     assert data == bytes([2, 5, 0, 1, 1, 0]) + struct.pack("<f", 1.0) + bytes([0x01])
@@ -116,7 +117,7 @@ def test_two_bit_codes_and_what_a_decoder_refuses():
         decode_codes(struct.pack("<f", float("nan")) + bytes([0x86, 0x02]), 0, 1, 5, 2)
     with pytest.raises(ValueError, match="not on their 2-bit grid"):  # nothing is rounded on the wire
         encode_codes(np.array([[1.0, 0.4, -1.0, 1.0, 1.0]], np.float32), 2)
-    wire = Wire(1, 5, code_bits=2)
+    wire = Wire(1, 5, uplink=Codes(2))
     up = encode_uplink(Uplink(0, 3, x), wire)
     with pytest.raises(MessageError, match="truncated or padded"):
         decode_uplink(up[:-1], wire)

@@ -65,17 +65,14 @@ class ZOConfig:
     @property
     def signs(self) -> bool:
         """Whether clients upload one sign bit per scalar (FeedSign's wire)."""
-        return self.method is not None and self.method.uplink == "signs"
+        from .uplink import Signs
+        return isinstance(self.uplink, Signs)
 
     @property
-    def code_bits(self) -> int:
-        """b when clients upload b-bit codes with a scale per row (a quantised sketch), else 0."""
-        return int(self.method.bits) if self.method is not None and self.method.uplink == "codes" else 0
-
-    @property
-    def choice(self) -> bool:
-        """Whether clients upload one (index, value) pair per local step (a chosen direction)."""
-        return self.method is not None and self.method.uplink == "choice"
+    def uplink(self) -> Any:
+        """The codec of the clients' answers on the wire (:mod:`hiso.core.uplink`: the method's)."""
+        from .uplink import uplink_codec
+        return uplink_codec(self.method)
 
     @property
     def shape(self) -> tuple[int, int]:

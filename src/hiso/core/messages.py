@@ -22,14 +22,12 @@ kind       direction  fields after ``version, kind``
                       the mean local loss (scalar dtype, if flags & 1)
 =========  =========  ===============================================================
 
-FeedSign (``Wire.signs``): an uplink's tau*P scalars are signs, packed 8 to a byte
-(:func:`hiso.core.scalars.pack_signs`: ceil(tau*P / 8) bytes); everything else is unchanged.
-A quantised sketch (``Wire.code_bits`` = b): an uplink's (tau, P) values are b-bit codes with
-one float32 scale per row (:func:`hiso.core.scalars.encode_codes`: 4 tau + ceil(tau*P*b / 8)
-bytes); the loss follows in the scalar dtype's loss format, the downlink is unchanged.
-A chosen direction a step (``Wire.choice``, :mod:`hiso.methods.greedy`): an uplink's (tau, P)
-values have at most one nonzero a row and travel as tau indices (one byte each up to P = 256)
-and tau scalars (:func:`hiso.core.scalars.encode_choices`); the downlink is unchanged.
+An uplink's tau*P answers are its method's codec's bytes (``Wire.uplink``,
+:mod:`hiso.core.uplink`): by default the scalars in the run's dtype, as in the table. FeedSign's
+are signs packed 8 to a byte (ceil(tau*P / 8) bytes); a quantised sketch's b-bit codes with one
+float32 scale per row (4 tau + ceil(tau*P*b / 8) bytes); greedy's one (index, value) pair a row
+(:mod:`hiso.methods.greedy`); a method may bring its own. The loss follows in the scalar dtype's
+loss format whatever the codec, and the downlink is unchanged.
 
 ``n_retried`` lists the missed rounds that were planned more than once (record j of the
 history has attempt_j > 0; almost never), so a record costs its scalars and nothing else.
@@ -61,8 +59,7 @@ from .history import RoundRecord
 from .join import (FINGERPRINT_BYTES, Hello, Welcome, check_welcome, config_fingerprint, decode_hello,  # noqa: F401
                    decode_welcome, encode_hello, encode_welcome, tensors_fingerprint, welcome_for)
 from .scalars import (SCALAR_BYTES, SCALAR_DTYPES, _check_dtype, block_size, decode_blocks,  # noqa: F401
-                      decode_choices, decode_codes, decode_scalars, encode_blocks, encode_choices, encode_codes,
-                      encode_scalars, loss_dtype,
+                      decode_codes, decode_scalars, encode_blocks, encode_codes, encode_scalars, loss_dtype,
                       pack_signs, packed_signs_size, quantize, unpack_signs)
 from .seeds import MAX_ATTEMPT, MAX_ROUND, round_seeds, seeds_of  # noqa: F401
 from .snapshot import encode_state, load_state, state_size  # noqa: F401
@@ -198,33 +195,26 @@ def _check_round(rnd: int, att: int, what: str) -> None:
 
 
 def encode_uplink(msg: Uplink, wire: Wire | None = None, *, check: bool = True) -> bytes:
-    """The uplink's bytes; ``check=False`` lets non-finite scalars through (simulated attackers only)."""
-    dtype = "float32" if wire is None else wire.dtype
-    if wire is not None and msg.scalars.shape != wire.shape:
+    """The uplink's bytes (``wire`` default: float32 scalars of msg's shape); ``check=False``
+    lets non-finite scalars through (simulated attackers only)."""
+    if wire is None:
+        wire = Wire(*msg.scalars.shape) if msg.scalars.ndim == 2 else Wire(1, msg.scalars.size)
+    elif msg.scalars.shape != wire.shape:
         raise ValueError(f"uplink scalars of shape {msg.scalars.shape}, the wire's (tau, P) is {wire.shape}")
     out = _start(UP)
     put_varint(out, FLAG_LOSS if msg.loss is not None else 0)
     put_varint(out, msg.client)
     put_varint(out, msg.round)
     put_varint(out, msg.attempt)
-    if wire is not None and wire.signs:
-        if check and not np.all(np.abs(msg.scalars) == 1):
-            raise ValueError(f"uplink from client {msg.client}: FeedSign sends signs (+1 / -1), got other values")
-        out += pack_signs(msg.scalars)
-    elif wire is not None and wire.code_bits:
-        try:
-            out += encode_codes(msg.scalars, wire.code_bits, check)
-        except ValueError as e:  # values off their grid (FloatingPointError passes through)
-            raise ValueError(f"uplink from client {msg.client}: {e}") from None
-    elif wire is not None and wire.choice:
-        try:
-            out += encode_choices(msg.scalars, dtype, check)
-        except ValueError as e:  # a row with two values
-            raise ValueError(f"uplink from client {msg.client}: {e}") from None
-    else:
-        out += encode_scalars(msg.scalars, dtype, check)
+    try:
+        body = wire.uplink.encode(msg.scalars.reshape(wire.shape), wire, check)
+    except ValueError as e:  # values the codec cannot carry (FloatingPointError passes through)
+        raise ValueError(f"uplink from client {msg.client}: {e}") from None
+    if len(body) != wire.uplink_bytes:
+        raise ValueError(f"uplink codec {wire.uplink.name!r} made {len(body)} bytes, its size is {wire.uplink_bytes}")
+    out += body
     if msg.loss is not None:  # in the scalar dtype too (monitoring only; bfloat16 beside int8)
-        out += encode_scalars(np.array([msg.loss]), loss_dtype(dtype), check)
+        out += encode_scalars(np.array([msg.loss]), loss_dtype(wire.dtype), check)
     return bytes(out)
 
 
@@ -246,43 +236,18 @@ def decode_uplink(data, wire: Wire | None = None, *, expect_round: int | None = 
     if expect_round is not None and rnd != expect_round:
         raise MessageError(f"uplink from client {client}: round {rnd}, but the server is in round {expect_round}")
     has_loss = bool(flags & FLAG_LOSS)
-    if wire.signs:  # FeedSign: packed sign bits, then the loss
-        nb = packed_signs_size(wire.n)
-        _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
-        try:
-            scalars = unpack_signs(data, off, wire.n).reshape(wire.shape)
-        except ValueError as e:
-            raise MessageError(f"uplink from client {client}: {e}") from None
-        loss = _loss(data, off + nb, wire, client) if has_loss else None
-        return Uplink(client, rnd, scalars, loss, att)
-    if wire.code_bits:  # a quantised sketch: scales and packed codes, then the loss
-        nb = wire.uplink_bytes
-        _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
-        try:
-            scalars = decode_codes(data, off, wire.tau, wire.P, wire.code_bits)
-        except ValueError as e:
-            raise MessageError(f"uplink from client {client}: {e}") from None
-        loss = _loss(data, off + nb, wire, client) if has_loss else None
-        return Uplink(client, rnd, scalars, loss, att)
-    if wire.choice:  # one (index, value) pair a row, then the loss
-        nb = wire.uplink_bytes
-        _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
-        try:
-            scalars = decode_choices(data, off, wire.tau, wire.P, wire.dtype)
-        except ValueError as e:
-            raise MessageError(f"uplink from client {client}: {e}") from None
-        if not np.all(np.isfinite(scalars)):
-            raise MessageError(f"uplink from client {client}: non-finite scalar (diverged? lower lr or mu)")
-        loss = _loss(data, off + nb, wire, client) if has_loss else None
-        return Uplink(client, rnd, scalars, loss, att)
-    _end(data, off + wire.record_bytes + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
-    try:
-        scalars = decode_scalars(data, off, wire.n, wire.dtype).reshape(wire.shape)
-    except ValueError as e:  # a low-bit block's bad scale, code or pad bits
+    nb = wire.uplink_bytes
+    _end(data, off + nb + (wire.loss_bytes if has_loss else 0), f"uplink from client {client}")
+    try:  # the codec's answers (one path for every codec: hiso.core.uplink)
+        scalars = np.asarray(wire.uplink.decode(data, off, wire), dtype=np.float32)
+    except ValueError as e:  # bytes no encoder makes: a bad scale, code, index or pad bits
         raise MessageError(f"uplink from client {client}: {e}") from None
+    if scalars.shape != wire.shape:
+        raise MessageError(f"uplink from client {client}: codec {wire.uplink.name!r} decoded shape {scalars.shape}, "
+                           f"the wire's (tau, P) is {wire.shape}")
     if not np.all(np.isfinite(scalars)):
         raise MessageError(f"uplink from client {client}: non-finite scalar (diverged? lower lr or mu)")
-    loss = _loss(data, off + wire.record_bytes, wire, client) if has_loss else None
+    loss = _loss(data, off + nb, wire, client) if has_loss else None
     return Uplink(client, rnd, scalars, loss, att)
 
 

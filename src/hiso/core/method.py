@@ -20,11 +20,10 @@ hook                called by, and when
 ``stages``          every replica, once: the chain's stages (step-size stages, then the step
                     stage); a method adds a stage with state of its own or replaces the step
                     (its state is saved in model.pt and checkpoint.pt, sent in snapshots)
-``uplink``          the wire: ``"scalars"`` (the run's scalar dtype), ``"signs"`` (one bit),
-                    ``"codes"`` (b-bit codes with a scale per row of the record, b the
-                    method's ``bits`` field; :func:`hiso.core.scalars.encode_codes`) or
-                    ``"choice"`` (each row of the answer has at most one nonzero: its index
-                    and value; :func:`hiso.core.scalars.encode_choices`)
+``uplink``          the wire: a codec (:mod:`hiso.core.uplink`) for the answers, or the name
+                    of a built-in one: ``"scalars"`` (the run's scalar dtype), ``"signs"``
+                    (one bit) or ``"codes"`` (b-bit codes with a scale per row of the
+                    record, b the method's ``bits`` field)
 ==================  ==========================================================================
 
 Everything a method computes must be a pure function of what the protocol gives it (x_r, the
@@ -44,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from .aggregate import combine
+from .uplink import uplink_codec
 
 if TYPE_CHECKING:
     from .history import RoundRecord
@@ -55,7 +55,7 @@ class Method:
     """DeComFL's round: the ZO estimate on the client, the (robust) mean on the server, the
     chain fold on every replica. Subclass it and override a hook to make another method."""
 
-    uplink: ClassVar[str] = "scalars"  # or "signs", "choice", or "codes" (then the method has ``bits``)
+    uplink: ClassVar[Any] = "scalars"  # "signs", "codes" (the method has ``bits``) or a codec (hiso.core.uplink)
 
     def batches(self, cfg) -> int:
         """Minibatches a client's answer takes (one per local step)."""
@@ -92,11 +92,5 @@ def check_method(method: Any) -> Method:
     """``method`` if it is a :class:`Method` (one-line error otherwise)."""
     if not isinstance(method, Method):
         raise TypeError(f"a method must be a hiso.core.method.Method, got {type(method).__name__}")
-    if method.uplink not in ("scalars", "signs", "codes", "choice"):
-        raise ValueError(f"a method's uplink must be 'scalars', 'signs', 'codes' or 'choice', got {method.uplink!r}")
-    if method.uplink == "codes":
-        from .scalars import CODE_BITS
-        bits = getattr(method, "bits", None)
-        if bits not in CODE_BITS:
-            raise ValueError(f"a method with uplink 'codes' needs bits in {CODE_BITS}, got {bits!r}")
+    uplink_codec(method)
     return method

@@ -25,6 +25,7 @@ import numpy as np
 from .aggregate import SecureSum, build_combine, combine, sign_vote
 from .history import RoundRecord
 from .messages import Downlink, MessageError, Uplink, Wire, encode_state, quantize, state_size, varint_size
+from .uplink import SCALARS, SIGNS, uplink_codec
 
 # parameter-directions replayed per second, for the automatic snapshot choice with a bandwidth
 # (one direction of one parameter: a Gaussian draw and a multiply-add; measured order on a CPU)
@@ -88,8 +89,10 @@ class Server:
             raise ValueError(f"clients per round must be in [1, {num_clients}], got {clients_per_round}")
         if weights is not None and (len(weights) != num_clients or min(weights) <= 0):
             raise ValueError("weights must be one positive number per client")
-        if method is not None:
-            signs = method.uplink == "signs"
+        # the uplink's codec (hiso.core.uplink): the method's, or FeedSign's signs without one
+        wire = Wire(local_steps, perturbations, scalar_dtype, seed,
+                    uplink_codec(method) if method is not None else SIGNS if signs else SCALARS)
+        signs = wire.signs  # FeedSign's majority vote
         # how the answers become the round's aggregate: the method's combine over the base rule
         # (hiso.core.aggregate), wrapped by central DP and the secure sum, built once here
         self.combine = build_combine(method.combine if method is not None else sign_vote if signs else combine,
@@ -101,10 +104,7 @@ class Server:
         # separate streams: who is sampled does not depend on how many seeds a round draws,
         # so every algorithm (scalar-only or full-model) sees the same participants for a seed
         self._sample_rng = client_sampler(seed)
-        # signs: FeedSign's majority vote; code_bits: a quantised sketch's b-bit codes
-        code_bits = int(method.bits) if method is not None and method.uplink == "codes" else 0
-        choice = method is not None and method.uplink == "choice"  # one (index, value) pair a local step
-        self.wire = Wire(local_steps, perturbations, scalar_dtype, seed, signs, code_bits, choice)
+        self.wire = wire
         self.attempt = 0  # how often the current round was planned and abandoned
         self.history: list[RoundRecord] = []  # the kept records: rounds first .. round-1
         self.first = 0

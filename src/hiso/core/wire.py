@@ -8,13 +8,14 @@ full-model baselines' (:mod:`hiso.baselines.messages`) reuse these pieces.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .errors import JoinError, MessageError  # noqa: F401 (defined below both wire and scalars)
-from .scalars import (CODE_BITS, SCALAR_BYTES, _check_dtype, block_size, choices_size, codes_size, loss_dtype,
-                      packed_signs_size)
+from .scalars import SCALAR_BYTES, _check_dtype, block_size, loss_dtype
 from .seeds import round_seeds
+from .uplink import SCALARS, Signs, check_codec
 
 VERSION = 2
 HELLO, WELCOME, DOWN, SNAPSHOT, UP = 1, 2, 3, 4, 5
@@ -58,28 +59,29 @@ def get_varint(data, off: int, what: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Wire:
-    """What encoding and decoding need, fixed for a run: (tau, P), the scalar dtype and the
-    run's seed (from which every round's direction seeds derive)."""
+    """What encoding and decoding need, fixed for a run: (tau, P), the scalar dtype, the
+    run's seed (from which every round's direction seeds derive) and the uplink's codec
+    (:mod:`hiso.core.uplink`: the run's method's)."""
 
     tau: int
     P: int
     dtype: str = "float32"
     seed: int = 0
-    signs: bool = False  # FeedSign: uplink scalars are signs, packed 8 to a byte
-    code_bits: int = 0  # a quantised sketch: uplink rows as b-bit codes with a scale each (0: none)
-    choice: bool = False  # uplink rows as one (index, value) pair each (a client keeps one value a row)
+    uplink: Any = SCALARS  # the codec of an uplink's tau*P answers
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
-        if self.code_bits and (self.signs or self.code_bits not in CODE_BITS):
-            raise ValueError(f"code_bits must be one of {CODE_BITS} (and not with signs), got {self.code_bits}")
-        if self.choice and (self.signs or self.code_bits):
-            raise ValueError("a choice uplink is neither signs nor codes")
+        check_codec(self.uplink)
 
     @classmethod
     def of(cls, zo, seed: int) -> "Wire":
         return cls(zo.local_steps, zo.perturbations, getattr(zo, "scalar_dtype", "float32"), seed,
-                   bool(getattr(zo, "signs", False)), int(getattr(zo, "code_bits", 0)), bool(getattr(zo, "choice", False)))
+                   getattr(zo, "uplink", SCALARS))
+
+    @property
+    def signs(self) -> bool:
+        """Whether the answers are FeedSign's signs (the server's vote, a lost answer's +-1)."""
+        return isinstance(self.uplink, Signs)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,15 +103,8 @@ class Wire:
 
     @property
     def uplink_bytes(self) -> int:
-        """Bytes of an uplink's tau*P answers (signs, b-bit codes with a scale a row, one (index,
-        value) pair a row, or scalars)."""
-        if self.signs:
-            return packed_signs_size(self.n)
-        if self.code_bits:
-            return codes_size(self.tau, self.P, self.code_bits)
-        if self.choice:
-            return choices_size(self.tau, self.P, self.dtype)
-        return self.record_bytes
+        """Bytes of an uplink's tau*P answers (its codec's size; the loss excluded)."""
+        return self.uplink.size(self)
 
     @property
     def loss_bytes(self) -> int:
@@ -117,7 +112,6 @@ class Wire:
 
     def seeds(self, round: int, attempt: int = 0) -> np.ndarray:
         return round_seeds(self.seed, round, attempt, self.tau, self.P)
-
 
 
 # ------------------------------------------------------------------------------ the header

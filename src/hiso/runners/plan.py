@@ -113,9 +113,14 @@ def _per_tensor_stages(zo) -> int:
     return sum(1 for st in chain if st.name is not None and isinstance(st.init([torch.zeros(1)]), list))
 
 
+# what the plan's note says of an uplink codec (hiso.core.uplink) by its name; another: its name
+_UP_NOTES = {"scalars": "", "signs": ", one sign bit a step up", "choice": ", one (index, scalar) a step up"}
+
+
 def _scalar(info, cfg, dep: Deployment) -> dict:
     d, M = dep.params, dep.clients
     zo = cfg.zo()
+    up = zo.uplink  # the answers' codec (hiso.core.uplink)
     tau, P = zo.shape  # Ferret and sketch: (B, K), their SGD steps are cfg.local_steps
     values = d * (1 + (zo.precond is not None) + _per_tensor_stages(zo))
     st: dict = {}
@@ -129,15 +134,14 @@ def _scalar(info, cfg, dep: Deployment) -> dict:
         fwd, bwd, dirs = per * steps, per * steps, P
         drawn, shifts = st["records"] * P / M + per * P, 0.0
         client = 4 * d * 4  # model, x_r's copy, gradient, the update
-        note = (f"B={tau} blocks x K={P} projections, {'float32' if zo.code_bits == 0 else f'{zo.code_bits}-bit codes'}"
+        note = (f"B={tau} blocks x K={P} projections, {f'{up.bits}-bit codes' if hasattr(up, 'bits') else 'float32'}"
                 f" up; drawn dirs include the K a client projects its update on each answer")
     else:
         fwd, bwd, dirs = per * zo_forwards(tau, P, zo.difference), 0.0, tau * P
         shifts = per * zo_directions(tau, P, zo.difference, tau - 1)
         drawn = st["records"] * tau * P / M + shifts
         client = 4 * values + (4 * d if tau > 1 else 0)  # (+ the local iterate's delta)
-        note = f"P={P}, {zo.difference} differences" + (", one sign bit a step up" if zo.signs else
-                                                         ", one (index, scalar) a step up" if zo.choice else "")
+        note = f"P={P}, {zo.difference} differences" + _UP_NOTES.get(up.name, f", {up.name} up")
     return {"up": float(comm.up.mean()), "down": float(comm.down.mean()),
             "join": (st["join_down"] + st["join_up"]) / M, "snapshots": snap,
             "catch_up": float(comm.down.mean()) - snap - st["join_down"] / M,

@@ -123,7 +123,7 @@ def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int,
             out = []
             for c in plan.participants:
                 downlink(c)
-                up = encode_uplink(Uplink(c, plan.round, zeros, 0.0, plan.attempt), wire)
+                up = encode_uplink(Uplink(c, plan.round, zeros, 0.0, plan.attempt), wire, check=False)
                 tally.up(c, len(up))
                 out.append((c, up))
             return out
