@@ -61,6 +61,30 @@ def test_two_rounds_worked_by_hand(difference):
     assert all(torch.equal(c.state.params[0], sim.state.params[0]) for c in sim.clients.values() if c.state.round == 2)
 
 
+def test_the_normalised_step_divides_the_rounds_lr_by_the_scalars_spread():
+    # --step-norm std (beta 0.9): sigma_r = sqrt(v / w) over the rounds' mean squares; one direction
+    # a round, so round 0's sigma is |g_0| and round 1's sqrt((0.9 * 0.1 g0^2 + 0.1 g1^2) / 0.19)
+    theta, beta, lr, mu = 1.0, 0.75, 0.1, 1e-3
+    zo = _zo(lr=lr, perturbations=1, mu=mu, step_norm="std", method_opts={"theta": theta, "beta": beta})
+    sim = Simulation(LinearTask(_C), zo, clients_per_round=2, seed=0, mode="faithful", eval_every=100)
+    u = [direction(int(round_seeds(0, r, 0, 1, 1)[0, 0]), [torch.Size([1, 2])])[0].reshape(-1).double().numpy()
+         for r in range(2)]
+    cbar = np.mean(_C, axis=0)
+    g0 = cbar @ u[0]
+    s0 = abs(g0)
+    w1, m1 = -lr / s0 * g0 * u[0], (1 - beta) * g0 * u[0]
+    z1 = math.cos(theta) * math.sqrt(2) * m1 / np.linalg.norm(m1) + math.sin(theta) * u[1]
+    g1 = cbar @ z1
+    s1 = math.sqrt((0.9 * 0.1 * g0 ** 2 + 0.1 * g1 ** 2) / 0.19)
+    w2, m2 = w1 - lr / s1 * g1 * z1, beta * m1 + (1 - beta) * g1 * z1  # m takes ghat, not the scaled step
+    sim.step()
+    assert sim.state.params[0].reshape(-1).tolist() == pytest.approx(w1.tolist(), rel=1e-5)
+    sim.step()
+    assert sim.state.params[0].reshape(-1).tolist() == pytest.approx(w2.tolist(), rel=1e-4)
+    assert _m(sim.state)[0].reshape(-1).tolist() == pytest.approx(m2.tolist(), rel=1e-4)
+    assert sim.state.slots["step_norm"][1].item() == pytest.approx(0.19)  # (v, w) kept by the replica
+
+
 def test_the_cone_direction_has_its_axis_share_and_the_norm_of_u():
     # d = 10,000: z = c m + b u with |z|^2 ~ d and <z, m/|m|> = cos(theta) sqrt(d) + sin(theta) <u, m/|m|>
     m = [torch.linspace(-1, 1, 6000).reshape(60, 100), torch.ones(4000)]
@@ -93,9 +117,12 @@ def snapshot_client(sim, task, zo) -> Client:
     return late
 
 
-@pytest.mark.parametrize("local_steps, snapshot_after", [(1, 1000), (2, 1000), (1, 4)])
-def test_replicas_and_clients_that_skipped_many_rounds_match_bit_for_bit(local_steps, snapshot_after):
-    zo = _zo(lr=0.02, local_steps=local_steps, perturbations=3)
+@pytest.mark.parametrize("local_steps, snapshot_after, extra", [
+    (1, 1000, {}), (2, 1000, {}), (1, 4, {}),
+    (1, 1000, {"step_norm": "std", "scalar_dtype": "int4", "lr": 0.01}),  # the many-direction low-bit step
+    (1, 4, {"step_norm": "std", "scalar_dtype": "int4", "lr": 0.01})])
+def test_replicas_and_clients_that_skipped_many_rounds_match_bit_for_bit(local_steps, snapshot_after, extra):
+    zo = _zo(**({"lr": 0.02, "local_steps": local_steps, "perturbations": 3} | extra))
     task = TinyTask(num_clients=20)
     sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,
                      snapshot_after=snapshot_after)
@@ -107,8 +134,10 @@ def test_replicas_and_clients_that_skipped_many_rounds_match_bit_for_bit(local_s
     late = late_client(sim, task, zo) if snapshot_after > 60 else snapshot_client(sim, task, zo)
     replicas = [c.state for c in sim.clients.values()] + [late.state]
     assert_same_model(sim.state, replicas)
-    for s in replicas:  # m too: the next round's cone is the same on every replica
+    for s in replicas:  # m too (and step_norm's (v, w)): the next round's cone and step agree everywhere
         assert all(torch.equal(a, b) for a, b in zip(_m(s), _m(sim.state)))
+        if "step_norm" in extra:
+            assert torch.equal(s.slots["step_norm"], sim.state.slots["step_norm"])
 
 
 # ---------------------------------------------------------------- the command line: rebuild, resume, refusals
@@ -230,7 +259,6 @@ def test_hiso_flower_deploys_it_as_hiso_run_runs_it(tmp_path, capsys):
     (["--method-opt", "beta=1"], "conmezo: beta must be in [0, 1), got 1.0"),
     (["--method-opt", "gamma=1"], "no such option (its options: theta, beta)"),
     (["--momentum", "0.9"], "momentum is for hiso, decomfl and greedy, not conmezo"),
-    (["--step-norm", "std"], "step_norm is for hiso, decomfl and feedsign, not conmezo"),
 ])
 def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):
     assert_run_refused(tmp_path, capsys, ["--task", "quadratic", "--algorithm", "conmezo", *flags], msg)

@@ -29,6 +29,9 @@ to float32 once. A local step's direction is
 fl(b U) + fl(fl(c S) m_i) with U = sum_p c_p u_p the run's replay (c_p = float32(g_p / P)) and
 S = sum_p c_p in float64: every operation one rounding, the same bits on every replica.
 
+With ``--step-norm std`` the round's lr is divided by the spread of its scalars before the step
+(:mod:`hiso.methods.stepnorm`, the same stage and state as DeComFL's); m takes ghat_r unscaled.
+
 Cost against DeComFL: a client holds one (forward) or two (central) extra d-vectors while it
 answers (x + delta +- mu c m, the cone's axis, for its shifted forwards) and computes |m| once;
 every replica keeps m (a d-vector, saved in model.pt and checkpoint.pt, sent in snapshots).
@@ -109,7 +112,7 @@ class ConMeZO(Method):
     display = "ConMeZO"
     gradient = "zo"
     options = frozenset({"zo_estimate"})
-    can = frozenset({"faults", "robust", "weighted", "lr_decay", "int8"})
+    can = frozenset({"faults", "robust", "weighted", "lr_decay", "int8", "lowbit", "step_norm"})
 
     def __post_init__(self) -> None:
         if not 0.0 < self.theta <= math.pi / 2:
@@ -118,9 +121,10 @@ class ConMeZO(Method):
             raise ValueError(f"conmezo: beta must be in [0, 1), got {self.beta}")
 
     def stages(self, chain: list) -> list:
-        """m alone: the fold is :meth:`apply_`, so no stage of the chain runs (a run's momentum or
-        step_norm would be dropped, and hiso.methods.honour refuses it by name)."""
-        return [ConeMomentum()]
+        """The run's step-size stage (``step_norm``), if any, then m: the fold is :meth:`apply_`,
+        which asks the step-size stages for the round's lr; the chain's step stage does not run
+        (a run's server momentum would be dropped, and hiso.methods.honour refuses it by name)."""
+        return [st for st in chain if st.name == "step_norm"] + [ConeMomentum()]
 
     def _cone(self, state) -> tuple[float | None, float]:
         c = axis_scale(state.slots[SLOT], self.theta)
@@ -188,6 +192,8 @@ class ConMeZO(Method):
         m = state.slots[SLOT]
         c, b = self._cone(state)  # from m_r, before any tensor's m moves
         lr = state.cfg.lr_at(state.round)
+        for st in state.stages[:-1]:  # the step-size stages (step_norm: lr / sigma_r), as the chain's fold
+            lr = st.scale_lr(state.slots.get(st.name), lr, record)
         tau = record.seeds.shape[0]
         for i, p in enumerate(state.params):
             total = None if tau == 1 else state.gen.scratch("cone_total", p.shape, p.device).zero_()
