@@ -144,6 +144,18 @@ def test_time_to_reach_the_references_best():
     assert "time to DeComFL's best: the same, in seconds of training" in footer(t)
 
 
+def test_the_footer_names_an_arm_evaluated_on_another_grid():
+    ref = _arm("decomfl", [[0.1, 0.6, 0.7, 0.7]])
+    fine = _arm("hiso", [[0.1, 0.76, 0.9, 0.9]])
+    text = footer(build_table([fine, ref], "decomfl", "eval_acc"))
+    assert "evaluated every 10 rounds;" in text and "each arm its own" not in text
+    for run in fine.runs:
+        run.config = run.config | {"eval_every": 2, "rounds": 20}
+    text = footer(build_table([fine, ref], "decomfl", "eval_acc"))
+    assert "evaluated every 10 rounds (HiSo every 2 rounds over 20);" in text
+    assert "(resolution: 10 rounds, each arm its own evaluation grid)" in text
+
+
 @pytest.mark.parametrize("chosen, warning", [
     (3e-3, None),
     (1e-2, "HiSo's lr 0.01 is the largest of its grid (0.001, 0.003, 0.01): the best lr may lie above it"),

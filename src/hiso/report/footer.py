@@ -117,6 +117,13 @@ def _rounds_text(c: dict) -> str:
             "of finished runs)")
 
 
+def _other_grids(c: dict) -> str:
+    """The arms evaluated every other number of rounds, or run to another horizon, than the reference."""
+    parts = [f"{display_name(name)} every {every} rounds over {rounds}"
+             for name, (every, rounds) in (c.get("other_grids") or {}).items()]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
 def footer(table: Table) -> str:
     c, m = table.context, table.metric
     ref = display_name(table.reference)
@@ -128,7 +135,7 @@ def footer(table: Table) -> str:
     own = "its own best" if table.on_test else "its selected round"
     return "\n".join([
         f"Task {c.get('task')}: {c.get('clients')} clients, {c.get('sampled')} sampled per round, "
-        f"{_rounds_text(c)}, evaluated every {c.get('eval_every')} rounds{n_eval}; "
+        f"{_rounds_text(c)}, evaluated every {c.get('eval_every')} rounds{_other_grids(c)}{n_eval}; "
         f"{len(seeds)} seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))}).",
         *selection_lines(table),
         f"- rounds to {ref}'s {best}: per seed the first evaluated round with {sel} {cmp_word} "
@@ -140,7 +147,8 @@ def footer(table: Table) -> str:
         f"- bytes / client to {ref}'s {best}: the same, in bytes: the federation's uplink + downlink "
         "bytes up to that round / clients, mean over seeds (arms of different bytes per round compare here).",
         f"- speed-up: {ref}'s rounds to {own} / this row's rounds to reach it "
-        f"(resolution: {c.get('eval_every')} rounds).",
+        f"(resolution: {c.get('eval_every')} rounds" + (", each arm its own evaluation grid" if c.get("other_grids")
+                                                         else "") + ").",
         "- communication: bytes per client over the whole run (mean over all clients, then seeds); "
         "decimal units (1 KB = 1000 B).",
         "- s / round: training wall time per round (evaluation excluded), mean over seeds; "

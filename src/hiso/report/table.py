@@ -210,8 +210,12 @@ def build_table(arms: list[ArmResult], reference: str, metric: str, select: str 
             reliability=_reliability_of(arm.runs[0].config)))
     cfg0 = ref.runs[0].config
     info = cfg0.get("task_info", {}) or {}
+    # arms whose runs were evaluated on another grid or run to another horizon than the reference's
+    other = {arm.name: (arm.runs[0].config.get("eval_every"), arm.runs[0].config.get("rounds")) for arm in arms
+             if (arm.runs[0].config.get("eval_every"), arm.runs[0].config.get("rounds"))
+             != (cfg0.get("eval_every"), cfg0.get("rounds"))}
     context = {"task": cfg0.get("task"), "rounds": cfg0.get("rounds"), "planned_rounds": cfg0.get("planned_rounds"),
-               "eval_every": cfg0.get("eval_every"),
+               "eval_every": cfg0.get("eval_every"), "other_grids": other,
                "clients": cfg0.get("clients"), "sampled": cfg0.get("sampled"),
                "seeds": [r.seed for r in ref.runs], "n_eval": info.get("n_eval"), "n_val": info.get("n_val")}
     return Table(rows, metric, reference, threshold, context, select, select_note)
