@@ -398,3 +398,16 @@ def test_a_comparison_table_names_each_arms_rule_attackers_and_faults(tmp_path, 
     conf.write_text(conf.read_text().split("[compare.variants]")[0].replace(', "hiso-robust"', ""))
     code, stdout, err = run_cli(["compare", "--config", str(conf), "--out", str(tmp_path / "plain"), "--quiet"], capsys)
     assert code == 0 and "- reliability:" not in stdout
+
+
+def test_the_plots_title_names_p_tau_and_rounds_only_where_every_arm_shares_them():
+    from hiso.report.plots import _setup_title
+    ref, other = _arm("decomfl", [[0.1, 0.6]]), _arm("hiso", [[0.1, 0.7]])
+    for arm in (ref, other):
+        for run in arm.runs:
+            run.config = run.config | {"perturbations": 5, "local_steps": 1}
+    assert "P = 5, τ = 1, 30 rounds" in _setup_title([ref, other])
+    for run in other.runs:
+        run.config = run.config | {"perturbations": 64, "rounds": 20}
+    title = _setup_title([ref, other])
+    assert "P =" not in title and "rounds —" not in title and "τ = 1" in title

@@ -313,7 +313,11 @@ def _setup_title(arms: list[ArmResult], wrap: bool = False, band: bool = True) -
         bits.append(f"d = {c.get('dim')}")
     bits.append(f"{c.get('clients')} clients, {c.get('sampled')} per round")
     at = f"round {c.get('rounds')} of {c.get('planned_rounds')}" if c.get("planned_rounds") else f"{c.get('rounds')} rounds"
-    bits.append(f"P = {c.get('perturbations')}, τ = {c.get('local_steps')}, {at}")
+    # P, tau and the horizon only where every arm shares them (variants may set their own)
+    shared = [f"{name} = {c.get(key)}" for name, key in (("P", "perturbations"), ("τ", "local_steps"))
+              if all(a.runs[0].config.get(key) == c.get(key) for a in arms)]
+    same_rounds = all(a.runs[0].config.get("rounds") == c.get("rounds") for a in arms)
+    bits.append(", ".join(shared + ([at] if same_rounds else [])) or "arms of their own P, τ and rounds")
     seeds = f"mean over {n} seed{'s' if n > 1 else ''}" + (", band: min–max over seeds" if band and n > 1 else "")
     return ", ".join(bits) + ("\n" if wrap else " — ") + seeds
 
