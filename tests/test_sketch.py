@@ -257,7 +257,7 @@ def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatc
 @pytest.mark.parametrize("flags, msg", [
     (["--sketch-bits", "3"], "bits must be one of 1, 2, 4, 8"),
     (["--dp-clip", "1", "--dp-noise-multiplier", "1"], "differential privacy is for"),
-    (["--algorithm", "feedsign", "--scalar-dtype", "sign"], "scalar_dtype sign is for hiso, decomfl, sketch and fedkrso"),
+    (["--algorithm", "feedsign", "--scalar-dtype", "sign"], "scalar_dtype sign is for hiso, decomfl, sketch, fedkrso and conmezo, not feedsign"),
     (["--algorithm", "decomfl", "--scalar-dtype", "int4", "--secagg"], "secure aggregation sums answers"),
 ])
 def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):

@@ -98,7 +98,7 @@ def test_config_records_step_norm_rebuild_reproduces_it_and_bad_uses_are_refused
     final = torch.load(tmp_path / "model.pt")
     for part in ("model", "h", "momentum", "step_norm"):
         assert all(torch.equal(final[part][k], v) for k, v in ckpt[part].items()), part
-    with pytest.raises(ConfigError, match="step_norm is for hiso, decomfl and feedsign"):
+    with pytest.raises(ConfigError, match="step_norm is for hiso, decomfl, feedsign and conmezo"):
         load_config(None, algorithm="fedavg", task="quadratic", step_norm="std")
     with pytest.raises(ConfigError, match="local_steps 1"):
         load_config(None, task="quadratic", step_norm="std", local_steps=2)
