@@ -70,6 +70,16 @@ def skippers_match(zo, rounds: int = 60):
     return sim
 
 
+def uplink_bytes_of_three_rounds(run, tmp_path, capsys) -> float:
+    """``hiso run RUN`` with 2 clients, both answering 3 rounds: its summary's mean bytes up a client."""
+    import json
+    d = tmp_path / "r"
+    code, _, err = run_cli(["run", "--quiet", *run, "--clients", "2", "--sampled", "2", "--rounds", "3",
+                            "--out", str(d)], capsys)
+    assert code == 0, err
+    return json.loads((d / "summary.json").read_text())["communication_per_client"]["bytes_up_mean"]
+
+
 def assert_run_refused(tmp_path, capsys, args, msg) -> None:
     """``hiso run --out DIR ARGS`` exits 2 with one line on stderr naming ``msg``; DIR is not made."""
     code, _, err = run_cli(["run", "--out", str(tmp_path / "x"), *args], capsys)

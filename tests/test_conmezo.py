@@ -220,13 +220,10 @@ def test_faults_attackers_and_a_robust_rule_fold_like_any_record(tmp_path, capsy
 
 
 def test_the_uplink_is_p_scalars(tmp_path, capsys):
-    d = tmp_path / "r"
-    code, _, err = run_cli(["run", "--quiet", *RUN, "--clients", "2", "--sampled", "2", "--rounds", "3",
-                            "--out", str(d)], capsys)
-    assert code == 0, err
-    comm = json.loads((d / "summary.json").read_text())["communication_per_client"]
+    from seed_method_checks import uplink_bytes_of_three_rounds
+    up = uplink_bytes_of_three_rounds(RUN, tmp_path, capsys)
     # the hello (4 bytes), then 3 uplinks: header 6, P = 5 float32 scalars, the float32 loss: DeComFL's
-    assert comm["bytes_up_mean"] == 4 + 3 * (6 + 5 * 4 + 4)
+    assert up == 4 + 3 * (6 + 5 * 4 + 4)
 
 
 def test_a_clients_resident_memory_counts_m(tmp_path, capsys):

@@ -1,7 +1,5 @@
 """Greedy: each local step keeps the candidate of largest |g| among its P seeds and sends (index, scalar)."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -146,14 +144,11 @@ def test_what_it_declares_runs_together_and_rebuilds(tmp_path, capsys):
 
 
 def test_the_uplink_bytes_counted_are_an_index_and_a_scalar(tmp_path, capsys):
-    d = tmp_path / "r"
-    code, _, err = run_cli(["run", "--quiet", *RUN, "--clients", "2", "--sampled", "2", "--rounds", "3",
-                            "--out", str(d)], capsys)
-    assert code == 0, err
-    comm = json.loads((d / "summary.json").read_text())["communication_per_client"]
+    from seed_method_checks import uplink_bytes_of_three_rounds
+    up = uplink_bytes_of_three_rounds(RUN, tmp_path, capsys)
     # the hello (4 bytes), then 3 uplinks: header 6, one index byte, one float32 scalar, the float32 loss
     # (P = 8 float32 scalars would be 32 bytes); the downlink's records stay P scalars each
-    assert comm["bytes_up_mean"] == 4 + 3 * (6 + 1 + 4 + 4)
+    assert up == 4 + 3 * (6 + 1 + 4 + 4)
 
 
 def test_the_flower_serverapp_runs_it_as_the_simulator_does(tmp_path, monkeypatch):

@@ -81,6 +81,15 @@ def check_record(state, record, what: str = "(tau, P)") -> None:
         raise ValueError(f"record of shape {record.seeds.shape} does not match {what} = {shape}")
 
 
+def round_lr(state, record) -> float:
+    """The round's step size: ``lr_at(r)`` through the step-size stages (every stage but the last,
+    the step stage), which fold ``record`` into their state; call once per record, after checking it."""
+    lr = state.cfg.lr_at(state.round)
+    for st in state.stages[:-1]:
+        lr = st.scale_lr(state.slots.get(st.name), lr, record)
+    return lr
+
+
 @torch.no_grad()
 def fold(state, record) -> None:
     """Apply ``record`` (round r) to ``state`` (at round r) with the chain; see the module's docstring."""
@@ -88,9 +97,7 @@ def fold(state, record) -> None:
     cfg = state.cfg
     tau, P = cfg.shape
     slots = state.slots
-    lr = cfg.lr_at(state.round)
-    for st in state.stages[:-1]:  # checked above, so a refused record leaves their state as it was
-        lr = st.scale_lr(slots.get(st.name), lr, record)
+    lr = round_lr(state, record)  # checked above, so a refused record leaves their state as it was
     step = state.stages[-1]
     slot = slots.get(step.name)
     precond = cfg.precond

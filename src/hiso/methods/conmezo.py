@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from ..core import exact
-from ..core.chain import Stage, check_record
+from ..core.chain import Stage, check_record, round_lr
 from ..core.estimator import LocalResult
 from ..core.method import Method
 from ..core.perturb import Shift
@@ -191,9 +191,7 @@ class ConMeZO(Method):
         check_record(state, record)
         m = state.slots[SLOT]
         c, b = self._cone(state)  # from m_r, before any tensor's m moves
-        lr = state.cfg.lr_at(state.round)
-        for st in state.stages[:-1]:  # the step-size stages (step_norm: lr / sigma_r), as the chain's fold
-            lr = st.scale_lr(state.slots.get(st.name), lr, record)
+        lr = round_lr(state, record)  # through the step-size stages (step_norm: lr / sigma_r), as the chain's
         tau = record.seeds.shape[0]
         for i, p in enumerate(state.params):
             total = None if tau == 1 else state.gen.scratch("cone_total", p.shape, p.device).zero_()
