@@ -121,10 +121,10 @@ class PrivacyLedger:
         cfg = self.cfg
         client, n = self.worst()
         open_ = {"dp_unlogged": {str(c): k for c, k in self.open_unlogged().items()}} if self._since else {}
-        return {**open_, "mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise, "delta": cfg.dp_delta,
+        return {"mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise, "delta": cfg.dp_delta,
                 "epsilon_budget": cfg.dp_epsilon, "stopped": stopped, "threat_model": THREAT_MODEL,
                 "holds_against": HOLDS_AGAINST[cfg.dp_mode], "epsilon": self.epsilon(),
-                "participations_max": n, "worst_client": client, "train_loss": TRAIN_LOSS_WITHHELD}
+                "participations_max": n, "worst_client": client, "train_loss": TRAIN_LOSS_WITHHELD, **open_}
 
 
 def privacy_ledger(cfg) -> PrivacyLedger | None:
