@@ -477,7 +477,9 @@ def test_flower_run_finishes_with_the_survivor_when_a_node_dies(federation, tmp_
     cfg = RunConfig(**CFG, rounds=6, seed=1)
     fed = federation(nodes=2)
     out = tmp_path / "flower"
-    run_id = fed.submit(cfg, out, round_timeout=20)
+    # a round waits 60 s for a node: the restarted one starts a ClientApp per message, slowly on a
+    # loaded machine (at 20 s it missed every round left there)
+    run_id = fed.submit(cfg, out, round_timeout=60)
     _wait_rows(out / "metrics.jsonl", 1, timeout=120)  # round 1 logged
     fed.kill_node(1)
     _wait_rows(out / "metrics.jsonl", 2, timeout=120)  # a round without it

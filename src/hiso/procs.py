@@ -170,7 +170,9 @@ def _waited_for_elsewhere() -> set[int]:
 
     owners = tuple(m.Popen for m in (sys.modules.get("subprocess"), sys.modules.get("multiprocessing.popen_fork"))
                    if m is not None)
-    return {o.pid for o in gc.get_objects() if isinstance(o, owners) and o.returncode is None}
+    # type(o), not isinstance: isinstance may ask an object's __class__, which some lazy module
+    # attributes answer with a deprecation warning (torch.distributed.reduce_op)
+    return {o.pid for o in gc.get_objects() if issubclass(type(o), owners) and o.returncode is None}
 
 
 def orphans() -> list[int]:
