@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import (Client, Downlink, JoinError, MessageError, ModelState, RoundRecord, Server, Uplink, Wire,
-                       decode_downlink, decode_uplink, decomfl, encode_downlink, encode_uplink, hiso)
+from hiso.core import (Client, Downlink, JoinError, MessageError, ModelState, RoundRecord, Server, Uplink,
+                       Wire, decode_downlink, decode_uplink, encode_downlink, encode_uplink)
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.core.messages import (Hello, decode_hello, decode_welcome, encode_hello, encode_state, encode_welcome,
                                 get_varint, put_varint, quantize, state_size, varint_size, welcome_for)
 from hiso.core.seeds import mix64, round_seeds, seeds_of

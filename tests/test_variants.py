@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from hiso.methods.momentum import MomentumConfig
-from hiso.core import (Client, Downlink, ModelState, PreconditionerConfig, RoundRecord,
-                       decode_downlink, decomfl, encode_downlink, hiso)
+from hiso.core import (Client, Downlink, ModelState, PreconditionerConfig, RoundRecord, decode_downlink,
+                       encode_downlink)
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.runners.simulate import Simulation
 
 from conftest import TinyTask
