@@ -116,3 +116,11 @@ def test_hisos_fingerprint_blob_is_the_one_of_zoconfig_precond():
     assert blob["precond"] == {"nu": 0.2, "eps": 1e-8, "h_min": None, "h_max": None, "source": "last",
                                "stat": "ghat2", "granularity": "tensor", "bias_correction": False}
     assert json.loads(config_blob(load_config(None, algorithm="decomfl").zo()))["precond"] is None
+
+
+def test_the_python_api_takes_hisos_class_and_its_flags():
+    import hiso
+    from hiso.methods import HiSo
+    cfg = hiso.run_config("quadratic", algorithm=HiSo(nu=0.1, h_source="every"))
+    assert cfg.algorithm == "hiso" and (cfg.method_opts["nu"], cfg.method_opts["h_source"]) == (0.1, "every")
+    assert hiso.run_config("quadratic", config=cfg, nu=0.3).method_opts["nu"] == 0.3  # a flag over the config's

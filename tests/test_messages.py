@@ -239,7 +239,7 @@ def test_the_config_fingerprint_covers_fields_added_later():
     zo = hiso(lr=0.02)
     Extended = dataclasses.make_dataclass("Extended", [("variant", str, dataclasses.field(default="x"))],
                                           bases=(type(zo),), frozen=True)
-    a, b = (Extended(**dataclasses.asdict(zo) | {"precond": zo.precond, "variant": v}) for v in ("x", "y"))
+    a, b = (Extended(**dataclasses.asdict(zo) | {"method": zo.method, "variant": v}) for v in ("x", "y"))
     assert config_fingerprint(a) != config_fingerprint(b)
 
 
