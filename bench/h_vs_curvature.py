@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 import torch
 
-from hiso.core import hiso
+from hiso.methods.hiso_method import hiso
 from hiso.runners.simulate import Simulation
 from hiso.tasks.quadratic import QuadraticTask
 

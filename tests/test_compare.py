@@ -245,9 +245,10 @@ h_max = 100.0
     assert [a.name for a in plan.arms] == ["decomfl", "hiso", "hiso-nu0.5"] and plan.reference == "hiso"
     assert arms["decomfl"].lrs == (0.02,) and arms["hiso"].lrs == (0.01, 0.05) and arms["hiso-nu0.5"].lrs == (0.03,)
     cfg = plan.config(arms["hiso-nu0.5"], 0.03, 0)
-    assert (cfg.algorithm, cfg.nu, cfg.h_max, cfg.lr, cfg.rounds) == ("hiso", 0.5, 100.0, 0.03, 10)
-    assert plan.config(arms["hiso"], 0.01, 0).nu == 0.2
-    assert plan.config(arms["decomfl"], 0.02, 0).nu == 0.05  # hiso's overrides stay with hiso
+    assert (cfg.algorithm, cfg.method_opts["nu"], cfg.method_opts["h_max"], cfg.lr, cfg.rounds) == (
+        "hiso", 0.5, 100.0, 0.03, 10)
+    assert plan.config(arms["hiso"], 0.01, 0).method_opts["nu"] == 0.2
+    assert plan.config(arms["decomfl"], 0.02, 0).method_opts == {}  # hiso's overrides stay with hiso
     # a variant without its own grid inherits its algorithm's
     with pytest.raises(cmp.ConfigError, match="reference: 'hiso' is not one of"):
         build_plan(conf, {}, parse_cli(algorithms="hiso-nu0.5"))
@@ -265,7 +266,7 @@ h_max = 100.0
     assert plan4.arms[0].lrs == (0.07,)  # used: the variant inherits it
     cmp.compare(plan, tmp_path / "out", quiet=True, plots=False)
     saved = json.loads((tmp_path / "out/runs/hiso-nu0.5/lr0.03/seed0/config.json").read_text())
-    assert saved["nu"] == 0.5 and saved["algorithm"] == "hiso"
+    assert saved["method_opts"]["nu"] == 0.5 and saved["algorithm"] == "hiso"
     assert load_run_result(tmp_path / "out/runs/hiso-nu0.5/lr0.03/seed0").summary["rounds"] == 10
 
 

@@ -2,8 +2,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hiso.core import (DirectionGenerator, ModelState, Perturber, Server, Uplink, decomfl, direction, hiso,
-                       local_update)
+from hiso.core import DirectionGenerator, ModelState, Perturber, Server, Uplink, direction, local_update
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.core.directions import tensor_seed
 
 from conftest import TinyTask

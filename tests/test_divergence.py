@@ -14,7 +14,8 @@ from hiso import config as config_mod
 from cli_helpers import run_cli
 from hiso.config import ALGORITHMS, ConfigError, default_lr, load_config
 from hiso.tasks import registry
-from hiso.core import ModelState, Perturber, decomfl, hiso, local_update, read_history
+from hiso.core import ModelState, Perturber, local_update, read_history
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.runners import fullmodel
 from hiso.runners.rundir import rebuild, run_to_dir
 from hiso.tasks.quadratic import QuadraticTask

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from hiso.core import ModelState, Perturber, PreconditionerConfig, decomfl, hiso, local_update
+from hiso.core import ModelState, Perturber, PreconditionerConfig, local_update
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.core.state import step_direction
 
 D, N = 8, 6000

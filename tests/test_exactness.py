@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import (Client, Downlink, ModelState, PreconditionerConfig, decode_downlink,
-                       decomfl, encode_downlink, hiso)
+from hiso.core import Client, Downlink, ModelState, PreconditionerConfig, decode_downlink, encode_downlink
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.runners.simulate import Simulation
 
 from conftest import TinyTask

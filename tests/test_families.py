@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import ModelState, decomfl, hiso
+from hiso.core import ModelState
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.core.directions import DirectionGenerator, direction
 from hiso.kernels.philox import philox4x32_10
 from hiso.runners.simulate import Simulation

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import ModelState, decomfl, hiso
+from hiso.core import ModelState
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.core.directions import DirectionGenerator
 from hiso.core.families import magnitude_mask
 from hiso.core.seeds import mix64, round_seeds

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import Uplink, decode_uplink, encode_uplink, hiso, decomfl, PreconditionerConfig
+from hiso.core import Uplink, decode_uplink, encode_uplink, PreconditionerConfig
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.core.messages import MessageError
 from hiso.runners.faults import Attackers, ChecksumError, Faults, seal, unseal
 from hiso.runners.simulate import Simulation

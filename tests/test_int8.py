@@ -108,7 +108,7 @@ def test_run_rebuilds_bit_for_bit_with_late_clients(tmp_path):
 
 def test_faithful_clients_match_the_server_and_differ_from_float32():
     from conftest import TinyTask
-    from hiso.core import decomfl
+    from hiso.methods.hiso_method import decomfl
     from hiso.runners.simulate import Simulation
     runs = {}
     for dtype in ("int8", "float32"):

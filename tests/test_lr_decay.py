@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import ModelState, RoundRecord, decomfl, hiso
+from hiso.core import ModelState, RoundRecord
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.runners.simulate import Simulation
 
 from conftest import TinyTask

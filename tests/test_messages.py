@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import (Client, Downlink, JoinError, MessageError, ModelState, RoundRecord, Server, Uplink, Wire,
-                       decode_downlink, decode_uplink, decomfl, encode_downlink, encode_uplink, hiso)
+from hiso.core import (Client, Downlink, JoinError, MessageError, ModelState, RoundRecord, Server, Uplink,
+                       Wire, decode_downlink, decode_uplink, encode_downlink, encode_uplink)
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.core.messages import (Hello, decode_hello, decode_welcome, encode_hello, encode_state, encode_welcome,
                                 get_varint, put_varint, quantize, state_size, varint_size, welcome_for)
 from hiso.core.seeds import mix64, round_seeds, seeds_of
@@ -238,7 +239,7 @@ def test_the_config_fingerprint_covers_fields_added_later():
     zo = hiso(lr=0.02)
     Extended = dataclasses.make_dataclass("Extended", [("variant", str, dataclasses.field(default="x"))],
                                           bases=(type(zo),), frozen=True)
-    a, b = (Extended(**dataclasses.asdict(zo) | {"precond": zo.precond, "variant": v}) for v in ("x", "y"))
+    a, b = (Extended(**dataclasses.asdict(zo) | {"method": zo.method, "variant": v}) for v in ("x", "y"))
     assert config_fingerprint(a) != config_fingerprint(b)
 
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import (Client, Downlink, MessageError, ModelState, PreconditionerConfig, RoundRecord,
-                       Server, Uplink, Wire, decode_uplink, encode_downlink, hiso, decomfl)
+from hiso.core import (Client, Downlink, MessageError, ModelState, PreconditionerConfig, RoundRecord, Server,
+                       Uplink, Wire, decode_uplink, encode_downlink)
+from hiso.methods.hiso_method import decomfl, hiso
 
 from conftest import TinyTask
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import ModelState, hiso
+from hiso.core import ModelState
+from hiso.methods.hiso_method import hiso
 from hiso.methods.privacy import (DPConfig, clip, epsilon_amplified, epsilon_spent, noise, noise_for,
                                   participation_counts, planned_participations, private_answer, private_mean)
 from hiso.runners.simulate import Simulation

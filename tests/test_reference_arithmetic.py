@@ -26,8 +26,9 @@ import pytest
 import torch
 from torch import nn
 
-from hiso.core import (Client, Downlink, MessageError, ModelState, Perturber, PreconditionerConfig, RoundRecord,
-                       Uplink, Wire, decode_downlink, decomfl, direction, encode_downlink, hiso, local_update)
+from hiso.core import (Client, Downlink, MessageError, ModelState, Perturber, PreconditionerConfig,
+                       RoundRecord, Uplink, Wire, decode_downlink, direction, encode_downlink, local_update)
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.core.server import Server
 
 SHAPES = [(2, 3), (2,), (2, 2)]

@@ -3,7 +3,8 @@
 import numpy as np
 import torch
 
-from hiso.core import Client, ModelState, Uplink, decode_downlink, encode_downlink, hiso
+from hiso.core import Client, ModelState, Uplink, decode_downlink, encode_downlink
+from hiso.methods.hiso_method import hiso
 from hiso.core.messages import encode_welcome, welcome_for
 from hiso.core.server import Server
 from hiso.core.snapshot import encode_state, load_state

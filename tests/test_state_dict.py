@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from hiso.core import ModelState, decomfl, hiso
+from hiso.core import ModelState
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.methods.momentum import MomentumConfig
 from hiso.core.history import RoundRecord
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hiso.core import ModelState, RoundRecord, decomfl, hiso
+from hiso.core import ModelState, RoundRecord
+from hiso.methods.hiso_method import decomfl, hiso
 from hiso.methods.stepnorm import StepNormConfig
 from hiso.runners.simulate import Simulation
 

@@ -48,11 +48,15 @@ def _config(task: Task | str, config: RunConfig | str | Path | None, options: di
     metrics and default lr) or a task's name (built from the configuration); ``config`` (a
     RunConfig or a TOML file) < ``options``."""
     from .config import read_toml
+    from .config_parse import merge_options
     from .methods.options import method_spec
+    from .methods.registry import builtin_name
     from .tasks.registry import TASK_OPTIONS, use_instance
 
     if "algorithm" in options and not isinstance(options["algorithm"], str):  # a Method class or instance
         spec, opts = method_spec(options["algorithm"])
+        method = options["algorithm"]  # a built-in method's class (hiso.methods.HiSo) runs under its name (hiso)
+        spec = builtin_name(method if isinstance(method, type) else type(method)) or spec
         options = {**options, "algorithm": spec, "method_opts": {**opts, **(options.get("method_opts") or {})}}
 
     if isinstance(config, RunConfig):
@@ -64,8 +68,9 @@ def _config(task: Task | str, config: RunConfig | str | Path | None, options: di
             base.pop("compare")
         given = dict(base)
     given.update(options)
+    base = merge_options(base, options)  # options over the base, a method's flag (nu) over its method_opts
     if isinstance(task, str):
-        return load_config(None, **{**base, **options, "task": task})
+        return load_config(None, **{**base, "task": task})
     if isinstance(task, type):
         raise TypeError(f"task: give an instance of {task.__name__}, e.g. {task.__name__}(num_clients=8, seed=0), "
                         "or a built-in task's name")
@@ -81,7 +86,7 @@ def _config(task: Task | str, config: RunConfig | str | Path | None, options: di
         raise ValueError(f"{built[0]}={given[built[0]]!r}: a task object is built already and does not read "
                          "task options; give it to the task's constructor")
     own = {"task": use_instance(task), "clients": task.num_clients, "seed": task.seed}
-    return load_config(None, **{**base, **options, **own})
+    return load_config(None, **{**base, **own})
 
 
 def run_config(task: Task, config: RunConfig | str | Path | None = None, **options: Any) -> RunConfig:

@@ -12,7 +12,7 @@ from pathlib import Path
 from .cli_commands import (_ending_note, _fail, _new_run_refusal, _stopped_by, _tracking,  # noqa: F401
                            _warn_unused, cmd_compare, cmd_diagnose, cmd_eval, cmd_export, cmd_flower,
                            cmd_plan, cmd_rebuild, cmd_run)
-from .config import ALGORITHMS, ConfigError, RunConfig, read_toml, task_names
+from .config import ALGORITHMS, ConfigError, option_fields, read_toml, task_names
 
 
 # RunConfig fields whose values are checked by name (not a Literal): their choices for --help
@@ -65,7 +65,7 @@ def field_choices(name: str) -> tuple[str, ...] | None:
 
     if name in CHOICES:
         return CHOICES[name]()
-    ann = RunConfig.model_fields[name].annotation
+    ann = option_fields()[name].annotation
     for a in (ann, *get_args(ann)):  # Literal[...] or Literal[...] | None
         if get_origin(a) is Literal:
             return tuple(str(v) for v in get_args(a))
@@ -78,7 +78,7 @@ def field_help(name: str) -> str:
     A description that says its own default (``default: ...``, e.g. lr's per-task default) is
     shown as is; otherwise the field's default value is appended.
     """
-    field = RunConfig.model_fields[name]
+    field = option_fields()[name]
     text = (field.description or "").replace("%", "%%")  # argparse formats help with %
     if "default:" not in text:
         text += f" (default: {shown_default(field.get_default(call_default_factory=True))})"
@@ -129,11 +129,12 @@ def _help_task(argv: list[str]) -> str | None:
 
 
 def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = (), lr_task: str | None = None) -> None:
-    """One flag per RunConfig field; every default is None so the config file can show through.
+    """One flag per option (:func:`hiso.config.option_fields`: RunConfig's fields and HiSo's); every
+    default is None so the config file can show through.
 
     Choices are shown, not enforced here: RunConfig validates them (also for the TOML file)."""
     group = p.add_argument_group("run options (each is also a TOML key: --local-steps 2 is local_steps = 2)")
-    for name, field in RunConfig.model_fields.items():
+    for name, field in option_fields().items():
         if name in exclude:
             continue
         flag = "--" + name.replace("_", "-")

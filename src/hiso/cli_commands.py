@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .config import RunConfig, load_config, read_toml
+from .config import RunConfig, load_config, option_fields, read_toml
 
 
 def _fail(msg: str) -> int:
@@ -33,7 +33,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .runners.rundir import clear_run, run_to_dir
     from .tasks.registry import build_task, run_default_lr
 
-    overrides = {k: getattr(args, k) for k in RunConfig.model_fields}
+    overrides = {k: getattr(args, k) for k in option_fields()}
     if args.resume is True:  # --out DIR --resume: resume or start, whichever DIR calls for
         if args.out is None:
             return _fail("--resume without a value continues --out DIR: give --out DIR (or --resume DIR)")
@@ -156,6 +156,12 @@ class _Stage:
             sys.stderr.flush()
 
 
+def _with(cfg: RunConfig, name: str, value) -> RunConfig:
+    """``cfg`` with the option ``name`` (a flag's name: a method's, ``nu``, too) set to ``value``."""
+    from .config_parse import merge_options
+    return RunConfig(**merge_options(cfg.model_dump(), {name: value}))
+
+
 def _new_run_refusal(cfg: RunConfig, out: Path, force: bool) -> str | None:
     """Why a new run (hiso run, hiso flower) cannot start in ``out`` (None: it can, and the options
     its algorithm never reads have been named)."""
@@ -170,10 +176,15 @@ def _new_run_refusal(cfg: RunConfig, out: Path, force: bool) -> str | None:
 
 def _warn_unused(cfg: RunConfig) -> None:
     """Name the options a new run was given that its algorithm never reads (recorded, no effect)."""
-    unused = [f"{name} ({whose})" for name, whose in cfg.unused_options().items()]
+    found = cfg.unused_options()
+    unused = [f"{name} ({whose})" for name, whose in found.items()]
     if unused:
-        print(f"hiso: note: {cfg.algorithm} does not use {'; '.join(unused)}: config.json records "
-              f"{'it' if len(unused) == 1 else 'them'} as given, with no effect on the run", file=sys.stderr)
+        kept = [name for name in found if name in RunConfig.model_fields]  # another method's flags are not kept
+        where = (f"config.json records {'it' if len(unused) == 1 else 'them'} as given" if len(kept) == len(found)
+                 else f"config.json records {', '.join(kept)} as given" if kept else "config.json does not record "
+                 + ("it" if len(unused) == 1 else "them"))
+        print(f"hiso: note: {cfg.algorithm} does not use {'; '.join(unused)}: {where}, with no effect on the run",
+              file=sys.stderr)
     for why in cfg.weak_aggregation():
         print(f"hiso: note: {why}", file=sys.stderr)
 
@@ -206,7 +217,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 at_round = -1
             if at_round < 0:
                 return _fail(f"--at-round takes a round (0 or more) or 'latest', not {args.at_round!r}")
-    shared = {k: getattr(args, k) for k in RunConfig.model_fields if hasattr(args, k)}
+    shared = {k: getattr(args, k) for k in option_fields() if hasattr(args, k)}
     flags = parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric, args.select_on)
     # --table-only: the runs in --out are what the plan recorded there made, not what the
     # command line (or a config file edited since) would make now
@@ -338,9 +349,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
         from .runners.rundir import saved_config
         out = Path(args.resume)
         cfg, _ = saved_config(out)
-        given = {k: getattr(args, k) for k in RunConfig.model_fields if getattr(args, k) is not None}
-        changed = [k for k, v in given.items() if load_config(None, **{**cfg.model_dump(), k: v}).model_dump()[k]
-                   != cfg.model_dump()[k]]
+        given = {k: getattr(args, k) for k in option_fields() if getattr(args, k) is not None}
+        changed = [k for k, v in given.items() if _with(cfg, k, v).model_dump() != cfg.model_dump()]
         if changed or args.config or args.force:
             return _fail(f"--resume continues {out} as its config.json says: drop "
                          f"{'--' + changed[0].replace('_', '-') if changed else '--config/--force'}")
@@ -352,7 +362,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
                          "their state from (start again with --out DIR --force)")
         _record_accepted_method(out, cfg)
     else:
-        cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
+        cfg = load_config(args.config, **{k: getattr(args, k) for k in option_fields()})
         out = Path(args.out)
         if why := _new_run_refusal(cfg, out, args.force):
             return _fail(why)

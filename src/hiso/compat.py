@@ -11,7 +11,15 @@ layer may read these tables.
 
 from __future__ import annotations
 
-SCHEMA = 2  # config.json's "schema"; a file without one was written before schema versions (1)
+SCHEMA = 3  # config.json's "schema"; a file without one was written before schema versions (1)
+
+# a built-in method's options that were flat RunConfig fields before schema 3 (every run's
+# config.json had them, at these defaults unless given) and are its Method class's fields since,
+# recorded in method_opts: algorithm -> {option: the default it had}. Reading an older file
+# moves them into that method's method_opts and drops them from the other methods' (they did
+# nothing there); the configuration's hash puts them back where they were (flat_options).
+FLAT_OPTIONS = {"hiso": {"nu": 0.05, "eps": 1e-8, "h_min": None, "h_max": None, "h_source": "last",
+                         "h_stat": "ghat2", "h_granularity": "coordinate", "h_bias_correction": False}}
 
 # options added later whose default computes differently: option -> (the tasks it applies to, None
 # for every task; the value runs made before it had). A config.json without `directions` predates
@@ -39,7 +47,9 @@ HASH_ONLY_WHERE = {"quantize_embedding": lambda v: v.get("quantize_embedding") i
 
 # a built-in method's place in the protocol fingerprint hiso wrote before methods were plugins
 # (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`
-FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.FerretConfig": "ferret", "hiso.methods.feedsign.FeedSign": "signs"}
+# and HiSo's as its H's configuration under "precond" (it was ZOConfig.precond)
+FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.FerretConfig": "ferret", "hiso.methods.feedsign.FeedSign": "signs",
+                          "hiso.methods.hiso_method.HiSo": "precond"}
 
 # method fields added after runs were written with that method: left out of the fingerprint while
 # None, so those runs' checkpoints and peers stay this configuration's
@@ -77,4 +87,31 @@ def migrate(raw: dict) -> tuple[dict, dict]:
     if schema > SCHEMA:
         raise ValueError(f"written by a newer hiso (config.json schema {schema}, this hiso reads up to {SCHEMA}): "
                          "upgrade hiso to read it")
+    if schema < 3:
+        raw = unflatten(raw)
     return raw, predates(raw)
+
+
+def unflatten(raw: dict) -> dict:
+    """A schema 1 or 2 configuration with its methods' flat options (:data:`FLAT_OPTIONS`) in the
+    ``method_opts`` of the method they belong to, and dropped from any other's."""
+    raw = dict(raw)
+    flat = {k: raw.pop(k) for owner in FLAT_OPTIONS.values() for k in owner if k in raw}
+    own = FLAT_OPTIONS.get(raw.get("algorithm", "hiso")) if isinstance(raw.get("algorithm", "hiso"), str) else None
+    if own and flat:
+        opts = raw.get("method_opts")
+        raw["method_opts"] = {**{k: v for k, v in flat.items() if k in own}, **(opts if isinstance(opts, dict) else {})}
+    return raw
+
+
+def flat_options(values: dict) -> dict:
+    """A configuration's values (``RunConfig.model_dump()``) as before schema 3, for its hash: the
+    options of :data:`FLAT_OPTIONS` flat again, at their defaults where the method has none."""
+    values = dict(values)
+    algorithm = values.get("algorithm")
+    opts = dict(values.get("method_opts") or {})
+    for owner, defaults in FLAT_OPTIONS.items():
+        for name, default in defaults.items():
+            values[name] = opts.pop(name, default) if algorithm == owner else default
+    values["method_opts"] = opts
+    return values

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from .config_methods import MethodRules
 from .config_parse import ConfigError, read_toml  # noqa: F401  (hiso.config.ConfigError, read_toml)
 from .config_parse import kind as _kind, nearest, parse_every, parse_size  # noqa: F401  (hiso.config.parse_*)
 from .core.config import ZOConfig
-from .core.preconditioner import PreconditionerConfig
 from .methods.momentum import MomentumConfig
 from .methods.privacy import DPConfig
 from .methods.registry import method_names
@@ -41,6 +41,7 @@ def task_names() -> tuple[str, ...]:
 class RunConfig(BaseModel, MethodRules):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or nan in any number: refused
     _lr_defaulted: bool = PrivateAttr(False)  # lr is the task's default, not given
+    _unused_flags: dict = PrivateAttr(default_factory=dict)  # flags of another method's (nu on decomfl): not kept
 
     task: str = Field("quadratic", description=(
         "the problem: model, data and metric; a built-in name, or your own Task subclass as module:Class or "
@@ -55,8 +56,9 @@ class RunConfig(BaseModel, MethodRules):
         "others send the model); or your own hiso.core.method.Method subclass as module:Class or "
         "path/to/file.py:Class"))
     method_opts: dict[str, Any] = Field(default_factory=dict, description=(
-        "your method's own options, the fields of its Method subclass (or conmezo's theta and beta): "
-        "--method-opt KEY=VALUE (repeatable), a [method] table in TOML"))
+        "the method's own options, the fields of its Method subclass (yours, or hiso's nu and h_*, conmezo's "
+        "theta and beta): --method-opt KEY=VALUE (repeatable), a [method] table in TOML; hiso's are also flags "
+        "(--nu) and TOML keys (nu = ...)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -117,21 +119,6 @@ class RunConfig(BaseModel, MethodRules):
     batch_memory: str | int | None = Field(None, description=(
         "batched perturb mode: bytes of stacked shifted tensors per forward, e.g. 512M or 4G (default: 2G); "
         "points beyond it run in further forwards"))
-    # HiSo's preconditioner (ignored by decomfl); nu weights the NEW value
-    nu: float = Field(0.05, ge=0, le=1, description="weight of the new value in H's moving average (HiSo)")
-    eps: float = Field(1e-8, ge=0, description="added to ghat^2 in H's update, keeps H above zero (HiSo)")
-    h_min: float | None = Field(None, gt=0, description="lower clip of H (HiSo; default: none)")
-    h_max: float | None = Field(None, gt=0, description="upper clip of H (HiSo; default: none)")
-    h_source: Literal["last", "every"] = Field("last", description=(
-        "H's update from the global direction of the last local step or of every local step (HiSo)"))
-    # variants at no extra bytes (derived in core/preconditioner.py, methods/momentum.py): H's statistic, granularity, bias correction; momentum
-    h_stat: Literal["ghat2", "floor", "denoised"] = Field("ghat2", description=(
-        "what H averages (HiSo): ghat2 (the paper's ghat^2), floor (the estimator's noise floor S/(P H) from the "
-        "scalars alone), denoised (ghat^2 minus that floor, unbiased, floored at 0)"))
-    h_granularity: Literal["coordinate", "tensor", "model"] = Field("coordinate", description=(
-        "H per coordinate (the paper's), one value per tensor, or one for the whole model (HiSo)"))
-    h_bias_correction: bool = Field(False, description=(
-        "Adam-style bias correction of H's moving average (H_1 is the first statistic, not 0.95 + 0.05 x it) (HiSo)"))
     momentum: float | None = Field(None, gt=0, lt=1, description=(
         "server-side momentum beta on the replayed global update, EMA form m = beta m + (1-beta) ghat (hiso, "
         "decomfl, greedy; default: none)"))
@@ -320,8 +307,6 @@ class RunConfig(BaseModel, MethodRules):
         from .core.directions import FAMILIES
         if self.directions not in FAMILIES:
             raise ValueError(f"unknown direction family {self.directions!r} (choose from {', '.join(FAMILIES)})")
-        if self.h_min is not None and self.h_max is not None and self.h_max < self.h_min:
-            raise ValueError(f"h_max ({self.h_max}) must be >= h_min ({self.h_min})")
         faults = self.drop_rate + self.late_rate + self.duplicate_rate + self.corrupt_rate
         if faults >= 1:
             raise ValueError(f"drop, late, duplicate and corrupt rates sum to {faults:g}: they must be < 1")
@@ -341,8 +326,6 @@ class RunConfig(BaseModel, MethodRules):
             raise ValueError("direction_refresh is for directions lowrank")
         if self.direction_mask is not None and self.directions != "sparse":
             raise ValueError("direction_mask is for directions sparse")
-        if self.h_bias_correction and self.nu == 0:
-            raise ValueError("h_bias_correction needs nu > 0")
         if self.lr is None:
             self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None,
                                  model=self.model if task.options is None or "model" in task.options else None)
@@ -369,20 +352,24 @@ class RunConfig(BaseModel, MethodRules):
             raise ValueError(f"{name} = {getattr(self, name)!r}: task {self.task} does not use it"
                              f"{' (it is for ' + ', '.join(where) + ')' if where else ''}{hint}")
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _no_bool_numbers(cls, values: Any) -> Any:
-        """``rounds = true`` in a TOML file is a mistake, not 1 round: a number option refuses a
-        bool (pydantic would coerce it)."""
+    def _method_flags(cls, values: Any, handler) -> "RunConfig":
+        """A method's flags (``nu = 0.1``) become its ``method_opts``, another method's are kept
+        apart for :meth:`unused_options` (:func:`hiso.config_parse.split_flags`). ``rounds = true``
+        in a TOML file is a mistake, not 1 round: a number option refuses a bool (pydantic would)."""
+        unused = {}
         if isinstance(values, dict):
-            if "method_opts" in values and not isinstance(values["method_opts"], dict):
-                from .methods.options import parse_pairs  # --method-opt c=0.5 d=1: a list of KEY=VALUE
-                values = {**values, "method_opts": parse_pairs(values["method_opts"])}
+            from .config_parse import split_flags
+            values, unused = split_flags(values)
             for name, value in values.items():
                 field = cls.model_fields.get(name)
                 if isinstance(value, bool) and field is not None and field.annotation is not bool:
                     raise ValueError(f"{name} = {str(value).lower()}: expected {_kind(field.annotation)}, not true/false")
-        return values
+        self = handler(values)
+        defaults = option_fields() if unused else {}
+        self._unused_flags = {k: v for k, v in unused.items() if v != defaults[k].default}
+        return self
 
     @property
     def batch_memory_bytes(self) -> int | None:
@@ -390,13 +377,7 @@ class RunConfig(BaseModel, MethodRules):
         return None if self.batch_memory is None else parse_size(self.batch_memory)
 
     def zo(self) -> ZOConfig:
-        precond = None
-        if "preconditioner" in self.method.can:
-            precond = PreconditionerConfig(nu=self.nu, eps=self.eps, h_min=self.h_min,
-                                           h_max=self.h_max, source=self.h_source, stat=self.h_stat,
-                                           granularity=self.h_granularity,
-                                           bias_correction=self.h_bias_correction)
-        method = self.method.build(self)  # the core's hooks (None: DeComFL's)
+        method = self.method.build(self)  # the core's hooks and stages (None: DeComFL's; HiSo's keeps H)
         if "ferret" in self.method.options:  # the record's (tau, P) is (blocks, K); tau local steps live in the method
             return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.ferret_k, local_steps=self.ferret_blocks,
                             directions=self.directions, scalar_dtype=self.scalar_dtype, lr_decay=self.lr_decay,
@@ -405,7 +386,7 @@ class RunConfig(BaseModel, MethodRules):
         dp = None if self.dp_clip is None else DPConfig(self.dp_clip, self.dp_noise, self.dp_mode)
         step_norm = None if self.step_norm is None else StepNormConfig(self.step_norm, self.step_norm_beta)
         return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.perturbations,
-                        local_steps=self.local_steps, difference=self.difference, precond=precond,
+                        local_steps=self.local_steps, difference=self.difference,
                         directions=self.direction_spec, scalar_dtype=self.scalar_dtype, momentum=momentum,
                         lr_decay=self.lr_decay, dp=dp, method=method, step_norm=step_norm)
 
@@ -421,6 +402,28 @@ class RunConfig(BaseModel, MethodRules):
 # options that change how a run is carried out, never its results: a resumed run may take others
 RUNTIME_ONLY = ("checkpoint_every",)
 
+FLAGS_BEFORE = "momentum"  # where the methods' own flags (nu, h_*) sit among the run's options (--help, docs)
+
+
+def option_fields() -> dict[str, FieldInfo]:
+    """Every option of a run by its flag's and TOML key's name, in --help's order: RunConfig's
+    fields and the built-in methods' own fields that are flags too (HiSo's ``nu``, ...: their
+    ``method_opts`` when the run is theirs, :func:`hiso.methods.registry.flag_options`)."""
+    import dataclasses
+
+    from .methods.options import fields_of
+    from .methods.registry import flag_options
+    flags = {}
+    for name, (cls, _) in flag_options().items():
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        flags[name] = FieldInfo(annotation=fields_of(cls)[name], default=f.default, description=f.metadata.get("help"))
+    out: dict[str, FieldInfo] = {}
+    for name, field in RunConfig.model_fields.items():
+        if name == FLAGS_BEFORE:
+            out.update(flags)
+        out[name] = field
+    return out
+
 
 def one_line(err: ValidationError, prefix: str | None = None) -> str:
     """A pydantic validation error as one line: ``where: what`` (``where`` under ``prefix``); an
@@ -429,7 +432,7 @@ def one_line(err: ValidationError, prefix: str | None = None) -> str:
     where = ".".join(str(x) for x in (*([prefix] if prefix else []), *e["loc"]))
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden" and e["loc"]:
-        msg = "not an option" + nearest(str(e["loc"][-1]), RunConfig.model_fields)
+        msg = "not an option" + nearest(str(e["loc"][-1]), option_fields())
     return f"{where}: {msg}" if where else msg
 
 
@@ -439,7 +442,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     values = read_toml(path)
     if isinstance(values.get("compare"), dict):
         values.pop("compare")
-    from .methods.options import merge_options
+    from .config_parse import merge_options
     try:
         values = merge_options(values, {k: v for k, v in overrides.items() if v is not None})
     except ValueError as e:

@@ -34,11 +34,19 @@ class MethodRules:
 
     def _method_opts_checks(self) -> None:
         """Type a method's options by its Method class's fields (a user's method, or a built-in one
-        written on the contract: conmezo, greedy); the other built-in methods have none of their own."""
-        from .methods.options import check_options
+        written on the contract: hiso, conmezo, greedy); the other built-in methods have none of their
+        own. A built-in class whose fields are flags too (HiSo's) has all of them recorded, at their
+        defaults where not given (config.json names the values its run used), and checked here."""
+        from .methods.options import check_options, fields_of
+        from .methods.registry import is_user_method
+        cls = self.method.option_class
+        if getattr(cls, "flags", None) and not is_user_method(self.algorithm):
+            opts = check_options(cls, self.method_opts, self.algorithm)
+            built = cls(**opts)  # its own checks (nu in [0, 1], ...), one line
+            self.method_opts = {name: getattr(built, name) for name in fields_of(cls)}
+            return
         if not self.method_opts:
             return
-        cls = self.method.option_class
         if cls is None:
             raise ValueError(f"method_opts: {self.algorithm} has no options of its own (its options are flags: "
                              "hiso run --help); method_opts is for a Method subclass's fields")
@@ -235,9 +243,11 @@ class MethodRules:
         """The options set to a value other than their default that this run's algorithm never
         reads (``nu`` on decomfl, ``server_lr`` on hiso), each with whose they are: a run names
         them, a comparison's variant refuses them."""
-        from .methods.registry import option_groups
-        out = {name: whose for names, _, whose in option_groups() if not all(map(self.method.reads, names))
-               for name in self.changed(names)}
+        from .methods.registry import flag_options, option_groups
+        flags = flag_options()  # another method's flags (nu on decomfl), not kept in the configuration
+        out = {name: flags[name][1] for name in self._unused_flags}
+        out.update({name: whose for names, _, whose in option_groups() if not all(map(self.method.reads, names))
+                    for name in self.changed(names)})
         if self.step_norm is None and self.changed(["step_norm_beta"]):
             out["step_norm_beta"] = "with step_norm only"
         for names, off, whose in ((("byzantine_per_round", "attack", "attack_scale"), not self.byzantine,

@@ -1,6 +1,7 @@
 """The units of a run's options: ``checkpoint_every`` (rounds or a time), sizes (``512M``) and the
-simulated attackers' attacks (``scale,sign-flip``); a TOML file read, and the error a bad
-configuration is (both re-exported by :mod:`hiso.config`)."""
+simulated attackers' attacks (``scale,sign-flip``); a TOML file read, its values and the flags
+merged (:func:`merge_options`: a method's flags, HiSo's ``nu``, into its ``method_opts``), and the
+error a bad configuration is (re-exported by :mod:`hiso.config`)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,55 @@ def read_toml(path: str | Path | None) -> dict[str, Any]:
         return tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML ({e})") from None
+
+
+def merge_options(values: dict, given: dict) -> dict:
+    """A TOML file's values with the ``[method]`` table as ``method_opts``, then the flags
+    ``given`` on top; ``--method-opt`` adds to the file's options key by key, and so does a
+    method's flag (``--nu 0.1`` over the file's ``[method]`` nu, ``nu = ...`` under ``--method-opt``)."""
+    from .methods.options import parse_pairs
+    values = dict(values)
+    if isinstance(values.get("method"), dict):
+        values["method_opts"] = {**values.pop("method"), **(values.get("method_opts") or {})}
+    algorithm = given.get("algorithm", values.get("algorithm"))
+    values, given = route_flags(values, algorithm), route_flags(given, algorithm)
+    if given.get("method_opts") is not None and values.get("method_opts"):
+        given = {**given, "method_opts": {**parse_pairs(values["method_opts"]), **parse_pairs(given["method_opts"])}}
+    return {**values, **given}
+
+
+def route_flags(values: dict, algorithm: Any = None) -> dict:
+    """``values`` with the flags that are the fields of the run's method (``nu = 0.1`` for hiso:
+    :func:`hiso.methods.registry.flag_options`) moved into its ``method_opts``; a flag the method
+    does not have stays where it is (RunConfig names it as unused). ``algorithm``: the run's (None:
+    ``values``' own, else hiso)."""
+    from .methods.options import cast_option, fields_of, parse_pairs
+    from .methods.registry import flag_options, method_info
+    flags = flag_options()
+    if not any(k in flags for k in values):
+        return values
+    algorithm = values.get("algorithm", "hiso") if algorithm is None else algorithm
+    try:
+        own = fields_of(method_info(algorithm).option_class) if isinstance(algorithm, str) else {}
+    except (ValueError, ImportError):  # an unknown algorithm: RunConfig says so
+        return values
+    mine = {k: v for k, v in values.items() if k in flags and k in own and v is not None}
+    if not mine:
+        return values
+    opts = parse_pairs(values.get("method_opts"))
+    for k, v in mine.items():
+        if k in opts and cast_option(k, own[k], opts[k]) != cast_option(k, own[k], v):
+            raise ValueError(f"{k} = {v!r} and method option {k} = {opts[k]!r}: give it once")
+    return {**{k: v for k, v in values.items() if k not in mine}, "method_opts": {**opts, **mine}}
+
+
+def split_flags(values: dict) -> tuple[dict, dict]:
+    """RunConfig's values with ``method_opts`` as a dict (``--method-opt c=0.5`` gives a list), the
+    run's method's flags in it (:func:`route_flags`), and apart the flags of another method's
+    (``nu`` on decomfl: no field holds them): (values, those flags)."""
+    from .methods.options import parse_pairs
+    from .methods.registry import flag_options
+    if "method_opts" in values and not isinstance(values["method_opts"], dict):
+        values = {**values, "method_opts": parse_pairs(values["method_opts"])}
+    values, flags = route_flags(values), flag_options()
+    return {k: v for k, v in values.items() if k not in flags}, {k: v for k, v in values.items() if k in flags}

@@ -112,9 +112,9 @@ def _command_section(path: str, text: str, parser: argparse.ArgumentParser) -> l
     if rows:
         out += ["| flag | meaning |", "| --- | --- |", *rows, ""]
     if shared:
-        from .config import RunConfig
+        from .config import option_fields
         dests = {a.dest for a in parser._actions}
-        missing = [n for n in RunConfig.model_fields if n not in dests]
+        missing = [n for n in option_fields() if n not in dests]
         also = "every [run option](#run-options)"
         if missing:
             also += " but " + ", ".join(f"`--{n.replace('_', '-')}`" for n in missing)
@@ -124,11 +124,12 @@ def _command_section(path: str, text: str, parser: argparse.ArgumentParser) -> l
 
 def _option_rows(names: list[str]) -> list[str]:
     from .cli import field_choices, shown_default
-    from .config import RunConfig
+    from .config import option_fields
 
+    fields = option_fields()
     rows = ["| option (TOML key) | values | default | meaning |", "| --- | --- | --- | --- |"]
     for name in names:
-        field = RunConfig.model_fields[name]
+        field = fields[name]
         flag = "`--method-opt KEY=VALUE`" if name == "method_opts" else f"`--{name.replace('_', '-')}`"
         if field.annotation is bool:
             flag += f" / `--no-{name.replace('_', '-')}`"
@@ -150,7 +151,7 @@ def _kind(annotation) -> str:
 def render() -> str:
     """The whole page, as ``python -m hiso.docgen`` writes it."""
     from .cli import build_parser
-    from .config import RunConfig
+    from .config import option_fields
 
     lines = INTRO.splitlines()
     lines.append("")
@@ -174,7 +175,7 @@ def render() -> str:
               "The options of a run: each is a flag of `hiso run`, `hiso compare` (shared by all its runs) and "
               "`hiso flower`, and a key of the TOML file given with `--config`. \"(in meaning)\": the default "
               "is stated in the meaning (it depends on the task, the algorithm or another option).", ""]
-    fields = list(RunConfig.model_fields)
+    fields = list(option_fields())
     starts = {first: title for first, title in SECTIONS}
     unknown = set(starts) - set(fields)
     if unknown:

@@ -7,18 +7,20 @@ order. The order is fixed, whatever stages a run has:
 1. ``lr``: the round's step size, ``lr_at(r)`` (the schedule, float64);
 2. ``step_norm``: divides it by the spread of the record's scalars (:mod:`hiso.methods.stepnorm`);
 3. tensor by tensor (protocol order), local step by local step: ghat_k = the record's
-   directions combined with its scalars, through H_r (``h``, when the run has one); ghat_k is
-   taken by the step stage (``sgd``: x <- x - lr ghat_k; or ``momentum``: m <- m + (1-beta)
-   ghat_k after m <- beta m at the tensor's start, :mod:`hiso.methods.momentum`), then observed
-   by ``h``; at the tensor's end ``momentum`` steps x <- x - lr m and ``h`` updates that
+   directions combined with its scalars, through H_r (``h``: the :class:`Precondition` stage a
+   method adds, HiSo's); ghat_k is taken by the step stage (``sgd``: x <- x - lr ghat_k; or
+   ``momentum``: m <- m + (1-beta) ghat_k after m <- beta m at the tensor's start,
+   :mod:`hiso.methods.momentum`), then observed by ``h``; at the tensor's end ``momentum`` steps x <- x - lr m and ``h`` updates that
    tensor's H (H_r stays fixed inside the round);
 4. at the round's end ``h`` closes blockwise statistics (tensor or model granularity).
 
 A stage is an object with a ``name`` (its key in the replica's ``state_dict``; None for a
 stateless one) and any of the hooks below; the state it keeps is ``init(params)``'s value,
 held by the replica under its name. The step stage and the step-size stages are supplied by
-the run's configuration (:class:`~hiso.core.config.ZOConfig`), so a method adds a stage
-without the core importing it.
+the run's configuration (:class:`~hiso.core.config.ZOConfig`), and a method adds its own in its
+``stages`` hook (:mod:`hiso.core.method`), so the core imports no method. A stage with
+``preconditions`` set (:class:`Precondition`, at most one) keeps H: the directions are drawn
+through its H^{-1/2}, and the fold updates H by its configuration (step 3, 4).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Stage:
     """No-op hooks; a stage overrides those it needs (see the module's docstring for the order)."""
 
     name: str | None = None
+    preconditions = False  # its state is H, the directions' preconditioner (Precondition)
 
     def init(self, params: list[torch.Tensor]):
         return None
@@ -63,12 +66,43 @@ class Sgd(Stage):
 SGD = Sgd()
 
 
+@dataclass(frozen=True)
+class Precondition(Stage):
+    """H, a diagonal preconditioner (:mod:`hiso.core.preconditioner`): one float32 tensor per
+    trainable tensor, starting at 1; the round's directions are drawn through H_r^{-1/2} and H is
+    updated from the round's ghat as ``cfg`` says (HiSo's stage, :class:`hiso.methods.HiSo`)."""
+
+    cfg: pc.PreconditionerConfig = pc.PreconditionerConfig()
+    name = "h"  # model.pt's and checkpoint.pt's key of H
+    preconditions = True
+
+    def init(self, params):
+        return pc.init(params)
+
+
 def stages_of(cfg) -> list[Stage]:
-    """The run's stages in chain order: step-size stages, then the step stage (H is the
-    replica's own, :class:`HStep`)."""
+    """The configuration's stages in chain order: step-size stages, then the step stage (a
+    method adds its own: :func:`stages_for`)."""
     out = [s for s in (cfg.step_norm,) if s is not None]
     out.append(cfg.momentum if cfg.momentum is not None else SGD)
     return out
+
+
+def stages_for(cfg) -> list[Stage]:
+    """The fold's stages of a run of ``cfg`` (a ZOConfig): :func:`stages_of` through its method's
+    ``stages`` hook."""
+    chain = stages_of(cfg)
+    return chain if cfg.method is None else list(cfg.method.stages(list(chain)))
+
+
+def preconditioner(stages) -> Stage | None:
+    """The stage among ``stages`` that keeps H (None: the directions are not preconditioned);
+    ValueError if more than one does."""
+    found = [st for st in stages if st.preconditions]
+    if len(found) > 1:
+        names = ", ".join(str(st.name) for st in found)
+        raise ValueError(f"the fold has {len(found)} preconditioner stages ({names}): at most one")
+    return found[0] if found else None
 
 
 def check_record(state, record, what: str = "(tau, P)") -> None:
@@ -100,7 +134,7 @@ def fold(state, record) -> None:
     lr = round_lr(state, record)  # checked above, so a refused record leaves their state as it was
     step = state.stages[-1]
     slot = slots.get(step.name)
-    precond = cfg.precond
+    precond = state.precond
     if GROUPED and _fold_grouped(state, record, lr, step, precond, tau):
         state.round += 1
         return

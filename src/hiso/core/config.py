@@ -1,4 +1,4 @@
-"""The numbers that define a scalar-only ZO algorithm (HiSo or DeComFL)."""
+"""The numbers that define a scalar-only ZO algorithm: the run's, and its method (HiSo's H, ...)."""
 
 from __future__ import annotations
 
@@ -6,25 +6,24 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from .method import Method, check_method
-from .preconditioner import PreconditionerConfig
 
 
 @dataclass(frozen=True)
 class ZOConfig:
-    """lr eta, smoothing mu, P perturbations, tau local steps; ``precond=None`` is DeComFL."""
+    """lr eta, smoothing mu, P perturbations, tau local steps; ``method=None`` is DeComFL
+    (HiSo: ``method=hiso.methods.HiSo()``, whose stage keeps H)."""
 
     lr: float
     mu: float = 1e-3
     perturbations: int = 5
     local_steps: int = 1
     difference: Literal["forward", "central"] = "forward"
-    precond: PreconditionerConfig | None = None
     directions: str = "philox-rademacher"  # the direction family (see hiso.core.directions.FAMILIES)
     scalar_dtype: str = "float32"  # the scalars' number format on the wire and in the log (float16, bfloat16, int8)
     momentum: Any = None  # the fold's step stage instead of SGD (hiso.methods.momentum); None: none
     lr_decay: float | None = None  # inverse-time decay horizon T (rounds): round r steps with lr / (1 + r / T)
     dp: Any = None  # client-level differential privacy of the scalars (hiso.methods.privacy.DPConfig); None: none
-    method: Method | None = None  # a method's own hooks (hiso.core.method); None: DeComFL's (HiSo's with precond)
+    method: Method | None = None  # a method's own hooks and stages (hiso.core.method); None: DeComFL's
     step_norm: Any = None  # a step-size stage of the fold (hiso.methods.stepnorm); None: none
 
     def __post_init__(self) -> None:
@@ -75,16 +74,15 @@ class ZOConfig:
         return uplink_codec(self.method)
 
     @property
+    def precond(self):
+        """H's configuration (:class:`~hiso.core.preconditioner.PreconditionerConfig`) where the
+        method's stages precondition the directions (HiSo's), else None."""
+        from .chain import preconditioner, stages_for
+        pre = preconditioner(stages_for(self))
+        return None if pre is None else pre.cfg
+
+    @property
     def shape(self) -> tuple[int, int]:
         """(tau, P): the shape of a round's seeds and scalars."""
         return (self.local_steps, self.perturbations)
 
-
-def hiso(lr: float, **kw) -> ZOConfig:
-    precond = kw.pop("precond", None) or PreconditionerConfig()
-    return ZOConfig(lr=lr, precond=precond, **kw)
-
-
-def decomfl(lr: float, **kw) -> ZOConfig:
-    kw.pop("precond", None)
-    return ZOConfig(lr=lr, precond=None, **kw)

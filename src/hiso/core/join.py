@@ -25,7 +25,8 @@ def config_fingerprint(zo) -> bytes:
     included, whatever fields it has, and the class of its method): peers with different
     fingerprints must not mix. Checkpoints keep it, so a built-in method's blob is the one hiso
     wrote before methods were plugins (:data:`hiso.compat.FINGERPRINT_LEGACY_KEY`: Ferret's fields
-    under "ferret", FeedSign's as ``signs: true``); any other method adds its class and fields
+    under "ferret", FeedSign's as ``signs: true``, HiSo's as its H's configuration under
+    "precond", which every blob has: None without H); any other method adds its class and fields
     under "method". Fields added to a method later (:data:`hiso.compat.FINGERPRINT_LATER_FIELDS`)
     count only when set."""
     return hashlib.sha256(f"hiso-protocol-{VERSION}|{config_blob(zo)}".encode()).digest()[:FINGERPRINT_BYTES]
@@ -42,6 +43,8 @@ def config_blob(zo) -> str:
             method.pop(name)
     legacy = FINGERPRINT_LEGACY_KEY.get(key) if zo.method is not None else None
     fields["signs"] = zo.signs
+    precond = zo.precond  # H's configuration, whichever method's stage keeps it
+    fields["precond"] = None if precond is None else dataclasses.asdict(precond)
     fields["ferret"] = method if legacy == "ferret" else None
     if zo.method is not None and legacy is None:
         fields["method"] = {"class": f"{type(zo.method).__module__}.{type(zo.method).__qualname__}", **method}

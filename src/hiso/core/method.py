@@ -2,8 +2,8 @@
 
 The core (estimator, fold, server, wire) never imports a method. A method reaches it as one
 object, :class:`Method`, held in :class:`~hiso.core.config.ZOConfig` (``method``), whose hooks
-the core calls at fixed points of a round; each default is DeComFL's (and HiSo's) rule, so a
-method overrides only what it changes:
+the core calls at fixed points of a round; each default is DeComFL's rule, so a method overrides
+only what it changes (HiSo, :class:`hiso.methods.HiSo`, only ``stages``: it adds H's):
 
 ==================  ==========================================================================
 hook                called by, and when

@@ -77,6 +77,8 @@ class PreconditionerConfig:
             raise ValueError(f"eps must be >= 0, got {self.eps}")
         if self.h_min is not None and self.h_min <= 0:
             raise ValueError(f"h_min must be > 0, got {self.h_min}")
+        if self.h_max is not None and self.h_max <= 0:
+            raise ValueError(f"h_max must be > 0, got {self.h_max}")
         if self.h_min is not None and self.h_max is not None and self.h_max < self.h_min:
             raise ValueError(f"h_max ({self.h_max}) must be >= h_min ({self.h_min})")
         if self.source not in ("last", "every"):

@@ -12,8 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import preconditioner as pc
-from .chain import fold, stages_of
+from .chain import fold, preconditioner, stages_for
 from .config import ZOConfig
 from .directions import DirectionGenerator
 from .history import RoundRecord
@@ -56,15 +55,18 @@ class ModelState:
         self.cfg = cfg
         self.named = trainable_params(model)
         self.params = [p for _, p in self.named]
-        self.stages = stages_of(cfg)  # the fold's chain (hiso.core.chain), H aside
-        if cfg.method is not None:  # a method may add stages of its own or replace the step
-            self.stages = list(cfg.method.stages(list(self.stages)))
-        self.slots: dict = {"h": pc.init(self.params)} if cfg.precond is not None else {}
+        self.stages = stages_for(cfg)  # the fold's chain (hiso.core.chain), the method's stages included
         names = [st.name for st in self.stages if st.name is not None]
-        if len(set(names)) != len(names) or "h" in names or "round" in names or "model" in names:
-            raise ValueError(f"the fold's stages need distinct names other than h, round and model, got {names}")
+        if len(set(names)) != len(names) or "round" in names or "model" in names:
+            raise ValueError(f"the fold's stages need distinct names other than round and model, got {names}")
+        pre = preconditioner(self.stages)  # the stage keeping H (HiSo's), or None
+        if pre is not None and pre.name is None:
+            raise ValueError("a preconditioner stage needs a name (its H is the replica's state)")
+        self._h = None if pre is None else pre.name
+        self.precond = None if pre is None else pre.cfg  # H's configuration (hiso.core.preconditioner)
         named = {st.name: st for st in self.stages if st.name is not None}
-        for name in sorted(named, key=lambda n: (n != "momentum", n)):  # model.pt's order: h, momentum, step_norm
+        self.slots: dict = {}
+        for name in sorted(named, key=lambda n: (n != self._h, n != "momentum", n)):  # model.pt's order: h, momentum, step_norm
             self.slots[name] = named[name].init(self.params)
         self.round = round
         # a family may need the run's seed (lowrank refresh) or x_0 (sparse mask): bound here
@@ -72,13 +74,13 @@ class ModelState:
             raise ValueError("a replica of a masked direction family must be built from x_0 (round 0)")
         self.gen = DirectionGenerator(cfg.directions).bind(run_seed, self.params)
 
-    # the stage states by their historical names (snapshots, Flower's replica, diagnose)
-    h = property(lambda self: self.slots.get("h"), lambda self, v: self.slots.__setitem__("h", v))
+    # the stage states by their historical names (snapshots, Flower's replica, diagnose); h: H, the preconditioner's
+    h = property(lambda self: self.slots.get(self._h), lambda self, v: self.slots.__setitem__(self._h or "h", v))
     m = property(lambda self: self.slots.get("momentum"), lambda self, v: self.slots.__setitem__("momentum", v))
     sn = property(lambda self: self.slots.get("step_norm"), lambda self, v: self.slots.__setitem__("step_norm", v))
 
     def h_of(self, i: int) -> torch.Tensor | None:
-        h = self.slots.get("h")
+        h = self.slots.get(self._h)
         return None if h is None else h[i]
 
     @torch.no_grad()

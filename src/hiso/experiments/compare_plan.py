@@ -59,7 +59,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, one_line, read_toml
+from ..config import ALGORITHMS, ConfigError, RunConfig, load_config, one_line, option_fields, read_toml
 from ..methods.registry import default_reference, is_user_method
 from ..report.table import val_metric
 from ..tasks.registry import higher_is_better, task_info
@@ -72,7 +72,7 @@ SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
 # every other field, so a new field is assumed to matter until listed here)
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
                    "difference", "batch_size", "eval_every", "weighted", "mode", "perturb_mode", "batch_memory",
-                   "nu", "eps", "h_min", "h_max", "h_source", "server_lr", "beta1", "beta2",
+                   "method_opts", "server_lr", "beta1", "beta2",
                    "server_tau", "wire_dtype", "threads", "diverge_factor", "seed_pool", "seed_sampling", "ferret_k",
                    "ferret_blocks", "sketch_bits", "checkpoint_every"}
 # RunConfig fields that may differ between a finished run and the one asked for now
@@ -218,7 +218,7 @@ def _check_keys(where: str, keys: dict[str, Any]) -> None:
     for k in keys:
         if k in PER_ARM_FORBIDDEN and k != "algorithm":
             raise ConfigError(f"{where}: {k} cannot be set per arm ({PER_ARM_FORBIDDEN[k]})")
-        if k not in RunConfig.model_fields:
+        if k not in option_fields():
             raise ConfigError(f"{where}: unknown option {k!r}")
 
 

@@ -135,6 +135,12 @@ def _config_state(spec: RunSpec, fix: str = "use --force to rerun, or another --
         old = json.loads((spec.dir / "config.json").read_text())
     except (OSError, ValueError):
         return "start"
+    if isinstance(old, dict):  # an older hiso's file, as today's (hiso.compat)
+        from ..compat import migrate
+        try:
+            old = migrate(old)[0]
+        except ValueError as e:
+            raise ConfigError(f"{spec.dir / 'config.json'}: {e}") from None
     new = json.loads(json.dumps(spec.cfg.model_dump()))
     diff = []
     for k in sorted(set(old) | set(new)):

@@ -324,11 +324,11 @@ def replica_cost(args) -> dict:
     import torch
     from torch import nn
 
-    from ..core import ModelState, RoundRecord, decomfl
+    from ..core import ModelState, RoundRecord, ZOConfig
     from .replica import Replica
     out = {}
     for d in args.dims:
-        zo = decomfl(lr=1e-3, perturbations=1)
+        zo = ZOConfig(lr=1e-3, perturbations=1)
         make = lambda: nn.Linear(d, 1, bias=False)  # noqa: E731
         root = Path(tempfile.mkdtemp(prefix="hiso-replica-cost-"))
         Replica.open(root, "k", 0, ModelState(make(), zo)).close()

@@ -10,5 +10,17 @@ core's fold, estimator, server or client calls its rule. A method with its own r
 and log is built on the core here too: FedKSeed's seed pool (``fedkseed.py``; its server and
 client sides of a round, ``fedkseed_rounds.py``).
 
-Nothing is imported here, so importing one method costs only that method.
+HiSo itself is a method on the contract (``hiso_method.py``: :class:`HiSo`, whose stage keeps H).
+
+Nothing is imported here until asked (``hiso.methods.HiSo``), so importing one method costs only
+that method.
 """
+
+_EXPORTS = {"HiSo": "hiso.methods.hiso_method"}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hiso.methods' has no attribute {name!r}")

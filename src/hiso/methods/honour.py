@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.chain import stages_of
+from ..core.chain import stages_for
 from ..core.method import Method
 
 # answers whose mean, median and trimmed mean differ in every entry (sign included), and weights
@@ -107,7 +107,7 @@ def unhonoured(cfg, zo) -> tuple[str, str, str] | None:
     """(capability, option, what happened to it) for the first option of ``cfg`` (a RunConfig)
     that needs a capability and does not reach ``zo`` (its ZOConfig), or None: all reach it."""
     m = zo.method
-    chain = list(m.stages(stages_of(zo))) if m is not None else stages_of(zo)
+    chain = stages_for(zo)
     checks = (
         ("dp", "dp_clip", cfg.dp_clip is not None,
          lambda: zo.dp is not None and (zo.dp.clip, zo.dp.noise_multiplier, zo.dp.mode)

@@ -32,26 +32,15 @@ def parse_pairs(items) -> dict[str, str]:
     return out
 
 
-def merge_options(values: dict, given: dict) -> dict:
-    """A TOML file's values with the ``[method]`` table as ``method_opts``, then the flags
-    ``given`` on top; ``--method-opt`` adds to the file's options key by key."""
-    values = dict(values)
-    if isinstance(values.get("method"), dict):
-        values["method_opts"] = {**values.pop("method"), **(values.get("method_opts") or {})}
-    if given.get("method_opts") is not None and values.get("method_opts"):
-        given = {**given, "method_opts": {**values["method_opts"], **parse_pairs(given["method_opts"])}}
-    return {**values, **given}
-
-
 def fields_of(cls: type) -> dict[str, Any]:
     """The options a method class declares: its dataclass fields (name -> type)."""
-    if not dataclasses.is_dataclass(cls):
+    if cls is None or not dataclasses.is_dataclass(cls):
         return {}
     hints = typing.get_type_hints(cls)
     return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
 
 
-def _cast(name: str, kind: Any, value: Any) -> Any:
+def cast_option(name: str, kind: Any, value: Any) -> Any:
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     if value is None and type(None) in typing.get_args(kind):
         return None
@@ -83,7 +72,7 @@ def check_options(cls: type, opts: dict[str, Any], algorithm: str) -> dict[str, 
         if name not in fields:
             known = ", ".join(fields) or "none: declare them as dataclass fields of the Method subclass"
             raise ValueError(f"method option {name!r}: {algorithm} has no such option (its options: {known})")
-    return {name: _cast(name, fields[name], value) for name, value in opts.items()}
+    return {name: cast_option(name, fields[name], value) for name, value in opts.items()}
 
 
 def build_user_method(cls: type, cfg) -> Any:

@@ -12,9 +12,11 @@ with), ``hiso compare``, the reports, the runners, rebuild, export, resume and t
   read, set to another value than its default, is refused or reported as unused;
 * ``can``: its capabilities (:data:`CAPABILITIES`); an option that needs one it lacks is refused;
 * ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls (None: DeComFL's);
-* ``cls``: for a method written on the contract (ConMeZO, greedy), its Method class: its
+* ``cls``: for a method written on the contract (HiSo, ConMeZO, greedy), its Method class: its
   dataclass fields are its options (``--method-opt KEY=VALUE``, as a user's method's), and it is
-  built as a user's method is (``from_config``, then the options).
+  built as a user's method is (``from_config``, then the options). A built-in class with a
+  ``flags`` attribute (HiSo's: ``"HiSo's preconditioner"``, whose they are) also has its fields
+  as top-level flags and TOML keys (``--nu``, ``nu = 0.1``; :func:`flag_options`).
 
 A user's method needs no registration: ``--algorithm module:Class`` (or
 ``path/to/file.py:Class``) names a :class:`hiso.core.method.Method` subclass; its class
@@ -29,7 +31,7 @@ from typing import Any, Callable
 
 # what a method may declare it supports
 CAPABILITIES = frozenset({
-    "preconditioner",  # HiSo's H (the h_* options, nu, eps)
+    "preconditioner",  # H, a stage that preconditions the directions (HiSo's)
     "dp",  # client-level differential privacy of the scalars
     "secagg",  # secure aggregation (the server learns the sum only)
     "faults",  # simulated drops, late, duplicate and damaged answers, Byzantine clients
@@ -47,7 +49,6 @@ CAPABILITIES = frozenset({
 
 # options that only some methods read (the rest of RunConfig is every method's)
 METHOD_OPTIONS = {
-    "preconditioner": ("nu", "eps", "h_min", "h_max", "h_source", "h_stat", "h_granularity", "h_bias_correction"),
     "server_lr": ("server_lr",),
     "server_moments": ("beta1", "beta2"),
     "server_tau": ("server_tau",),
@@ -57,7 +58,7 @@ METHOD_OPTIONS = {
     "sketch": ("sketch_bits",),
     "zo_estimate": ("perturbations", "mu", "difference"),
 }
-_WHOSE = {"preconditioner": "HiSo's preconditioner", "server_lr": "the full-model baselines' and ferret's server step",
+_WHOSE = {"server_lr": "the full-model baselines' and ferret's server step",
           "server_moments": "fedadam's and fedyogi's server moments", "server_tau": "the adaptive server optimisers'",
           "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's",
           "ferret": "ferret's, sketch's and fedkrso's", "sketch": "sketch's",
@@ -217,6 +218,26 @@ def with_capability(cap: str) -> list[str]:
     return [n for n, info in _REGISTRY.items() if cap in info.can]
 
 
+def builtin_name(cls: type) -> str | None:
+    """The name of the built-in method whose class is ``cls`` (HiSo: ``hiso``), or None."""
+    _load_builtins()
+    return next((name for name, info in _REGISTRY.items() if info.cls is cls), None)
+
+
+def flag_options() -> dict[str, tuple[type, str]]:
+    """The built-in methods' own options that are also top-level flags and TOML keys (HiSo's
+    ``nu``, ...): name -> (the Method class whose field it is, whose they are, for notes)."""
+    from .options import fields_of
+    _load_builtins()
+    out: dict[str, tuple[type, str]] = {}
+    for info in _REGISTRY.values():
+        whose = getattr(info.cls, "flags", None) if info.cls is not None else None
+        if whose:
+            for name in fields_of(info.cls):
+                out.setdefault(name, (info.cls, whose))
+    return out
+
+
 def in_words(names) -> str:
     """``a``, ``a and b``, ``a, b and c``."""
     names = list(names)
@@ -258,8 +279,7 @@ def _sketch(cfg):
                         bits=cfg.sketch_bits)
 
 
-register_method(MethodInfo("hiso", "HiSo", options=_ZO | {"preconditioner"}, can=_SCALAR | {"preconditioner"},
-                           doc="seeds and scalars on the wire, HiSo's Hessian-informed preconditioner"))
+register_method(contract_method("hiso", "hiso.methods.hiso_method", "HiSo"))
 register_method(MethodInfo("decomfl", "DeComFL", options=_ZO, can=_SCALAR, doc="seeds and scalars on the wire"))
 register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
                            can=frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",

@@ -163,8 +163,8 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     out: dict[str, Any] = {
         "run": str(run_dir), "algorithm": cfg.algorithm, "task": cfg.task, "lr": lr, "rounds": R,
         "parameters": int(sum(h.numel() for h in final)),
-        "variant": {"nu": cfg.nu, "h_granularity": cfg.h_granularity, "h_stat": cfg.h_stat,
-                    "h_bias_correction": cfg.h_bias_correction, "momentum": cfg.momentum,
+        "variant": {**{k: cfg.method_opts[k] for k in ("nu", "h_granularity", "h_stat", "h_bias_correction")},
+                    "momentum": cfg.momentum,
                     "lr_decay": cfg.lr_decay, "step_norm": cfg.step_norm, "directions": cfg.direction_spec},
         "effective_step": "lr / H per coordinate (E[ghat] = H^-1 grad f); DeComFL's is lr",
         "over_rounds": rounds,

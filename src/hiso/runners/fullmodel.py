@@ -44,7 +44,7 @@ from .common import Comm, CommTally, metric_rows, start_round
 def fedzo_config(cfg: RunConfig) -> ZOConfig:
     """The ZO configuration of a FedZO client (no preconditioner; its seeds are private)."""
     return ZOConfig(lr=cfg.lr, mu=cfg.mu, perturbations=cfg.perturbations, local_steps=cfg.local_steps,
-                    difference=cfg.difference, precond=None)
+                    difference=cfg.difference)
 
 
 class FullModelSimulation:

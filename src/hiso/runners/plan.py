@@ -104,12 +104,12 @@ def _full_model(info, cfg, dep: Deployment, times: np.ndarray) -> dict:
 
 
 def _per_tensor_stages(zo) -> int:
-    """The fold's stages that keep a tensor per trainable tensor (a momentum buffer, conmezo's m):
-    each is d more values in a replica and a snapshot."""
+    """The fold's stages that keep a tensor per trainable tensor (HiSo's H, a momentum buffer,
+    conmezo's m): each is d more values in a replica and a snapshot."""
     import torch
 
-    from ..core.chain import stages_of
-    chain = stages_of(zo) if zo.method is None else zo.method.stages(stages_of(zo))
+    from ..core.chain import stages_for
+    chain = stages_for(zo)
     return sum(1 for st in chain if st.name is not None and isinstance(st.init([torch.zeros(1)]), list))
 
 
@@ -122,7 +122,7 @@ def _scalar(info, cfg, dep: Deployment) -> dict:
     zo = cfg.zo()
     up = zo.uplink  # the answers' codec (hiso.core.uplink)
     tau, P = zo.shape  # Ferret and sketch: (B, K), their SGD steps are cfg.local_steps
-    values = d * (1 + (zo.precond is not None) + _per_tensor_stages(zo))
+    values = d * (1 + _per_tensor_stages(zo))  # x and each stage's tensors (HiSo's H, a momentum buffer)
     st: dict = {}
     comm = protocol_traffic(M, dep.sampled, tau, P, dep.rounds, scalar_dtype=zo.scalar_dtype, seed=dep.seed,
                             state_values=values, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth,

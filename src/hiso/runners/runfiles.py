@@ -220,14 +220,22 @@ class Continuation:
     note: str | None = None
 
 
+def _by_option(values: dict) -> dict:
+    """A configuration's values with its method's options also by their own names (``nu``), as
+    the flags that set them are named."""
+    return {**(values.get("method_opts") or {}), **values}
+
+
 def continuation(out: Path, given: dict) -> Continuation:
     """How to continue the run in ``out`` with the options ``given`` (command line and config file):
     options must agree with its ``config.json``, except a larger ``rounds``, which continues the run
     (finished or not) to that horizon. Raises ``ValueError`` (one line) for what cannot be done."""
+    from ..config_parse import merge_options
     cfg, _ = saved_config(out)
     saved = cfg.model_dump()
-    asked = load_config(None, **{**saved, **given})
-    wanted = asked.model_dump()
+    asked = load_config(None, **merge_options(saved, given))  # a method's flag (nu) over its method_opts
+    wanted = _by_option(asked.model_dump())
+    saved = _by_option(saved)
     changed = [k for k in given if wanted.get(k) != saved.get(k) and k not in RUNTIME_ONLY]
     cfg = cfg.model_copy(update={k: getattr(asked, k) for k in RUNTIME_ONLY})  # as asked now
     longer = changed == ["rounds"] and asked.rounds > cfg.rounds

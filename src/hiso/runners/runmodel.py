@@ -21,7 +21,7 @@ from torch import nn
 
 from pydantic import ValidationError
 
-from ..compat import HASH_LATER_FIELDS, HASH_ONLY_WHERE
+from ..compat import HASH_LATER_FIELDS, HASH_ONLY_WHERE, flat_options
 from ..config import ConfigError, RunConfig, one_line
 from ..tasks.base import Task
 from ..tasks.device import on_device
@@ -56,8 +56,9 @@ class RunModel:
 def config_sha256(cfg: RunConfig) -> str:
     """sha256 of the resolved run configuration (keys sorted): two runs with equal hashes ran the
     same experiment. A field added later (:data:`hiso.compat.HASH_LATER_FIELDS`) counts only when set,
-    one in :data:`hiso.compat.HASH_ONLY_WHERE` only where it changes what the run computes."""
-    values = cfg.model_dump()
+    one in :data:`hiso.compat.HASH_ONLY_WHERE` only where it changes what the run computes; a
+    method's options that were flat fields before (:data:`hiso.compat.FLAT_OPTIONS`) count flat."""
+    values = flat_options(cfg.model_dump())
     for name in HASH_LATER_FIELDS:
         if values.get(name) == type(cfg).model_fields[name].get_default(call_default_factory=True):
             values.pop(name)
