@@ -245,13 +245,13 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     fl.add_argument("--verbose", action="store_true", help="print the Flower commands and where their logs are")
     _add_run_flags(fl, lr_task=lr_task)
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
-    rb.add_argument("run_dir")
+    rb.add_argument("run_dir", help="the run directory (what hiso run --out wrote)")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
     rb.add_argument("--round", type=int, help="rebuild x_R, the model after the first R logged rounds (default: all)")
     _add_accept_flag(rb)
     ex = sub.add_parser("export", help="a run's model (any round) as a PEFT adapter, a Hugging Face model directory "
                         "or safetensors")
-    ex.add_argument("run_dir")
+    ex.add_argument("run_dir", help="the run directory (what hiso run --out wrote)")
     ex.add_argument("--out", required=True, help="directory to create (written whole or not at all)")
     ex.add_argument("--format", choices=("peft", "merged", "state-dict"), help="peft: the LoRA adapter for "
                     "PeftModel.from_pretrained; merged: a model directory for AutoModelForCausalLM.from_pretrained; "
@@ -262,9 +262,12 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
                     "as trained, float32); a quantized base is merged in float32 first")
     ex.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export "
                     "(a directory holding anything else is refused)")
+    ex.add_argument("--base-dir", metavar="DIR", help="--format peft: the adapter names DIR as its base "
+                    "(base_model_name_or_path), and the run's base model is written there unless DIR holds it "
+                    "already (default: the hub id the base came from, when known)")
     _add_accept_flag(ex)
     ev = sub.add_parser("eval", help="evaluate a run's model (any round) on its task, or on other data of the task")
-    ev.add_argument("run_dir")
+    ev.add_argument("run_dir", help="the run directory (what hiso run --out wrote)")
     ev.add_argument("--round", type=int, help="evaluate x_R, rebuilt from the first R logged rounds "
                     "(default: the last)")
     ev.add_argument("--data-dir", help="the task's data from here instead of the run's")
@@ -277,7 +280,7 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     _add_accept_flag(ev)
     dg = sub.add_parser("diagnose", help="what a HiSo run's preconditioner H learned: its range over rounds, the "
                         "effective step lr/H, per tensor, and against measured curvature (PNG + text)")
-    dg.add_argument("run_dir")
+    dg.add_argument("run_dir", help="the run directory (what hiso run --out wrote)")
     dg.add_argument("--out", help="directory for diagnose.png/.txt/.json (default: the run directory)")
     dg.add_argument("--points", type=int, default=20, help="rounds at which H is summarised (default: 20)")
     dg.add_argument("--curvature", choices=("auto", "yes", "no"), default="auto",
@@ -323,6 +326,10 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     pl.add_argument("--methods", default="hiso,decomfl,fedavg", help="comma-separated, any of hiso run's "
                     "--algorithm (default: hiso,decomfl,fedavg)")
     pl.add_argument("--seed", type=int, default=0, help="the run seed: who is sampled when (default: 0)")
+    for p in (rb, ex, ev):
+        _add_where_flags(p, data=p is not ev)
+    run.add_argument("--method-file", metavar="FILE", help="with --resume: the run's method file (your own Method "
+                     "subclass) is here now (checked against its sha256 in config.json)")
     from .tasks.lm_pack import add_cache_parser
     add_cache_parser(sub, _Parser)
     rb.add_argument("--device", default="cpu", help="where to replay the history: cpu (default, whatever device "
@@ -384,13 +391,35 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser(_help_task(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     _log_level(args)
     from .methods.identity import ACCEPT
+    from .runners.portable import RELOCATED
     token = ACCEPT.set(bool(getattr(args, "accept_method_change", False)))
+    where = RELOCATED.set(_relocated(args))
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
             return _command(args)
     finally:
+        RELOCATED.reset(where)
         ACCEPT.reset(token)
+
+
+def _relocated(args: argparse.Namespace) -> dict:
+    """Where the user says a run's inputs are now (rebuild, export, eval, run --resume)."""
+    if args.command not in ("rebuild", "export", "eval", "run"):
+        return {}
+    keys = ("method_file",) if args.command == "run" else ("model", "method_file") if args.command == "eval" \
+        else ("data_dir", "model", "method_file")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None)}
+
+
+def _add_where_flags(p: argparse.ArgumentParser, data: bool = True) -> None:
+    """Where a moved run's inputs are now (config.json names them relative to the run directory)."""
+    g = p.add_argument_group("a run moved away from its inputs (each is checked against what config.json records)")
+    if data:
+        g.add_argument("--data-dir", help="the run's data directory is here now")
+    g.add_argument("--model", help="the run's base model directory is here now (its weights' fingerprint is checked)")
+    g.add_argument("--method-file", metavar="FILE", help="the run's method file (your own Method subclass) is here "
+                   "now (its sha256 is checked)")
 
 
 def _add_accept_flag(p: argparse.ArgumentParser) -> None:

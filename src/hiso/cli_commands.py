@@ -66,7 +66,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if plan.note and (not args.quiet or "was cut" in plan.note):  # a cut log is said even when quiet
             print(f"hiso: note: {plan.note}", file=sys.stderr)
         cfg = plan.cfg
+        from .runners.portable import require_inputs
+        require_inputs(cfg, out, {k: given[k] for k in ("data_dir", "model") if given.get(k)})
     else:
+        if getattr(args, "method_file", None):
+            return _fail("--method-file points a resumed run at its moved method file: give --resume DIR "
+                         "(a new run names its method with --algorithm FILE.py:Class)")
         cfg = load_config(args.config, **overrides)
         out = Path(args.out)
         if why := _new_run_refusal(cfg, out, args.force):
@@ -262,9 +267,11 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .runners.export import export
 
-    done = export(args.run_dir, args.out, args.format, round=args.round, force=args.force, dtype=args.dtype)
+    done = export(args.run_dir, args.out, args.format, round=args.round, force=args.force, dtype=args.dtype,
+                  base_dir=args.base_dir)
     print(f"exported round {done['round']} of {args.run_dir} as {done['format']} into {done['out']}/: "
-          f"{len(done['files'])} files, {done['bytes'] / 1e6:.1f} MB, {done['seconds']:.1f} s")
+          f"{len(done['files'])} files, {done['bytes'] / 1e6:.1f} MB, {done['seconds']:.1f} s"
+          + (f"; its base model is in {args.base_dir}/" if args.base_dir else ""))
     return 0
 
 

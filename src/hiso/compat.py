@@ -11,7 +11,8 @@ layer may read these tables.
 
 from __future__ import annotations
 
-SCHEMA = 2  # config.json's "schema"; a file without one was written before schema versions (1)
+SCHEMA = 3  # config.json's "schema"; a file without one was written before schema versions (1); 3: paths
+# relative to the run directory (hiso.runners.portable)
 
 # options added later whose default computes differently: option -> (the tasks it applies to, None
 # for every task; the value runs made before it had). A config.json without `directions` predates

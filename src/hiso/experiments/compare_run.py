@@ -74,7 +74,12 @@ def _state(spec: RunSpec, fix: str = "use --force to rerun, or another --out") -
         old = json.loads((spec.dir / "config.json").read_text())
     except (OSError, ValueError):
         return "start"
-    new = json.loads(json.dumps(spec.cfg.model_dump()))
+    from ..runners.portable import comparable
+    try:  # its paths (relative to the run directory) and the ones asked for now, as absolute ones
+        old = comparable(old, spec.dir)
+    except (ValueError, TypeError, AttributeError):  # (a method file gone, a damaged file: as before)
+        return "start"
+    new = comparable(json.loads(json.dumps(spec.cfg.model_dump())))
     diff = []
     for k in sorted(set(old) | set(new)):
         if k in RESUME_IGNORED or k in ("task_info", "method_source", "schema"):
