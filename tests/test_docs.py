@@ -68,7 +68,7 @@ def test_site_builds_strict_on_a_fresh_clone(tmp_path, monkeypatch):
 
 def _build_site(tmp_path):
     clock = Patience(300)  # seconds at the speed the machine offers (a loaded machine's count slower)
-    r = run_within([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--config-file",
+    r = run_within([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
                     str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")], clock=clock, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "site" / "index.html").is_file()

@@ -180,7 +180,7 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
                      "DIR is empty, absent or has no config.json yet, refuse if DIR holds another run")
     run.add_argument("--config", help="TOML file of options (flags override it)")
     run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     run.add_argument("--show-partition", action="store_true", help="print each client's label histogram")
     _add_accept_flag(run)
     _add_tracking_flags(run)
@@ -219,7 +219,7 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
                      help="runs at a time, each in its own worker process (default 1). A worker starts Python "
                      "and torch and builds its own task (a few seconds), so for runs of a few seconds each, "
                      "--jobs 2 can be slower than serial; set --threads 1 with it")
-    cmp.add_argument("--quiet", action="store_true", help="no progress output, only the table")
+    cmp.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the table")
     _add_tracking_flags(cmp)
     _add_run_flags(cmp, exclude=("algorithm", "seed"), lr_task=lr_task)
     fl = sub.add_parser("flower", help="run on a Flower federation: a SuperLink and --nodes SuperNodes on 127.0.0.1 "
@@ -334,6 +334,9 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     add_cache_parser(sub, _Parser)
     rb.add_argument("--device", default="cpu", help="where to replay the history: cpu (default, whatever device "
                     "the run used), cuda or cuda:N")
+    for p in sub.choices.values():  # -v after the command too (hiso run -v), as before it (hiso -v run)
+        p.add_argument("-v", "--verbose-log", dest="verbosity", action="count", default=argparse.SUPPRESS,
+                       help="say more of what hiso does (as hiso -v COMMAND)")
     return parser
 
 
