@@ -111,7 +111,9 @@ class Run:
 
     @property
     def config(self) -> dict:
-        return json.loads((self.dir / "config.json").read_text())
+        """config.json's object, its paths (stored relative to the run directory) as on this machine."""
+        from .runners.portable import absolute
+        return absolute(json.loads((self.dir / "config.json").read_text()), self.dir)
 
     @property
     def summary(self) -> dict:

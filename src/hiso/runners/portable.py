@@ -88,17 +88,12 @@ def resolve(raw: dict, run_dir: str | Path) -> dict:
     method or task file not found is refused (ValueError, one line naming ``--method-file``);
     data and a base model are checked when a task is built (:func:`require_inputs`)."""
     run_dir = Path(run_dir)
-    marked = raw.pop(MARK, None) or []
-    here = lambda p: os.path.normpath(run_dir.absolute() / Path(p).expanduser())  # noqa: E731
-    for key in marked:
-        if key in ("data_dir", "model") and isinstance(raw.get(key), str):
-            raw[key] = here(raw[key])
-        elif spec := _file_spec(raw.get(key)):
-            raw[key] = f"{here(spec[0])}:{spec[1]}"
+    raw = absolute(raw, run_dir)
     given = RELOCATED.get()
     for key in WHERE_FIELDS:
-        if given.get(key):
-            raw[key] = str(Path(given[key]).expanduser().absolute())
+        if given.get(key):  # (a model given as a hub id or short name stays a name)
+            there = Path(given[key]).expanduser()
+            raw[key] = str(there.absolute()) if key == "data_dir" or there.exists() else given[key]
     if given.get("method_file") and (spec := _file_spec(raw.get("algorithm"))):
         raw["algorithm"] = f"{Path(given['method_file']).expanduser().absolute()}:{spec[1]}"
     for key in ("algorithm", "task"):
@@ -110,6 +105,18 @@ def resolve(raw: dict, run_dir: str | Path) -> dict:
                 raise ValueError(f"--method-file {given['method_file']}: file not found")
             how = f"give {flag} FILE" if flag else f"put it back at {Path(spec[0]).name} beside where it was"
             raise ValueError(f"{run_dir}: the run's {what} file {Path(spec[0]).name} is not at {spec[0]}: {how}")
+    return raw
+
+
+def absolute(raw: dict, run_dir: str | Path) -> dict:
+    """config.json's object with the paths it stores relative to ``run_dir`` made absolute
+    (:data:`MARK` popped); nothing is checked."""
+    raw, here = dict(raw), lambda p: os.path.normpath(Path(run_dir).absolute() / Path(p).expanduser())  # noqa: E731
+    for key in raw.pop(MARK, None) or []:
+        if key in ("data_dir", "model") and isinstance(raw.get(key), str):
+            raw[key] = here(raw[key])
+        elif spec := _file_spec(raw.get(key)):
+            raw[key] = f"{here(spec[0])}:{spec[1]}"
     return raw
 
 
