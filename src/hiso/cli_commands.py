@@ -345,6 +345,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if why := _new_run_refusal(cfg, out, args.force):
             return _fail(why)
+        if cfg.data_dir and not Path(cfg.data_dir).expanduser().is_dir():  # before a federation is started
+            return _fail(f"--data-dir {cfg.data_dir}: directory not found")
+        cfg = _paths_from_here(cfg)
     if args.resume is not None and args.simulation:
         return _fail("--resume continues a deployment (SuperLink and SuperNodes); not with --simulation")
     if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate:
@@ -406,6 +409,17 @@ def cmd_flower(args: argparse.Namespace) -> int:
         print(note)
     _ending_note(cfg, out)
     return 0
+
+
+def _paths_from_here(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with its data and local model directories absolute: Flower's ServerApp and
+    ClientApps run in other working directories, where a relative path means another place."""
+    update = {}
+    if cfg.data_dir:
+        update["data_dir"] = str(Path(cfg.data_dir).expanduser().absolute())
+    if cfg.model and Path(cfg.model).expanduser().is_dir():
+        update["model"] = str(Path(cfg.model).expanduser().absolute())
+    return cfg.model_copy(update=update) if update else cfg
 
 
 def _stopped_by(e: BaseException) -> int | None:
