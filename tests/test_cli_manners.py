@@ -124,3 +124,18 @@ def test_compare_says_where_a_methods_options_go(tmp_path, capsys):
                             "c=0.5", "--rounds", "2", "--dim", "5", "--out", str(tmp_path / "c")], capsys)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "[compare.variants]" in err, err
     assert "method_opts" in err and not (tmp_path / "c").exists()
+
+
+def test_an_interrupted_flower_run_gets_one_resume_hint_its_own(tmp_path, capsys, monkeypatch):
+    """hiso flower says how to continue (with the federation's work directory) before the
+    interrupt reaches the command line, which then adds no hiso run hint of its own."""
+    import hiso.cli
+
+    def stopped(args):
+        print(f"hiso flower: ...; to continue: hiso flower --resume {args.out} --workdir W", file=sys.stderr)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hiso.cli, "cmd_flower", stopped)
+    (tmp_path / "fl").mkdir()
+    code, _, err = run_cli(["flower", "--out", str(tmp_path / "fl")], capsys)
+    assert code == 130 and err.count("--resume") == 1 and "hiso flower --resume" in err, err

@@ -465,7 +465,8 @@ def _command(args: argparse.Namespace) -> int:
         out = getattr(args, "out", None) or getattr(args, "resume", None)
         kept = (f"; {out} holds every round logged so far" if isinstance(out, str) and Path(out).is_dir()
                 else "")
-        again = f" (continue it: hiso run --resume {out})" if kept and args.command in ("run", "flower") else ""
+        # (hiso flower has said how to continue it, with the federation's work directory)
+        again = f" (continue it: hiso run --resume {out})" if kept and args.command == "run" else ""
         if sig := _stopped_by(e):
             print(f"hiso: stopped by {signal.Signals(sig).name}; every process it started is stopped{kept}{again}",
                   file=sys.stderr)
