@@ -157,9 +157,9 @@ def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = (), lr
 
 def _add_tracking_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensorboard", metavar="DIR", help="also log each round to TensorBoard event files under "
-                   "DIR/<run name> (pip install 'hiso[track]')")
+                   "DIR/<run name> (pip install -e '.[track]' in hiso's clone)")
     p.add_argument("--mlflow", metavar="URI", help="also log each round to MLflow: a tracking URI, or a directory "
-                   "for a local file store (pip install 'hiso[track]')")
+                   "for a local file store (pip install -e '.[track]' in hiso's clone)")
 
 
 def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:

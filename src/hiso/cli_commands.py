@@ -387,6 +387,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
             from .flower.launch import default_worker
             follow = MetricsFollower(out, cfg.rounds)
             worker = default_worker(cfg) if args.worker is None else args.worker
+            if args.worker is None and not worker and cfg.scalar_only and not cfg.secagg:
+                print("hiso flower: --worker keeps each node's task and replica loaded between messages: faster "
+                      "rounds where starting a ClientApp costs more than a round's work", flush=True)
             print(f"hiso flower: {nodes} SuperNodes serving {cfg.clients} partitions"
                   + (" (node i: partitions i, i+N, ...)" if nodes < cfg.clients else "")
                   + ("; a worker per node keeps the model loaded" if worker else "")

@@ -68,7 +68,8 @@ def check_format(fmt: str, cfg, info: dict) -> None:
     import importlib.util
 
     if importlib.util.find_spec("safetensors") is None:
-        raise ValueError("hiso export writes safetensors: pip install safetensors (or 'hiso[llm]')")
+        raise ValueError("hiso export writes safetensors: pip install safetensors (or pip install -e '.[llm]' in "
+                         "hiso's clone)")
     language = info.get("task") == "language"
     if fmt == "peft" and not (language and info.get("lora")):
         why = "trains all parameters (use --format merged)" if language else \

@@ -61,7 +61,7 @@ def cache_dir() -> Path:
 def _require_llm_extra() -> None:
     missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ModelError(f"the language tasks need {', '.join(missing)}: pip install 'hiso[llm]'")
+        raise ModelError(f"the language tasks need {', '.join(missing)}: pip install -e '.[llm]' in hiso's clone")
 
 
 def _gguf_file(short: str) -> Path:
