@@ -178,6 +178,14 @@ def test_an_exported_adapter_loads_in_a_process_without_hiso_offline(made, tmp_p
     with torch.no_grad():
         ours = load_run_model(run).model(input_ids=torch.tensor([[9, 10, 11, 12, 13, 14]])).logits[0, -1]
     assert torch.allclose(theirs, ours, atol=1e-5, rtol=0)
+    # each card's own code, as written, loads and asks the model in such a process (merged: alone)
+    code, _, err = run_cli(["export", str(run), "--out", "merged", "--format", "merged"], capsys)
+    assert code == 0, err
+    for d in ("adapter", "merged"):
+        card_code = (tmp_path / d / "README.md").read_text().split("```python\n")[1].split("```")[0]
+        done = subprocess.run([sys.executable, "-c", f"DIR = {d!r}\n{card_code}"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and done.stdout.strip() in ("0", "1"), done.stderr[-2000:]
     # the base written is the run's: exporting again onto it is accepted, onto another model refused
     code, _, err = run_cli(["export", str(run), "--out", "adapter2", "--format", "peft", "--base-dir", "base"], capsys)
     assert code == 0, err
