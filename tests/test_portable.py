@@ -107,6 +107,19 @@ def test_a_run_moved_alone_is_pointed_at_its_inputs_and_refused_in_one_line_with
     assert code == 0 and json.loads((tmp_path / "e.json").read_text())["metrics"] == _last_eval(run0), err
     code, _, err = run_cli(["export", str(run), "--out", "adapter", "--format", "peft", *given], capsys)
     assert code == 0, err
+    code, _, err = run_cli(["export", str(run0), "--out", "adapter0", "--format", "peft"], capsys)
+    assert code == 0, err
+    sha = [json.loads((tmp_path / d / "hiso.json").read_text())["config_sha256"] for d in ("adapter", "adapter0")]
+    assert sha[0] == sha[1]  # the configuration's hash leaves out where its inputs are
+    import hiso
+    from hiso.core.state import trainable_params
+    from hiso.runners.portable import relocated
+    with relocated(data_dir=files / "sst2", model=files / "lm", method_file=files / "mine.py"):  # the Python API
+        state = hiso.rebuild(run)
+    got = dict(trainable_params(state.model))
+    assert got and set(got) == set(ckpt["model"]) and all(torch.equal(t, ckpt["model"][n]) for n, t in got.items())
+    with pytest.raises(ValueError, match="--method-file"):
+        hiso.rebuild(run)
     bad = ["--data-dir", str(tmp_path / "nope")]
     code, _, err = run_cli(["rebuild", str(run), "--out", "rb2.pt", *given, *bad], capsys)
     assert code == 2 and "--data-dir" in err and "not found" in err, err

@@ -345,7 +345,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if why := _new_run_refusal(cfg, out, args.force):
             return _fail(why)
-        if cfg.data_dir and not Path(cfg.data_dir).expanduser().is_dir():  # before a federation is started
+        if cfg.data_dir and not Path(cfg.data_dir).expanduser().exists():  # before a federation is started
             return _fail(f"--data-dir {cfg.data_dir}: directory not found")
         cfg = _paths_from_here(cfg)
     if args.resume is not None and args.simulation:

@@ -14,6 +14,7 @@ copy is checked, not trusted.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
@@ -125,7 +126,7 @@ def require_inputs(cfg, run_dir: str | Path, given: dict | None = None) -> None:
     on this machine where config.json says, or where the user (``given``, else :data:`RELOCATED`) says."""
     given = {**RELOCATED.get(), **(given or {})}
     data = getattr(cfg, "data_dir", None)
-    if data and not Path(data).expanduser().is_dir():
+    if data and not Path(data).expanduser().exists():  # (a task of yours may read a file)
         if given.get("data_dir"):
             raise ValueError(f"--data-dir {given['data_dir']}: directory not found")
         raise ValueError(f"{run_dir}: the run's data directory {Path(data).name} is not at {data}: give --data-dir DIR")
@@ -175,3 +176,16 @@ def base_name(model: str) -> str:
         return model
     path_like = model.startswith((".", "/", "~")) or model.count("/") > 1 or Path(model).expanduser().is_dir()
     return Path(model).name if path_like else model
+
+
+@contextmanager
+def relocated(data_dir: str | Path | None = None, model: str | Path | None = None,
+              method_file: str | Path | None = None):
+    """Read runs moved away from their inputs, inside the ``with`` block, from these places (what
+    ``--data-dir``, ``--model`` and ``--method-file`` say on the command line)."""
+    given = {k: str(v) for k, v in (("data_dir", data_dir), ("model", model), ("method_file", method_file)) if v}
+    token = RELOCATED.set({**RELOCATED.get(), **given})
+    try:
+        yield
+    finally:
+        RELOCATED.reset(token)
