@@ -347,7 +347,8 @@ def cmd_flower(args: argparse.Namespace) -> int:
             return _fail(why)
         if cfg.data_dir and not Path(cfg.data_dir).expanduser().exists():  # before a federation is started
             return _fail(f"--data-dir {cfg.data_dir}: directory not found")
-        cfg = _paths_from_here(cfg)
+        from .runners.portable import paths_from_here
+        cfg = paths_from_here(cfg)  # the ServerApp and nodes run in other working directories
     if args.resume is not None and args.simulation:
         return _fail("--resume continues a deployment (SuperLink and SuperNodes); not with --simulation")
     if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate:
@@ -412,17 +413,6 @@ def cmd_flower(args: argparse.Namespace) -> int:
         print(note)
     _ending_note(cfg, out)
     return 0
-
-
-def _paths_from_here(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with its data and local model directories absolute: Flower's ServerApp and
-    ClientApps run in other working directories, where a relative path means another place."""
-    update = {}
-    if cfg.data_dir:
-        update["data_dir"] = str(Path(cfg.data_dir).expanduser().absolute())
-    if cfg.model and Path(cfg.model).expanduser().is_dir():
-        update["model"] = str(Path(cfg.model).expanduser().absolute())
-    return cfg.model_copy(update=update) if update else cfg
 
 
 def _stopped_by(e: BaseException) -> int | None:

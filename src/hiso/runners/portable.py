@@ -22,7 +22,6 @@ from pathlib import Path
 MARK = "relative_to_run"
 # what the user says a moved run's inputs are now: {"data_dir", "method_file", "model"} -> path
 RELOCATED: ContextVar[dict] = ContextVar("relocated", default={})  # noqa: B039 (never mutated)
-FLAGS = {"data_dir": "--data-dir", "model": "--model", "algorithm": "--method-file", "task": None}
 # configuration fields naming where an input is, not what was computed: a run continued or read
 # with them pointing elsewhere is the same run (its task and base model are checked instead)
 WHERE_FIELDS = ("data_dir", "model")
@@ -52,14 +51,12 @@ def store(values: dict, run_dir: str | Path) -> dict:
     """config.json's object with its paths relative to ``run_dir`` (the fields in :data:`MARK`),
     and its task description and method record likewise."""
     run_dir = Path(run_dir)
-    out, marked = dict(values), []
-    if out.get("data_dir"):
-        out["data_dir"], _ = relative(out["data_dir"], run_dir), marked.append("data_dir")
-    if _local_model(out.get("model")):
-        out["model"], _ = relative(out["model"], run_dir), marked.append("model")
-    for key in ("algorithm", "task"):
-        if spec := _file_spec(out.get(key)):
-            out[key], _ = f"{relative(spec[0], run_dir)}:{spec[1]}", marked.append(key)
+    out = dict(values)
+    marked = [k for k in ("data_dir", "model", "algorithm", "task") if out.get(k) and
+              (k == "data_dir" or (_local_model(out[k]) if k == "model" else _file_spec(out[k])))]
+    for key in marked:
+        spec = _file_spec(out[key])
+        out[key] = f"{relative(spec[0], run_dir)}:{spec[1]}" if spec else relative(out[key], run_dir)
     info = dict(out.get("task_info") or {})
     for key in ("data_dir", "model", "model_source"):
         if isinstance(info.get(key), str) and (key == "data_dir" or _local_model(info[key])):
@@ -104,7 +101,7 @@ def resolve(raw: dict, run_dir: str | Path) -> dict:
             what = "method" if key == "algorithm" else "task"
             if key == "algorithm" and given.get("method_file"):
                 raise ValueError(f"--method-file {given['method_file']}: file not found")
-            how = f"give {flag} FILE" if flag else f"put it back at {Path(spec[0]).name} beside where it was"
+            how = f"give {flag} FILE" if flag else "put it there, or keep it where it was beside the run"
             raise ValueError(f"{run_dir}: the run's {what} file {Path(spec[0]).name} is not at {spec[0]}: {how}")
     return raw
 
@@ -119,6 +116,17 @@ def absolute(raw: dict, run_dir: str | Path) -> dict:
         elif spec := _file_spec(raw.get(key)):
             raw[key] = f"{here(spec[0])}:{spec[1]}"
     return raw
+
+
+def paths_from_here(cfg):
+    """``cfg`` with its data and local model directories absolute, for processes that run in other
+    working directories (Flower's ServerApp and ClientApps), where a relative path means another place."""
+    update = {}
+    if cfg.data_dir:
+        update["data_dir"] = str(Path(cfg.data_dir).expanduser().absolute())
+    if _local_model(cfg.model):
+        update["model"] = str(Path(cfg.model).expanduser().absolute())
+    return cfg.model_copy(update=update) if update else cfg
 
 
 def require_inputs(cfg, run_dir: str | Path, given: dict | None = None) -> None:
