@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import hiso
-from hiso import procs
+from hiso import hardware, procs
 from hiso.patience import Patience
 from hiso.tasks.base import Task
 
@@ -63,6 +63,22 @@ def pytest_configure(config):
         signal.signal(sig, stop)
 
 
+# ------------------------------------------------------------- float32 unless about autocast
+# ``--autocast auto`` takes bf16 forwards for a full-parameter language task where the CPU has AMX
+# (hiso.hardware). A test compares forwards at float32 tolerances, so every test runs its tasks in
+# float32 on every machine: this fixture reports the bf16 units absent, in this process and in
+# every process the test starts. Tests about autocast are marked ``autocast`` and see the hardware
+# as it is, or as ``$HISO_HARDWARE`` reports it (``HISO_HARDWARE=amx=1 pytest`` runs the suite as
+# a host with AMX would; tests/README.md lists the switches).
+
+
+@pytest.fixture(autouse=True)
+def float32_unless_about_autocast(request, monkeypatch):
+    if request.node.get_closest_marker("autocast") is None:
+        said = {k: v for k, v in hardware.overrides().items() if k != "amx"}
+        monkeypatch.setenv(hardware.ENV, ",".join([*(f"{k}={int(v)}" for k, v in said.items()), "amx=0"]))
+
+
 def machine() -> str:
     """The CPU, its vector extensions and the kernels torch runs on it: what float bits depend on."""
     try:
@@ -74,7 +90,7 @@ def machine() -> str:
     chosen = os.environ.get("ATEN_CPU_CAPABILITY")
     return (f"{field('model name') or 'CPU ?'} ({' '.join(vector) or 'no AVX'}); torch {torch.__version__}, "
             f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
-            + (f" (ATEN_CPU_CAPABILITY={chosen})" if chosen else ""))
+            + (f" (ATEN_CPU_CAPABILITY={chosen})" if chosen else "") + f"; hiso sees {hardware.summary()}")
 
 
 def pytest_report_header(config):
@@ -139,6 +155,7 @@ class Spawned:
         procs.stop_processes([p.pid for p in self.procs if p.poll() is None] + self.left(), grace=2.0)
         for p in self.procs:
             p.wait()
+        procs.reap_orphans()  # what they orphaned and this process (a subreaper) adopted
 
 
 @pytest.fixture

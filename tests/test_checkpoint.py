@@ -85,6 +85,43 @@ def test_resume_from_a_checkpoint_replays_only_the_rounds_after_it(tmp_path, cap
     _same(full, cut)
 
 
+def test_a_checkpoint_written_without_a_state_digest_is_still_used(tmp_path, capsys, monkeypatch):
+    """Checkpoints made before they carried their state's SHA-256 resume as they did."""
+    args = [*QUAD, "--rounds", "12"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    run_to_dir(_cfg(args), full)
+    _interrupted(_cfg([*args, "--checkpoint-every", "3"]), cut, 8)
+    blob = torch.load(cut / FILE, weights_only=True)
+    del blob["state_sha256"]
+    torch.save(blob, cut / FILE)
+    seen = _applied_rounds(monkeypatch)
+    code, _, err = run_cli(["run", "--resume", str(cut), "--quiet"], capsys)
+    assert code == 0 and err == "", err
+    assert seen[0] == 6 and _summary(cut)["checkpoints"]["resumed_from"] == 6
+    _same(full, cut)
+
+
+def test_the_state_digest_changes_with_any_value_key_or_dtype():
+    from hiso.runners.checkpoint import state_digest
+    state = {"round": 3, "model": {"w": torch.arange(6.0).reshape(2, 3)}, "h": {"value": 0.5}}
+    d = state_digest(state)
+    assert d == state_digest(torch.load(_saved(state), weights_only=True))  # a file round trip keeps it
+    for edit in (lambda s: s["model"]["w"].view(-1)[5].add_(1e-6), lambda s: s.update(round=4),
+                 lambda s: s["model"].update(w=s["model"]["w"].double()), lambda s: s["h"].update(value=0.25),
+                 lambda s: s["model"].update(v=s["model"].pop("w"))):
+        other = {"round": 3, "model": {"w": torch.arange(6.0).reshape(2, 3)}, "h": {"value": 0.5}}
+        edit(other)
+        assert state_digest(other) != d
+
+
+def _saved(obj):
+    import io
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
 def test_checkpoints_are_written_as_configured_and_cost_is_reported(tmp_path):
     d = tmp_path / "r"
     summary = run_to_dir(_cfg([*QUAD, "--rounds", "10", "--checkpoint-every", "4"]), d)
@@ -109,6 +146,7 @@ def _foreign(tmp_path, args, other_args, k=8, every="3"):
     ("other-log", "another history.bin"),
     ("damaged", "cannot be read"),
     ("past-the-log", "past the 5 rounds the log keeps"),
+    ("edited-state", "holds another state than the one it was written with"),
 ])
 def test_a_checkpoint_not_of_this_run_is_named_and_the_log_replayed(tmp_path, capsys, monkeypatch, case, why):
     args = [*QUAD, "--rounds", "12"]
@@ -123,6 +161,11 @@ def test_a_checkpoint_not_of_this_run_is_named_and_the_log_replayed(tmp_path, ca
         _interrupted(_cfg([*args, "--checkpoint-every", "3"]), cut, 8)
         if case == "damaged":
             (cut / FILE).write_bytes((cut / FILE).read_bytes()[:-40])
+        elif case == "edited-state":  # one weight changed by hand, the file otherwise as written
+            blob = torch.load(cut / FILE, weights_only=True)
+            w = next(iter(blob["state"]["model"].values()))
+            w.view(-1)[0] += 1.0
+            torch.save(blob, cut / FILE)
         else:  # the history cut back below the checkpoint's round (a torn tail, say)
             lines = (cut / "metrics.jsonl").read_text().splitlines(keepends=True)[:6]
             (cut / "metrics.jsonl").write_text("".join(lines))
@@ -217,6 +260,17 @@ def test_a_finished_run_continued_to_more_rounds_starts_from_its_model_pt(tmp_pa
     code, _, err = run_cli(["run", "--resume", str(spare), "--rounds", "12", "--quiet"], capsys)
     assert code == 0 and "checkpoint.pt was written with another history.bin" in err and seen[0] == 0, err
     _same(full, spare)
+    # its own model.pt edited by hand: named, and the log replayed
+    edited = tmp_path / "edited"
+    run_to_dir(_cfg([*args[:-4], "--rounds", "8", "--momentum", "0.5"]), edited)
+    state = torch.load(edited / "model.pt", weights_only=True)
+    state["momentum"][next(iter(state["momentum"]))].view(-1)[0] += 1.0
+    torch.save(state, edited / "model.pt")
+    seen.clear()
+    code, _, err = run_cli(["run", "--resume", str(edited), "--rounds", "12", "--quiet"], capsys)
+    assert code == 0 and "checkpoint.pt holds another state than the one it was written with" in err, err
+    assert len(err.strip().splitlines()) == 1 and seen[0] == 0
+    _same(full, edited)
 
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_checkpoints_not_the_run(tmp_path, capsys, monkeypatch):

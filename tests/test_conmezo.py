@@ -61,6 +61,65 @@ def test_two_rounds_worked_by_hand(difference):
     assert all(torch.equal(c.state.params[0], sim.state.params[0]) for c in sim.clients.values() if c.state.round == 2)
 
 
+class _QuadraticTask(LinearTask):
+    """f_i(w) = |w - a_i|^2 / 2 on a 1 x 2 weight from w = 0, a_i = ``C[i]``: a derivative along z
+    depends on where it is taken, so a client's local steps (tau > 1) change its later scalars."""
+
+    def loss(self, model, batch):
+        return 0.5 * ((model(torch.eye(2)).reshape(-1) - batch.reshape(-1)) ** 2).sum()  # (w through the forward)
+
+
+def _reference_rounds(A, rounds, tau, P, lr, mu, theta, beta, difference):
+    """ConMeZO worked in float64 from its definition (the module docstring), no hiso code but the
+    run's seeds and directions: each client's tau local steps along the cone's z, the server's
+    fold of the mean scalars, m the EMA of the round's update direction summed over its steps.
+    Returns each round's (mean scalars, x, m)."""
+    def f(w, a):
+        return 0.5 * float(np.sum((w - a) ** 2))
+
+    def deriv(w, a, z):
+        if difference == "central":
+            return (f(w + mu * z, a) - f(w - mu * z, a)) / (2 * mu)
+        return (f(w + mu * z, a) - f(w, a)) / mu
+
+    x, m, out = np.zeros(2), np.zeros(2), []
+    for r in range(rounds):
+        seeds = round_seeds(0, r, 0, tau, P)
+        u = [[direction(int(seeds[k, p]), [torch.Size([1, 2])])[0].reshape(-1).double().numpy() for p in range(P)]
+             for k in range(tau)]
+        nm = np.linalg.norm(m)
+        z = [[u[k][p] if nm == 0 else math.cos(theta) * math.sqrt(2) * m / nm + math.sin(theta) * u[k][p]
+              for p in range(P)] for k in range(tau)]
+        g = np.zeros((len(A), tau, P))
+        for i, a in enumerate(A):
+            y = x.copy()
+            for k in range(tau):
+                g[i, k] = [deriv(y, np.array(a, float), z[k][p]) for p in range(P)]
+                y = y - lr * sum(g[i, k, p] * z[k][p] for p in range(P)) / P
+        gbar = g.mean(axis=0)
+        ghat = sum(gbar[k, p] * z[k][p] for k in range(tau) for p in range(P)) / P
+        x, m = x - lr * ghat, beta * m + (1 - beta) * ghat
+        out.append((gbar, x.copy(), m.copy()))
+    return out
+
+
+@pytest.mark.parametrize("difference", ["forward", "central"])
+def test_local_steps_in_the_cone_against_a_reference_worked_in_float64(difference):
+    """tau = 2, P = 2, three rounds: every local step's direction is in the cone of the round's m,
+    a client's second step is measured where its first left it, and m takes the round's update
+    summed over its steps. Replicas agreeing cannot show this (they share the code)."""
+    A, theta, beta, lr, mu = [(1.0, -2.0), (3.0, 1.0)], 1.1, 0.6, 0.1, 0.05
+    zo = _zo(lr=lr, perturbations=2, local_steps=2, mu=mu, difference=difference,
+             method_opts={"theta": theta, "beta": beta})
+    sim = Simulation(_QuadraticTask(A), zo, clients_per_round=2, seed=0, mode="faithful", eval_every=100)
+    want = _reference_rounds(A, 3, 2, 2, lr, mu, theta, beta, difference)
+    for r, (gbar, x, m) in enumerate(want):
+        rec, _ = sim.step()
+        assert rec.scalars.astype(np.float64) == pytest.approx(gbar, rel=2e-4, abs=1e-5), r
+        assert sim.state.params[0].reshape(-1).tolist() == pytest.approx(x.tolist(), rel=2e-4, abs=1e-6), r
+        assert _m(sim.state)[0].reshape(-1).tolist() == pytest.approx(m.tolist(), rel=2e-4, abs=1e-6), r
+
+
 def test_the_normalised_step_divides_the_rounds_lr_by_the_scalars_spread():
     # --step-norm std (beta 0.9): sigma_r = sqrt(v / w) over the rounds' mean squares; one direction
     # a round, so round 0's sigma is |g_0| and round 1's sqrt((0.9 * 0.1 g0^2 + 0.1 g1^2) / 0.19)

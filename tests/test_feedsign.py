@@ -36,6 +36,31 @@ def test_signs_pack_eight_to_a_byte_least_significant_bit_first():
         unpack(bytes([0x39, 0x03]), 0, 9)
 
 
+@pytest.mark.parametrize("tau, P", [(9, 1), (3, 4), (1, 5), (2, 3), (2, 4)])
+def test_the_sign_decoder_accepts_exactly_the_bytes_an_encoder_makes(tau, P):
+    """Every value of the last payload byte (the one with the pad bits, where n = tau P is not a
+    multiple of 8): the decoder takes those some signs encode to, and refuses the rest."""
+    wire, n = Wire(tau, P, uplink=SIGNS), tau * P
+    k = n - 8 * ((n - 1) // 8)  # the signs in the last byte
+    made = set()
+    for v in range(2 ** k):  # every choice of the last byte's signs (the others +1)
+        s = np.ones(n, np.float32)
+        s[n - k:] = [1.0 if v >> j & 1 else -1.0 for j in range(k)]
+        made.add(encode_uplink(Uplink(3, 5, s.reshape(tau, P)), wire))
+    base = next(iter(made))
+    accepted = set()
+    for last in range(256):
+        data = base[:-1] + bytes([last])
+        try:
+            up = decode_uplink(data, wire)
+        except MessageError as e:
+            assert "pad bits" in str(e)
+            continue
+        accepted.add(data)
+        assert encode_uplink(up, wire) == data  # the bytes of the signs it read
+    assert accepted == made and len(made) == 2 ** k
+
+
 def test_uplink_payload_is_one_bit_per_client_step():
     signs = np.array([[1], [-1], [-1], [1], [1], [1], [-1], [-1], [1]], np.float32)  # tau = 9, P = 1
     packed, plain = Wire(9, 1, uplink=SIGNS), Wire(9, 1)

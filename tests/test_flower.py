@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from hiso import procs
 from hiso.config import RunConfig
 from hiso.core import Client, ModelState, Server, decode_uplink, encode_downlink
 from hiso.core.history import read_history
@@ -359,6 +360,8 @@ def federation(tmp_path):
         # every process of the federation (Flower's detached SuperExecs and the ClientApps
         # included: they all inherit its FLWR_HOME) is gone
         assert tagged_by(f"FLWR_HOME={fed.home}") == []
+    # and none is left a zombie of this process (a subreaper: Flower's orphans are ours to collect)
+    assert procs.orphans() == []
 
 
 def _load(path) -> dict:
@@ -417,6 +420,18 @@ def test_flower_deployment_matches_the_simulator_bit_for_bit(federation, tmp_pat
 def _wait_rows(path: Path, n: int, timeout: float) -> None:
     """Wait for round ``n``'s row; ``timeout`` bounds the time without a new round, not the total."""
     wait_progress(lambda: rows_logged(path.parent), n, f"round {n} in {path}", stall_s=timeout)
+
+
+@needs_flwr
+def test_a_flower_run_from_python_leaves_no_defunct_process(tmp_path):
+    """``hiso flower`` from a long-lived process (a notebook, a service): every process Flower
+    started was waited for when it ended, also those re-parented to this one (a subreaper)."""
+    from hiso.flower.launch import run_local
+
+    assert procs.become_subreaper()  # as the tests and the hiso command are: orphans come to us
+    run_local(RunConfig(**CFG, rounds=2, seed=1), tmp_path / "run", 2, workdir=tmp_path / "fed")
+    assert (tmp_path / "run" / "summary.json").exists()
+    assert procs.orphans() == []
 
 
 @needs_flwr

@@ -10,7 +10,7 @@ from hiso.core.directions import direction
 from hiso.core.messages import MessageError, Uplink, Wire, decode_uplink, encode_uplink
 from hiso.core.seeds import round_seeds
 from hiso.core.server import Server
-from hiso.methods.greedy import CHOICE, Greedy, choices_size, choose
+from hiso.methods.greedy import CHOICE, Greedy, choices_size, choose, decode_choices, encode_choices
 from hiso.runners.simulate import Simulation
 
 from cli_helpers import run_cli
@@ -51,6 +51,18 @@ def test_an_uplink_is_one_index_byte_and_one_scalar_a_step():
             decode_uplink(bad, wire)
     # int8: the tau values are one block (a float32 scale and a code each)
     assert len(encode_uplink(Uplink(3, 7, g), Wire(2, 8, "int8", uplink=CHOICE))) == head + 2 + 4 + 2
+
+
+@pytest.mark.parametrize("P, width", [(255, 1), (256, 1), (257, 2), (65536, 2)])
+def test_an_index_is_one_byte_up_to_p_256_and_two_little_endian_past_it(P, width):
+    g = np.zeros((2, P), np.float32)
+    g[0, P - 1], g[1, 1] = 0.5, -2.0
+    data = encode_choices(g, "float32")
+    assert len(data) == choices_size(2, P, "float32") == 2 * width + 8
+    assert data[:2 * width] == (P - 1).to_bytes(width, "little") + (1).to_bytes(width, "little")
+    assert np.array_equal(decode_choices(data, 0, 2, P, "float32"), g)
+    wire = Wire(2, P, uplink=CHOICE)
+    assert wire.uplink.size(wire) == 2 * width + 8  # what a run counts for its uplink
 
 
 def test_the_server_logs_the_mean_of_the_answers_candidate_by_candidate():

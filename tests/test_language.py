@@ -245,6 +245,7 @@ def test_unknown_lora_target_is_refused(files):
         sst2(files, lora_r=2, lora_targets=["query"]).build_model()
 
 
+@pytest.mark.autocast
 def test_float32_master_weights_keep_tiny_updates_under_bf16_autocast(files):
     task = sst2(files, autocast="bf16")
     model = task.build_model()
@@ -264,11 +265,15 @@ def test_float32_master_weights_keep_tiny_updates_under_bf16_autocast(files):
     assert kept.float().mean() < 0.01
 
 
+@pytest.mark.autocast
 def test_autocast_auto_follows_the_hardware(monkeypatch):
-    import hiso.tasks.lm as lm
-    monkeypatch.setattr(lm, "has_bf16_matmul_units", lambda device: False)
+    monkeypatch.setenv("HISO_HARDWARE", "amx=0")
     assert resolve_autocast("auto")[0] == "none"
-    monkeypatch.setattr(lm, "has_bf16_matmul_units", lambda device: device == "cuda")
+    monkeypatch.setenv("HISO_HARDWARE", "amx=1")
+    assert resolve_autocast("auto")[0] == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU beside a CPU without AMX
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setenv("HISO_HARDWARE", "amx=0")
     assert resolve_autocast("auto", device="cuda")[0] == "bf16"
     assert resolve_autocast("auto", device="cpu")[0] == "none"  # a CPU run asks the CPU, not a GPU beside it
     assert resolve_autocast("none")[0] == "none" and resolve_autocast("bf16")[0] == "bf16"
@@ -281,16 +286,24 @@ def test_autocast_auto_follows_the_hardware(monkeypatch):
         resolve_autocast("bf16", batched=True)
 
 
-def test_the_cpu_answers_for_a_cpu_run(monkeypatch):
-    import hiso.tasks.lm as lm
-    monkeypatch.setattr(lm.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(lm.torch.cuda, "is_bf16_supported", lambda: True)
-    monkeypatch.setattr(lm.Path, "read_text", lambda self: "flags : avx512f avx512_bf16")
-    assert lm.has_bf16_matmul_units("cuda:0") and not lm.has_bf16_matmul_units("cpu")
-    monkeypatch.setattr(lm.Path, "read_text", lambda self: "flags : avx512f amx_bf16")
-    assert lm.has_bf16_matmul_units("cpu")
+@pytest.mark.autocast
+def test_a_task_built_where_bf16_units_are_reported_runs_bf16_forwards(files, monkeypatch):
+    """What a host with AMX runs: auto takes bf16 for all parameters, float32 under LoRA; the
+    bf16 loss is the float32 one to bf16's precision, not to float32's."""
+    monkeypatch.setenv("HISO_HARDWARE", "amx=1")
+    task, lora = sst2(files), sst2(files, lora_r=2, lora_targets=["q_proj", "v_proj"])
+    assert (task.autocast, lora.autocast) == ("bf16", "none")
+    model = task.build_model()
+    b = task.batch(0, 0, 0, 4)
+    with torch.no_grad():
+        got = task.loss(model, b)
+        monkeypatch.setenv("HISO_HARDWARE", "amx=0")
+        want = sst2(files).loss(model, b)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.autocast
 def test_bf16_autocast_under_vmap_is_what_batched_mode_refuses(files):
     """Why batched mode refuses bf16: the stacked forward under autocast stops in attention."""
     from hiso.core.directions import DirectionGenerator

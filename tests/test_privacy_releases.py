@@ -38,12 +38,18 @@ def _decoded(monkeypatch):
     return seen, sim, sim_wire
 
 
+# most answers late and two clients a round: rounds planned again (attempts 1, 2, ...), a client
+# answering two attempts of one round, and rows with several unlogged answers of one client
+REPLANNED = dict(RUN, clients=4, sampled=2, late_rate=0.6, duplicate_rate=0.1, corrupt_rate=0.1, seed=0)
+
+
+@pytest.mark.parametrize("run", [RUN, REPLANNED], ids=["faults", "replanned"])
 @pytest.mark.parametrize("mode", ["local", "central"])
-def test_the_ledger_counts_what_the_server_read(tmp_path, monkeypatch, mode):
+def test_the_ledger_counts_what_the_server_read(tmp_path, monkeypatch, mode, run):
     from hiso.runners.faults import unseal
     from hiso.runners.rundir import run_to_dir
     seen, sim, sim_wire = _decoded(monkeypatch)
-    cfg = load_config(**RUN, dp_mode=mode)
+    cfg = load_config(**run, dp_mode=mode)
     runners = []
 
     def runner(cfg_, task, on_record=None):
@@ -58,8 +64,16 @@ def test_the_ledger_counts_what_the_server_read(tmp_path, monkeypatch, mode):
         seen.add((up.round, up.attempt, up.client))
     logged = np.zeros(cfg.clients, int)
     from hiso.runners.runfiles import read_run_history
-    for rec in read_run_history(tmp_path / "r", cfg).records:
+    records = read_run_history(tmp_path / "r", cfg).records
+    for rec in records:
         logged[list(rec.participants)] += 1
+    if run is REPLANNED:  # the run has what the ledger must tell apart
+        rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+        assert any(rec.attempt > 0 for rec in records)
+        firsts = {(r, c) for r, a, c in seen if a == 0}
+        assert any((r, c) in firsts for r, a, c in seen if a > 0)  # one client, two attempts of one round
+        if mode == "local":
+            assert max(n for r in rows for n in (r.get("dp_unlogged") or {0: 0}).values()) >= 2
     read = np.bincount([c for _, _, c in seen], minlength=cfg.clients)
     want = read if mode == "local" else logged
     assert (read > logged).any()  # the faults made releases the log does not list
@@ -137,3 +151,70 @@ def test_under_dp_no_clients_seconds_or_memory_enter_the_files(tmp_path, capsys,
     from hiso.report.runs import summary_at  # a report read from the rows: no seconds either
     config = json.loads((tmp_path / "r" / "config.json").read_text())
     assert (summary_at(tmp_path / "r", config, rows, None)["client"]["s_per_round"] is not None) == timed
+
+
+def test_play_round_checks_the_budget_before_every_plan_of_a_round():
+    """``before(plan)`` (the DP budget's check) runs for a re-plan as for a round's first plan:
+    each attempt's sample releases answers."""
+    from types import SimpleNamespace
+
+    from hiso.core.round import PlainTransport, play_round
+
+    class Rounds:
+        n = 0
+
+        def plan(self):
+            self.n += 1
+            return SimpleNamespace(round=4, participants=(self.n,), attempt=self.n - 1)
+
+        def downlink(self, client):
+            return b"down"
+
+        def decode(self, client, reply, plan):
+            return reply
+
+        def close(self, answers, partial):
+            return "record" if self.n == 3 else None  # the first two plans close with nothing
+
+        def rejections(self):
+            return []
+
+        def commit(self, record):
+            pass
+
+    class Transport(PlainTransport):
+        def exchange(self, plan, downlink, tally):
+            return [(c, downlink(c)) for c in plan.participants]
+
+    checked = []
+    played = play_round(Rounds(), Transport(), partial=True, before=checked.append)
+    assert [(p.attempt, p.participants) for p in checked] == [(0, (1,)), (1, (2,)), (2, (3,))]
+    assert played.replanned == 2
+
+
+def test_the_budget_holds_on_every_attempt_of_a_replanned_round(tmp_path, monkeypatch):
+    """Local DP, 60 % of answers late, two of six clients a round: rounds are planned again and
+    each attempt's sample releases answers the server reads. Every attempt is checked against
+    the budget, so the run stops with no client past it; here (seed 0) the plan refused is a
+    re-plan (a check on a round's first plan only ends this run at epsilon 20.8 > 20)."""
+    pytest.importorskip("dp_accounting")
+    import hiso.runners.simulate as simulate
+    from hiso.runners.accounting import ledger_of_run
+    from hiso.runners.rundir import run_to_dir
+    real, checked = simulate.play_round, []
+
+    def play_round(*a, before, **kw):
+        def check(plan):
+            checked.append(plan.attempt)
+            before(plan)
+        return real(*a, before=check, **kw)
+    monkeypatch.setattr(simulate, "play_round", play_round)
+    cfg = load_config(task="quadratic", dim=10, clients=6, sampled=2, rounds=30, eval_every=30, dp_clip=1.0,
+                      dp_epsilon=20.0, dp_delta=1e-5, dp_mode="local", dp_noise_seed=1, late_rate=0.6, seed=0)
+    summary = run_to_dir(cfg, tmp_path / "r")
+    priv = summary["privacy"]
+    assert "budget" in priv["stopped"] and summary["reliability"]["rounds_replanned"] > 0
+    assert checked[-1] > 0  # the plan the budget refused was a re-plan
+    assert priv["epsilon"] <= 20.0
+    assert priv["epsilon"] == pytest.approx(epsilon_spent(priv["noise_multiplier"], priv["participations_max"], 1e-5))
+    assert ledger_of_run(tmp_path / "r", cfg, summary["rounds_done"]).epsilon() == priv["epsilon"]

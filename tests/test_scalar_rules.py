@@ -188,3 +188,12 @@ def test_int8_scale_is_rounded_up_to_17_bits_and_codes_match_the_exact_rule():
         assert Fraction(float(int8_scale(x))) == s
         assert max(abs(c) for c in codes) == 127
         assert [Fraction(float(v)) for v in quantize(x, "int8")] == [c * s for c in codes]
+
+
+def test_bfloat16_ties_on_the_wire_go_to_the_even_neighbour_worked_by_hand():
+    """bfloat16 keeps 8 significant bits: 1 + 2^-8 lies halfway between 1 (0x3F80, even) and
+    1 + 2^-7 (0x3F81, odd), so it goes down; 1 + 3 2^-8 halfway between 0x3F81 (odd) and
+    1 + 2^-6 (0x3F82, even), so up; the same for their negatives. Half-up (or away from zero)
+    sends the first up; truncation the second down."""
+    x = np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), -(1 + 3 * 2 ** -8)], np.float32)
+    assert np.frombuffer(encode_scalars(x, "bfloat16"), "<u2").tolist() == [0x3F80, 0x3F82, 0xBF80, 0xBF82]

@@ -206,6 +206,10 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
         "test metric at the chosen round) or on the reported test examples themselves (test: optimistic, "
         "labelled so). Default: val when the runs have a validation split, else test"))
     cmp.add_argument("--force", action="store_true", help="rerun finished runs too")
+    cmp.add_argument("--accept-method-change", action="store_true", help=(
+        "run again the runs of an arm whose method file (your own Method subclass) changed since they were made "
+        "(without it they are refused, naming the arms and the part that changed; with --table-only they are left "
+        "out of the table)"))
     cmp.add_argument("--table-only", action="store_true", help=(
         "run nothing: the table and plots of the runs finished so far (each arm at the lrs finished for every "
         "seed; what is left out is listed), e.g. beside a compare still running in --out. The plan is the one "
@@ -242,6 +246,9 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
                     "model in memory, behind a thin relay ClientApp (scalar-only algorithms; the default for language "
                     "tasks, --no-worker: a ClientApp process that loads the model per message)")
     fl.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+    fl.add_argument("--accept-method-change", action="store_true", help=(
+        "with --resume: continue a run whose method file (your own Method subclass) changed since it was made "
+        "(without it the run is refused, naming the part that changed); config.json records the change"))
     fl.add_argument("--verbose", action="store_true", help="print the Flower commands and where their logs are")
     _add_run_flags(fl, lr_task=lr_task)
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")

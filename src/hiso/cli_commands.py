@@ -313,6 +313,23 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _record_accepted_method(out: Path, cfg: RunConfig) -> None:
+    """``--resume --accept-method-change`` of a run whose method file changed: config.json records
+    the change (the earlier digest, the round it was accepted at) before the ServerApp, another
+    process, reads it, as ``hiso run --resume`` records it."""
+    from .atomic import write_atomic
+    from .methods.identity import source_of
+    from .runners.runfiles import config_text, method_source, saved_config
+    old, now = method_source(out) or {}, source_of(cfg.algorithm) or {}
+    if old.get("sha256") in (None, now.get("sha256")):
+        return
+    try:
+        rows = sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip())
+    except OSError:
+        rows = 0
+    write_atomic(out / "config.json", config_text(cfg, saved_config(out)[1], out, max(rows - 1, 0)))
+
+
 def cmd_flower(args: argparse.Namespace) -> int:
     import importlib.util
     import json
@@ -340,6 +357,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
         if not cfg.scalar_only:
             return _fail(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          "their state from (start again with --out DIR --force)")
+        _record_accepted_method(out, cfg)
     else:
         cfg = load_config(args.config, **{k: getattr(args, k) for k in RunConfig.model_fields})
         out = Path(args.out)

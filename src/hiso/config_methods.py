@@ -155,8 +155,8 @@ class MethodRules:
         from .methods.honour import unhonoured
         if (bad := unhonoured(self, self.zo())) is not None:
             cap, option, what = bad
-            raise ValueError(f"{self.algorithm}: {option} {what}, so the run would compute as without it "
-                             f"({self.method.display} declares {cap!r} but does not honour it): refused")
+            raise ValueError(f"{self.algorithm}: {option} {what} ({self.method.display} declares {cap!r} but does "
+                             f"not honour it): refused")
 
     def _secagg_checks(self) -> None:
         """Secure aggregation gives the server the sum of the answers and nothing else: only the

@@ -146,6 +146,48 @@ def _reap(pids) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
+def exited_children() -> list[int]:
+    """This process's children that have exited and wait to be collected (zombies)."""
+    me, out = os.getpid(), []
+    try:
+        tasks = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return out
+    for t in tasks:
+        try:
+            with open(f"/proc/{me}/task/{t}/children") as f:
+                kids = [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+        out.extend(c for c in kids if (st := _stat(c)) is not None and st[0] == "Z")
+    return out
+
+
+def _waited_for_elsewhere() -> set[int]:
+    """Children a ``subprocess.Popen`` or a ``multiprocessing`` process object of this process
+    will wait for: collecting them here would take their exit status from their owner."""
+    import gc
+
+    owners = tuple(m.Popen for m in (sys.modules.get("subprocess"), sys.modules.get("multiprocessing.popen_fork"))
+                   if m is not None)
+    return {o.pid for o in gc.get_objects() if isinstance(o, owners) and o.returncode is None}
+
+
+def orphans() -> list[int]:
+    """Exited children that nothing in this process will wait for: orphans re-parented to a
+    subreaper (Flower's SuperExecs and apps whose parent ended first)."""
+    zombies = exited_children()
+    return [z for z in zombies if z not in _waited_for_elsewhere()] if zombies else []
+
+
+def reap_orphans() -> list[int]:
+    """Collect :func:`orphans`, which would otherwise stay zombies for as long as this process
+    runs; returns their pids."""
+    done = orphans()
+    _reap(done)
+    return done
+
+
 def reap_children() -> None:
     """Collect this process's children that have exited (re-parented orphans are never waited
     for by anyone else)."""
@@ -160,7 +202,7 @@ def reap_children() -> None:
 
 def stop_processes(pids, grace: float = 5.0) -> None:
     """SIGTERM ``pids``, wait up to ``grace`` seconds for them to end, SIGKILL the rest."""
-    pids = [p for p in pids if p != os.getpid()]
+    pids = every = [p for p in pids if p != os.getpid()]
     for sig, wait_s in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -173,7 +215,8 @@ def stop_processes(pids, grace: float = 5.0) -> None:
                 break
             time.sleep(0.05)
         if not pids:
-            return
+            break
+    _reap(every)  # those that ended while being stopped: alive() drops a zombie unreaped
 
 
 def stop_tree(root: int | None = None, keep=(), grace: float = 5.0, sweeps: int = 5) -> None:
@@ -227,6 +270,7 @@ def own_processes(grace: float = 5.0):
             # and collect the ones that had already exited: orphans re-parented to us (Flower's
             # SuperExecs) would otherwise outlive the command as zombies
             _reap(p for p in descendants(me) if p not in before)
+            reap_orphans()
         finally:
             if reaper:
                 become_subreaper(False)

@@ -58,6 +58,7 @@ import os
 import numpy as np
 import torch
 
+from .. import hardware
 from ..kernels import philox
 from . import exact, families
 
@@ -163,7 +164,8 @@ class DirectionGenerator:
         self.family = family
         self.philox = family.startswith("philox-")
         self._nb = None
-        self._tr = _triton() if self.philox and kernel != "torch" and torch.cuda.is_available() else None
+        self._tr = (_triton() if self.philox and kernel != "torch" and hardware.has("cuda") and hardware.has("triton")
+                    else None)
         if self.philox and kernel != "torch":
             self._nb = _numba()
             if self._nb is None and kernel == "numba":

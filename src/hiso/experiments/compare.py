@@ -137,10 +137,11 @@ def finished_part(plan: Plan, out: str | Path) -> tuple[Plan, list[str]]:
     and one line per thing left out. A finished run of another configuration is still an error."""
     from dataclasses import replace
 
-    from .compare_run import _state
+    from .compare_run import _state, refuse_method_changes
 
     out = Path(out)
     fix = f"{out}/compare.json records how its runs were made: drop {{option}}"
+    refuse_method_changes(plan.runs(out))
     arms, left = [], []
     for arm in plan.arms:
         done, missing = [], []
@@ -170,10 +171,11 @@ def reached_part(plan: Plan, out: str | Path, at_round: int | str) -> tuple[Plan
     from dataclasses import replace
 
     from ..report.runs import last_round
-    from .compare_run import _state
+    from .compare_run import _state, refuse_method_changes
 
     out = Path(out)
     fix = f"{out}/compare.json records how its runs were made: drop {{option}}"
+    refuse_method_changes(plan.runs(out))
     # (arm, lr) -> seed -> (its last logged round, whether it has ended there)
     stood: dict[tuple[str, float], dict[int, tuple[int, bool]]] = {}
     left: list[str] = []

@@ -11,7 +11,10 @@ scalar-only algorithm (or FedKSeed) continues from its log, bit for bit as if un
 (``hiso run --resume``); the full-model baselines' partial runs are redone. Asking for more
 ``rounds`` than a finished run has continues it the same way (the horizon of a compare can be
 raised later without redoing its rounds); any other change of a finished run's
-``config.json`` is an error unless ``--force``, which reruns everything. The task (data, partition) is built once per distinct
+``config.json`` is an error unless ``--force``, which reruns everything. So is a run of a
+user's method whose file changed since it was made (:mod:`hiso.methods.identity`): the arms are
+named with the part that changed, and ``--accept-method-change`` runs them again with the file
+as it is now. The task (data, partition) is built once per distinct
 task configuration and shared by the runs that use it.
 
 ``peak_rss_mb`` of a run inside compare: on Linux the process's resident high-water mark is
@@ -61,7 +64,65 @@ def _finished(spec: RunSpec) -> bool:
     return _state(spec) == "finished"
 
 
+class MethodChangedRuns(ConfigError):
+    """Runs of a compare made with another version of their method file (``runs``: a run's
+    label -> (its arm, the file, what changed))."""
+
+    def __init__(self, runs: dict):
+        self.runs = runs
+        arms: dict[str, list] = {}
+        for arm, file, what in runs.values():
+            arms.setdefault(arm, [file, what, 0])[2] += 1
+        named = "; ".join(f"arm {name} ({n} run{'s' if n > 1 else ''}; {Path(file).name} {what})"
+                          for name, (file, what, n) in arms.items())
+        super().__init__(f"{named}: made with another version of the method file; pass --accept-method-change to "
+                         f"run {'them' if len(runs) > 1 else 'it'} again with the file as it is now, or restore it")
+
+
+def _method_change(spec: RunSpec, old: dict) -> tuple[str, str] | None:
+    """(file, what changed) where ``spec.dir``'s config.json (``old``) records another version
+    of the run's method file than the one there now; None otherwise."""
+    from ..methods.identity import source_of, what_changed
+    recorded = old.get("method_source")
+    if not isinstance(recorded, dict) or "sha256" not in recorded:
+        return None
+    now = source_of(spec.cfg.algorithm)
+    if now is None or now["sha256"] == recorded["sha256"]:
+        return None
+    return now["file"], what_changed(recorded, now)
+
+
+def refuse_method_changes(specs: list[RunSpec]) -> None:
+    """Raise :class:`MethodChangedRuns` naming every run of ``specs`` that would be kept (finished,
+    or continued) although its method file changed, unless ``--accept-method-change``."""
+    runs = {}
+    for spec in specs:
+        try:
+            _state(spec)
+        except MethodChangedRuns as e:
+            runs.update(e.runs)
+        except ConfigError:
+            continue  # (another refusal: _state raises it again where it is asked)
+    if runs:
+        raise MethodChangedRuns(runs)
+
+
 def _state(spec: RunSpec, fix: str = "use --force to rerun, or another --out") -> str:
+    """What to do with ``spec.dir`` (:func:`_config_state`); a run that would be kept though its
+    method file changed is started again under ``--accept-method-change``, else refused."""
+    state = _config_state(spec, fix)
+    if state == "start":
+        return state
+    change = _method_change(spec, json.loads((spec.dir / "config.json").read_text()))
+    if change is None:
+        return state
+    from ..methods.identity import ACCEPT
+    if ACCEPT.get():
+        return "start"
+    raise MethodChangedRuns({spec.label: (spec.arm.name, *change)})
+
+
+def _config_state(spec: RunSpec, fix: str = "use --force to rerun, or another --out") -> str:
     """What to do with ``spec.dir``: ``"finished"`` (skip it), ``"continue"`` (a run of this
     configuration cut short, or a finished one asked to more rounds now: continued from its log,
     exactly as an uninterrupted run) or ``"start"`` (nothing there, a partial run that cannot be
@@ -318,6 +379,8 @@ def execute(plan: Plan, out: str | Path, force: bool = False, quiet: bool = Fals
 
     out = Path(out)
     specs = plan.runs(out)
+    if not force:
+        refuse_method_changes(specs)  # every arm whose method file changed, named in one line
     states = {s.label: ("start" if force else _state(s)) for s in specs}  # refuses a changed config
     todo = [s for s in specs if states[s.label] != "finished"]
     resume = {s.label for s in todo if states[s.label] == "continue"}

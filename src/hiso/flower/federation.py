@@ -33,7 +33,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..patience import Patience
 from ..procs import descendants as _descendants
-from ..procs import cpu_ticks, die_with_parent, stop_processes, with_env
+from ..procs import cpu_ticks, die_with_parent, reap_orphans, stop_processes, with_env
 from .certs import HOST, make_node_key, make_tls
 
 PROJECT = Path(__file__).parent / "project"
@@ -276,6 +276,7 @@ class LocalFederation:
             self._stop(name)
         # what left the tree (an app whose parent died first) still carries our FLWR_HOME
         stop_processes(with_env(f"FLWR_HOME={self.home}"), grace=5.0)
+        reap_orphans()  # and those that ended before: where we are a subreaper, they are ours
 
     def __enter__(self) -> "LocalFederation":
         try:
@@ -349,6 +350,7 @@ class LocalFederation:
                 self._flwr("stop", run_id, "local", "--format", "json")
                 raise FlowerRunError(f"run {run_id} still {st['status']}: no round in {timeout} s (at {last}; "
                                      "stopped it)")
+            reap_orphans()  # Flower starts an app process per run and message: collect those that ended
             time.sleep(poll)
         if st["status"] != "finished:completed":
             log = self.logs_of(run_id)

@@ -115,7 +115,7 @@ class MethodInfo:
 
 
 _REGISTRY: dict[str, MethodInfo] = {}
-_USER: dict[str, MethodInfo] = {}
+_USER: dict[tuple[str, str | None], MethodInfo] = {}  # by spec and file digest
 
 
 def register_method(info: MethodInfo) -> MethodInfo:
@@ -139,15 +139,29 @@ def is_user_method(name: str) -> bool:
     return ":" in name
 
 
+def _file_digest(spec: str) -> str | None:
+    """SHA-256 of the file a ``file.py:Class`` spec names (None for a module's, or no such file)."""
+    import hashlib
+    from pathlib import Path
+    where = spec.rpartition(":")[0]
+    if not where.endswith(".py"):
+        return None
+    try:
+        return hashlib.sha256(Path(where).expanduser().read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def method_info(name: str) -> MethodInfo:
     """The built-in method ``name``, or the user's method it names (``module:Class``, ``file.py:Class``)."""
     _load_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if is_user_method(name):
-        if name not in _USER:
-            _USER[name] = _user_method_info(name)
-        return _USER[name]
+        key = (name, _file_digest(name))  # an edited file is read again (what config.json records is what runs)
+        if key not in _USER:
+            _USER[key] = _user_method_info(name)
+        return _USER[key]
     raise ValueError(f"unknown algorithm {name!r} (choose from {', '.join(_REGISTRY)}, or module:Class / "
                      "path/to/file.py:Class for your own)")
 

@@ -12,7 +12,9 @@ the noise covers; an answer lost or rejected released nothing that the reader se
 holds against the server too, which reads every answer that reaches it: a client counts once for
 each answer it sent that reached the server or was on its way when the run stopped (logged, late,
 rejected, of an attempt planned again; a duplicate is the same release, counted once). Those the
-log does not list are in their round's metrics row (``dp_unlogged``: client -> answers).
+log does not list are in their round's metrics row (``dp_unlogged``: client -> answers); those of
+the round a run stopped in (its earlier plans' answers, when the budget refused a re-plan) are in
+``summary.json``'s ``privacy.dp_unlogged``.
 
 The runners (the simulator, the Flower ServerApp) call :meth:`PrivacyLedger.record` for every
 record they log or replay, and :meth:`PrivacyLedger.refusal` with each planned round's sample
@@ -73,6 +75,13 @@ class PrivacyLedger:
             for c, n in (row.get("dp_unlogged") or {}).items():
                 self.counts[int(c)] += int(n)
 
+    def open_unlogged(self) -> dict[int, int]:
+        """Local mode: the answers counted since the last record (of a round not logged yet), by client."""
+        out: dict[int, int] = {}
+        for _, _, c in sorted(self._since):
+            out[c] = out.get(c, 0) + 1
+        return out
+
     def worst(self) -> tuple[int | None, int]:
         """The client that took part in the most rounds so far (the lowest id of a tie; None
         before any round) and how many."""
@@ -111,10 +120,11 @@ class PrivacyLedger:
         the worst client's epsilon and participations, and what is withheld."""
         cfg = self.cfg
         client, n = self.worst()
+        open_ = {"dp_unlogged": {str(c): k for c, k in self.open_unlogged().items()}} if self._since else {}
         return {"mode": cfg.dp_mode, "clip": cfg.dp_clip, "noise_multiplier": cfg.dp_noise, "delta": cfg.dp_delta,
                 "epsilon_budget": cfg.dp_epsilon, "stopped": stopped, "threat_model": THREAT_MODEL,
                 "holds_against": HOLDS_AGAINST[cfg.dp_mode], "epsilon": self.epsilon(),
-                "participations_max": n, "worst_client": client, "train_loss": TRAIN_LOSS_WITHHELD}
+                "participations_max": n, "worst_client": client, "train_loss": TRAIN_LOSS_WITHHELD, **open_}
 
 
 def privacy_ledger(cfg) -> PrivacyLedger | None:
@@ -144,4 +154,10 @@ def ledger_of_run(run_dir: str | Path, cfg, rounds: int) -> PrivacyLedger | None
             row = json.loads(line) if line.strip() else {}
             if 0 < row.get("round", 0) <= rounds:
                 ledger.add_unlogged(row)
+        try:  # the round the run stopped in: its answers released, no row to list them
+            done = json.loads(Path(run_dir, "summary.json").read_text())
+        except (OSError, ValueError):
+            done = {}
+        if done.get("rounds_done") == rounds:
+            ledger.add_unlogged(done.get("privacy") or {})
     return ledger

@@ -10,9 +10,11 @@ What it holds: the server replica's :meth:`~hiso.core.state.ModelState.state_dic
 adapter, H, momentum, step normalisation) at a round c whose history record and metrics row are
 both written, tied to its run by the fingerprint of the algorithm configuration
 (:func:`hiso.core.join.config_fingerprint`, the one peers compare when they join) and the
-SHA-256 of ``history.bin``'s first bytes, up to record c. A resume uses it only when both still
-match the log it keeps (at least c records); otherwise it replays from x_0 as before and says
-why. The state is the one the run held, saved bit for bit, so a run continued from it equals
+SHA-256 of ``history.bin``'s first bytes, up to record c, and to itself by the SHA-256 of the
+state it holds (:func:`state_digest`). A resume uses it only when all three still match (the log
+it keeps holding at least c records; the state as it was written, not edited); otherwise it
+replays from x_0 as before and says why. A checkpoint written before the state's digest was
+kept has none and is used as before. The state is the one the run held, saved bit for bit, so a run continued from it equals
 the uninterrupted run exactly (``tests/test_checkpoint.py``); it changes no result, which is why
 ``checkpoint_every`` may differ between the start of a run and its resumption.
 
@@ -59,6 +61,31 @@ def _history_digest(path: Path, size: int | None = None) -> tuple[int, str] | No
             return None
         data = data[:size]
     return len(data), hashlib.sha256(data).hexdigest()
+
+
+def state_digest(state) -> str:
+    """SHA-256 of a saved state (dicts of tensors and plain values): each tensor's name, dtype,
+    shape and bytes in key order, so any edit of a value, a key or a dtype changes it."""
+    h = hashlib.sha256()
+
+    def walk(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            h.update(f"D{len(obj)}".encode())
+            for k in sorted(obj, key=str):
+                h.update(f"K{k!r}".encode())
+                walk(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            h.update(f"L{len(obj)}".encode())
+            for v in obj:
+                walk(v)
+        else:
+            h.update(f"V{type(obj).__name__}:{obj!r}".encode())
+    walk(state)
+    return h.hexdigest()
 
 
 class CheckpointUnusable(ValueError):
@@ -130,8 +157,9 @@ class Checkpoints:
 
     def write(self, state, round: int) -> None:
         t0 = time.perf_counter()
-        save_atomic(self.path, {**final_marker(self.path.parent, self.cfg, round), "format": FORMAT,
-                                "state": on_cpu(state.state_dict())})
+        saved = on_cpu(state.state_dict())
+        save_atomic(self.path, {**final_marker(self.path.parent, self.cfg, round, saved), "format": FORMAT,
+                                "state": saved})
         self.writes += 1
         self.bytes = self.path.stat().st_size
         self.seconds += time.perf_counter() - t0
@@ -149,14 +177,14 @@ class Checkpoints:
                 **({"failed": self.failed} if self.failed else {})}
 
 
-def final_marker(out: str | Path, cfg, round: int) -> dict:
-    """What ties the state at ``round`` to the run in ``out``: its round, the configuration's
-    fingerprint and the hash of ``history.bin`` as it is now. A checkpoint carries it, and so
-    does ``summary.json`` (``checkpoints.model_pt``) for ``model.pt``, the state a finished run
-    ends with, which a continuation to more rounds starts from."""
+def final_marker(out: str | Path, cfg, round: int, state: dict) -> dict:
+    """What ties ``state``, the state at ``round``, to the run in ``out``: its round, the
+    configuration's fingerprint, the hash of ``history.bin`` as it is now and the state's own
+    digest. A checkpoint carries it, and so does ``summary.json`` (``checkpoints.model_pt``) for
+    ``model.pt``, the state a finished run ends with, which a continuation to more rounds starts from."""
     size, digest = _history_digest(Path(out) / "history.bin")
     return {"round": round, "config": config_fingerprint(cfg.zo()).hex(), "history_bytes": size,
-            "history_sha256": digest}
+            "history_sha256": digest, "state_sha256": state_digest(state)}
 
 
 def keep_final(out: str | Path, cfg) -> bool:
@@ -189,6 +217,8 @@ def _check(path: Path, blob, cfg, records: int) -> str | None:
     got = _history_digest(path.parent / "history.bin", size) if isinstance(size, int) else None
     if got is None or got[1] != blob.get("history_sha256"):
         return f"{path} was written with another history.bin than the one the run keeps"
+    if "state_sha256" in blob and state_digest(blob["state"]) != blob["state_sha256"]:  # (none: written before)
+        return f"{path} holds another state than the one it was written with (its SHA-256 differs)"
     return None
 
 

@@ -308,7 +308,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         last = ModelState(task.build_model(), sim.state.cfg, run_seed=cfg.seed)
         last.replay(read_history(out / "history.bin")[2][:row.get("round", 0)])
         state = last.state_dict()
-    save_atomic(out / "model.pt", checkpoint(state, info))
+    saved = checkpoint(state, info)
+    save_atomic(out / "model.pt", saved)
     if ckpt is not None:  # model.pt holds the final state now
         ckpt.remove()
     summary = {
@@ -324,7 +325,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         summary["client"] = sim.cost.summary()
     if ckpt is not None:  # (model.pt: the checkpoint of a continuation to more rounds)
         summary["checkpoints"] = {**ckpt.summary(), "resumed_from": resumed_from,
-                                  "model_pt": final_marker(out, cfg, state["round"])}
+                                  "model_pt": final_marker(out, cfg, state["round"], saved)}
     if getattr(sim, "unreliable", False):
         summary["reliability"] = sim.reliability()
     if cfg.dp_clip is not None:  # the epsilon of the worst client, against a reader who knows the sample

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import hardware
 from .base import Task
 
 
@@ -24,7 +25,7 @@ def resolve(device: str) -> torch.device:
     except (RuntimeError, ValueError):
         raise ValueError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
+        if not hardware.has("cuda"):
             raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device here "
                              f"(torch {torch.__version__}; a CPU build, or no GPU): use --device cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():

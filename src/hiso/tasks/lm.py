@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import hardware
 from .draws import PortableDraws
 
 SHORT_NAMES = {
@@ -383,18 +384,6 @@ def frozen_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if not p.requires_grad}
 
 
-def has_bf16_matmul_units(device: str = "cpu") -> bool:
-    """Whether bfloat16 forwards are likely faster than float32 on ``device`` (CUDA bf16 or CPU
-    AMX): a CPU run on a machine that also has a GPU asks the CPU."""
-    if str(device).startswith("cuda"):
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags
-
-
 def resolve_autocast(choice: str, lora: bool = False, device: str = "cpu",
                      batched: bool = False) -> tuple[str, str]:
     """('bf16' or 'none', why) for ``--autocast auto|bf16|none``.
@@ -423,6 +412,6 @@ def resolve_autocast(choice: str, lora: bool = False, device: str = "cpu",
     if lora:
         return "none", ("auto: LoRA's finite differences at mu ~1e-3 are below bf16's rounding of the loss "
                         "(bench/llm_precision.py), so float32")
-    if has_bf16_matmul_units(device):
+    if hardware.bf16_matmul_units(device):
         return "bf16", "auto: bf16 matrix units found (CUDA bf16 or CPU AMX)"
     return "none", "auto: no bf16 matrix units on this machine (no AMX), so float32 forwards are faster"
