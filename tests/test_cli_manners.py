@@ -85,3 +85,57 @@ def test_an_own_task_refuses_an_option_it_does_not_declare(tmp_path, capsys):
     code, _, err = run_cli(["run", "--task", f"{g}:Mine", "--data-dir", str(tmp_path), "--rounds", "2", "--quiet", "--lr", "0.01",
                             "--out", str(tmp_path / "r2")], capsys)
     assert code == 0, err
+
+
+def test_v_and_q_are_taken_after_the_command_too(tmp_path, capsys):
+    args = ["run", "--rounds", "2", "--corrupt-rate", "0.5", "--force"]
+    code, _, err = run_cli([*args, "-q", "--out", str(tmp_path / "a")], capsys)
+    assert code == 0 and "rejected (checksum)" not in err and "round 0" not in err  # -q: no progress
+    code, _, err = run_cli([*args, "-q", "-v", "--out", str(tmp_path / "b")], capsys)
+    assert code == 0 and "hiso: INFO: row 1 (round 0): rejected (checksum)" in err
+
+
+def test_a_size_that_is_not_a_size_is_refused_before_any_network_call(capsys, monkeypatch):
+    import transformers
+
+    def no_network(*a, **k):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_network)
+    for bad in ("8X", "1.5G"):
+        code, _, err = run_cli(["plan", "--params-model", bad, "--clients", "4", "--sampled", "2", "--rounds", "5"],
+                               capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "is not a size" in err, err
+
+
+def test_a_damaged_history_says_what_to_do(tmp_path, capsys):
+    run = tmp_path / "r"
+    assert run_cli(["run", "--rounds", "2", "--dim", "5", "-q", "--out", str(run)], capsys)[0] == 0
+    log = run / "history.bin"
+    log.write_bytes(b"XXXX" + log.read_bytes()[4:])
+    for cmd in (["rebuild", str(run), "--out", str(tmp_path / "m.pt")], ["run", "--resume", str(run), "--rounds", "3"]):
+        code, _, err = run_cli(cmd, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "not a hiso history file" in err and "restore history.bin from a copy" in err, err
+
+
+def test_compare_says_where_a_methods_options_go(tmp_path, capsys):
+    code, _, err = run_cli(["compare", "--algorithms", "decomfl,examples/clip_method.py:ScalarClip", "--method-opt",
+                            "c=0.5", "--rounds", "2", "--dim", "5", "--out", str(tmp_path / "c")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "[compare.variants]" in err, err
+    assert "method_opts" in err and not (tmp_path / "c").exists()
+
+
+def test_an_interrupted_flower_run_gets_one_resume_hint_its_own(tmp_path, capsys, monkeypatch):
+    """hiso flower says how to continue (with the federation's work directory) before the
+    interrupt reaches the command line, which then adds no hiso run hint of its own."""
+    import hiso.cli
+
+    def stopped(args):
+        print(f"hiso flower: ...; to continue: hiso flower --resume {args.out} --workdir W", file=sys.stderr)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hiso.cli, "cmd_flower", stopped)
+    (tmp_path / "fl").mkdir()
+    code, _, err = run_cli(["flower", "--out", str(tmp_path / "fl")], capsys)
+    assert code == 130 and err.count("--resume") == 1 and "hiso flower --resume" in err, err

@@ -39,7 +39,8 @@ def test_the_hook_normalises_each_steps_scalars_by_their_spread():
 def test_run_logs_the_normalised_mean_and_learns(tmp_path, capsys):
     out = tmp_path / "r"
     _run([*RUN, "--algorithm", SPEC, "--rounds", "8", "--out", str(out)], capsys)
-    assert json.loads((out / "config.json").read_text())["algorithm"] == SPEC
+    from hiso.runners.runfiles import saved_config
+    assert saved_config(out)[0].algorithm == SPEC  # (config.json: the file relative to the run directory)
     records = read_history(out / "history.bin")[2]
     _run([*RUN, "--algorithm", "decomfl", "--rounds", "8", "--out", str(tmp_path / "d")], capsys)
     plain = read_history(tmp_path / "d" / "history.bin")[2]

@@ -48,17 +48,31 @@ def test_site_builds_strict(tmp_path, monkeypatch):
     """Built as it is published (HISO_REPO_URL set): the header and the example files link into
     the repository."""
     monkeypatch.setenv("HISO_REPO_URL", "https://github.com/example/hiso")
-    clock = Patience(300)  # seconds at the speed the machine offers (a loaded machine's count slower)
-    r = run_within([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--config-file",
-                    str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")], clock=clock, cwd=ROOT)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert (tmp_path / "site" / "index.html").is_file()
-    assert (tmp_path / "site" / "api" / "index.html").is_file()
+    _build_site(tmp_path)
     page = (tmp_path / "site" / "methods-api" / "index.html").read_text()
     assert 'href="https://github.com/example/hiso"' in page
     assert 'href="https://github.com/example/hiso/blob/main/examples/clip_method.py"' in page
     home = (tmp_path / "site" / "index.html").read_text()
     assert 'href="https://github.com/example/hiso/blob/main/examples/custom_task.py"' in home
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
+                    reason="the docs extra is not installed (pip install -e '.[docs]')")
+def test_site_builds_strict_on_a_fresh_clone(tmp_path, monkeypatch):
+    """Built with no repository address given, as a newcomer builds it: no link into a repository."""
+    monkeypatch.delenv("HISO_REPO_URL", raising=False)
+    _build_site(tmp_path)
+    page = (tmp_path / "site" / "methods-api" / "index.html").read_text()
+    assert "blob/main" not in page and "examples/clip_method.py" in page
+
+
+def _build_site(tmp_path):
+    clock = Patience(300)  # seconds at the speed the machine offers (a loaded machine's count slower)
+    r = run_within([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                    str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")], clock=clock, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "site" / "index.html").is_file()
+    assert (tmp_path / "site" / "api" / "index.html").is_file()
     assert clock.used < 120
 
 

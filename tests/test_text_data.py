@@ -266,7 +266,7 @@ def test_missing_directory_names_path_and_how_to_get(tmp_path):
     missing = tmp_path / "no-such-dir"
     with pytest.raises(DataError, match=r"no-such-dir: directory not found.*gluebenchmark") as e:
         load_text_task("qqp", missing, "train")
-    assert "hiso[hf]" in str(e.value)
+    assert "pip install -e '.[hf]'" in str(e.value)
     with pytest.raises(DataError, match=r"no-such-dir: directory not found.*SQuAD"):
         load_text_task("squad", missing, "eval")
 
@@ -372,7 +372,7 @@ def test_without_datasets_the_error_says_what_to_do(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(DataError, match="not installed") as e:
         load_text_task("squad", None, "train")
-    assert "--data-dir" in str(e.value) and "pip install 'hiso[hf]'" in str(e.value)
+    assert "--data-dir" in str(e.value) and "pip install -e '.[hf]'" in str(e.value)
 
 
 # ---------------------------------------------------------------- the real files, when present

@@ -98,10 +98,10 @@ def test_a_missing_tracker_package_is_refused_before_the_run(tmp_path, capsys, m
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "mlflow")
                         else real(name, *a))
-    with pytest.raises(ValueError, match="hiso\\[track\\]"):
+    with pytest.raises(ValueError, match=r"-e .\.\[track\]. in hiso.s clone"):
         Tracking(tensorboard="x").check()
     code, _, err = run_cli(["run", "--out", str(tmp_path / "r"), "--mlflow", str(tmp_path / "m"), *RUN], capsys)
-    assert code == 2 and "pip install 'hiso[track]'" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "pip install -e '.[track]'" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists() and not (tmp_path / "m").exists()
 
 

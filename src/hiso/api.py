@@ -116,7 +116,9 @@ class Run:
 
     @property
     def config(self) -> dict:
-        return json.loads((self.dir / "config.json").read_text())
+        """config.json's object, its paths (stored relative to the run directory) as on this machine."""
+        from .runners.portable import absolute
+        return absolute(json.loads((self.dir / "config.json").read_text()), self.dir)
 
     @property
     def summary(self) -> dict:
@@ -154,7 +156,7 @@ def run(task: Task | str, out: str | Path, config: RunConfig | str | Path | None
     with the same options or more rounds; an empty directory starts; hiso, decomfl and the
     other seed-based methods) or ``force=True`` (replace it; a user's other files stay).
     ``tensorboard`` (a log directory) and ``mlflow`` (a tracking URI or directory) also log each
-    round there, as ``hiso run --tensorboard/--mlflow`` (``pip install 'hiso[track]'``).
+    round there, as ``hiso run --tensorboard/--mlflow`` (``pip install -e '.[track]' in hiso's clone``).
     """
     from .runners.rundir import clear_run, not_a_dir, run_to_dir, same_run
 

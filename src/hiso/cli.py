@@ -158,9 +158,9 @@ def _add_run_flags(p: argparse.ArgumentParser, exclude: tuple[str, ...] = (), lr
 
 def _add_tracking_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensorboard", metavar="DIR", help="also log each round to TensorBoard event files under "
-                   "DIR/<run name> (pip install 'hiso[track]')")
+                   "DIR/<run name> (pip install -e '.[track]' in hiso's clone)")
     p.add_argument("--mlflow", metavar="URI", help="also log each round to MLflow: a tracking URI, or a directory "
-                   "for a local file store (pip install 'hiso[track]')")
+                   "for a local file store (pip install -e '.[track]' in hiso's clone)")
 
 
 def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
@@ -181,7 +181,7 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
                      "DIR is empty, absent or has no config.json yet, refuse if DIR holds another run")
     run.add_argument("--config", help="TOML file of options (flags override it)")
     run.add_argument("--force", action="store_true", help="overwrite an existing run directory")
-    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     run.add_argument("--show-partition", action="store_true", help="print each client's label histogram")
     _add_accept_flag(run)
     _add_tracking_flags(run)
@@ -224,7 +224,7 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
                      help="runs at a time, each in its own worker process (default 1). A worker starts Python "
                      "and torch and builds its own task (a few seconds), so for runs of a few seconds each, "
                      "--jobs 2 can be slower than serial; set --threads 1 with it")
-    cmp.add_argument("--quiet", action="store_true", help="no progress output, only the table")
+    cmp.add_argument("-q", "--quiet", action="store_true", help="no progress output, only the table")
     _add_tracking_flags(cmp)
     _add_run_flags(cmp, exclude=("algorithm", "seed"), lr_task=lr_task)
     fl = sub.add_parser("flower", help="run on a Flower federation: a SuperLink and --nodes SuperNodes on 127.0.0.1 "
@@ -253,13 +253,13 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     fl.add_argument("--verbose", action="store_true", help="print the Flower commands and where their logs are")
     _add_run_flags(fl, lr_task=lr_task)
     rb = sub.add_parser("rebuild", help="rebuild a run's final model from its config and history alone")
-    rb.add_argument("run_dir")
+    rb.add_argument("run_dir", help="the run directory (what hiso run --out wrote)")
     rb.add_argument("--out", required=True, help="file to write the rebuilt model to (torch state dict)")
     rb.add_argument("--round", type=int, help="rebuild x_R, the model after the first R logged rounds (default: all)")
     _add_accept_flag(rb)
     ex = sub.add_parser("export", help="a run's model (any round) as a PEFT adapter, a Hugging Face model directory "
                         "or safetensors")
-    ex.add_argument("run_dir")
+    ex.add_argument("run_dir", help="the run directory (what hiso run --out wrote)")
     ex.add_argument("--out", required=True, help="directory to create (written whole or not at all)")
     ex.add_argument("--format", choices=("peft", "merged", "state-dict"), help="peft: the LoRA adapter for "
                     "PeftModel.from_pretrained; merged: a model directory for AutoModelForCausalLM.from_pretrained; "
@@ -270,9 +270,12 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
                     "as trained, float32); a quantized base is merged in float32 first")
     ex.add_argument("--force", action="store_true", help="replace --out if it holds an earlier export "
                     "(a directory holding anything else is refused)")
+    ex.add_argument("--base-dir", metavar="DIR", help="--format peft: the adapter names DIR as its base "
+                    "(base_model_name_or_path), and the run's base model is written there unless DIR holds it "
+                    "already (default: the hub id the base came from, when known)")
     _add_accept_flag(ex)
     ev = sub.add_parser("eval", help="evaluate a run's model (any round) on its task, or on other data of the task")
-    ev.add_argument("run_dir")
+    ev.add_argument("run_dir", help="the run directory (what hiso run --out wrote)")
     ev.add_argument("--round", type=int, help="evaluate x_R, rebuilt from the first R logged rounds "
                     "(default: the last)")
     ev.add_argument("--data-dir", help="the task's data from here instead of the run's")
@@ -285,7 +288,7 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     _add_accept_flag(ev)
     dg = sub.add_parser("diagnose", help="what a HiSo run's preconditioner H learned: its range over rounds, the "
                         "effective step lr/H, per tensor, and against measured curvature (PNG + text)")
-    dg.add_argument("run_dir")
+    dg.add_argument("run_dir", help="the run directory (what hiso run --out wrote)")
     dg.add_argument("--out", help="directory for diagnose.png/.txt/.json (default: the run directory)")
     dg.add_argument("--points", type=int, default=20, help="rounds at which H is summarised (default: 20)")
     dg.add_argument("--curvature", choices=("auto", "yes", "no"), default="auto",
@@ -331,10 +334,17 @@ def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     pl.add_argument("--methods", default="hiso,decomfl,fedavg", help="comma-separated, any of hiso run's "
                     "--algorithm (default: hiso,decomfl,fedavg)")
     pl.add_argument("--seed", type=int, default=0, help="the run seed: who is sampled when (default: 0)")
+    for p in (rb, ex, ev):
+        _add_where_flags(p, data=p is not ev)
+    run.add_argument("--method-file", metavar="FILE", help="with --resume: the run's method file (your own Method "
+                     "subclass) is here now (checked against its sha256 in config.json)")
     from .tasks.lm_pack import add_cache_parser
     add_cache_parser(sub, _Parser)
     rb.add_argument("--device", default="cpu", help="where to replay the history: cpu (default, whatever device "
                     "the run used), cuda or cuda:N")
+    for p in sub.choices.values():  # -v after the command too (hiso run -v), as before it (hiso -v run)
+        p.add_argument("-v", "--verbose-log", dest="verbosity", action="count", default=argparse.SUPPRESS,
+                       help="say more of what hiso does (as hiso -v COMMAND)")
     return parser
 
 
@@ -392,13 +402,35 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser(_help_task(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     _log_level(args)
     from .methods.identity import ACCEPT
+    from .runners.portable import RELOCATED
     token = ACCEPT.set(bool(getattr(args, "accept_method_change", False)))
+    where = RELOCATED.set(_relocated(args))
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
             return _command(args)
     finally:
+        RELOCATED.reset(where)
         ACCEPT.reset(token)
+
+
+def _relocated(args: argparse.Namespace) -> dict:
+    """Where the user says a run's inputs are now (rebuild, export, eval, run --resume)."""
+    if args.command not in ("rebuild", "export", "eval", "run"):
+        return {}
+    keys = ("method_file",) if args.command == "run" else ("model", "method_file") if args.command == "eval" \
+        else ("data_dir", "model", "method_file")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None)}
+
+
+def _add_where_flags(p: argparse.ArgumentParser, data: bool = True) -> None:
+    """Where a moved run's inputs are now (config.json names them relative to the run directory)."""
+    g = p.add_argument_group("a run moved away from its inputs (each is checked against what config.json records)")
+    if data:
+        g.add_argument("--data-dir", help="the run's data directory is here now")
+    g.add_argument("--model", help="the run's base model directory is here now (its weights' fingerprint is checked)")
+    g.add_argument("--method-file", metavar="FILE", help="the run's method file (your own Method subclass) is here "
+                   "now (its sha256 is checked)")
 
 
 def _add_accept_flag(p: argparse.ArgumentParser) -> None:
@@ -441,7 +473,8 @@ def _command(args: argparse.Namespace) -> int:
         out = getattr(args, "out", None) or getattr(args, "resume", None)
         kept = (f"; {out} holds every round logged so far" if isinstance(out, str) and Path(out).is_dir()
                 else "")
-        again = f" (continue it: hiso run --resume {out})" if kept and args.command in ("run", "flower") else ""
+        # (hiso flower has said how to continue it, with the federation's work directory)
+        again = f" (continue it: hiso run --resume {out})" if kept and args.command == "run" else ""
         if sig := _stopped_by(e):
             print(f"hiso: stopped by {signal.Signals(sig).name}; every process it started is stopped{kept}{again}",
                   file=sys.stderr)

@@ -66,7 +66,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if plan.note and (not args.quiet or "was cut" in plan.note):  # a cut log is said even when quiet
             print(f"hiso: note: {plan.note}", file=sys.stderr)
         cfg = plan.cfg
+        from .runners.portable import require_inputs
+        require_inputs(cfg, out, {k: given[k] for k in ("data_dir", "model") if given.get(k)})
     else:
+        if getattr(args, "method_file", None):
+            return _fail("--method-file points a resumed run at its moved method file: give --resume DIR "
+                         "(a new run names its method with --algorithm FILE.py:Class)")
         cfg = load_config(args.config, **overrides)
         out = Path(args.out)
         if why := _new_run_refusal(cfg, out, args.force):
@@ -273,9 +278,11 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from .runners.export import export
 
-    done = export(args.run_dir, args.out, args.format, round=args.round, force=args.force, dtype=args.dtype)
+    done = export(args.run_dir, args.out, args.format, round=args.round, force=args.force, dtype=args.dtype,
+                  base_dir=args.base_dir)
     print(f"exported round {done['round']} of {args.run_dir} as {done['format']} into {done['out']}/: "
-          f"{len(done['files'])} files, {done['bytes'] / 1e6:.1f} MB, {done['seconds']:.1f} s")
+          f"{len(done['files'])} files, {done['bytes'] / 1e6:.1f} MB, {done['seconds']:.1f} s"
+          + (f"; its base model is in {args.base_dir}/" if args.base_dir else ""))
     return 0
 
 
@@ -366,6 +373,10 @@ def cmd_flower(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if why := _new_run_refusal(cfg, out, args.force):
             return _fail(why)
+        if cfg.data_dir and not Path(cfg.data_dir).expanduser().exists():  # before a federation is started
+            return _fail(f"--data-dir {cfg.data_dir}: directory not found")
+        from .runners.portable import paths_from_here
+        cfg = paths_from_here(cfg)  # the ServerApp and nodes run in other working directories
     if args.resume is not None and args.simulation:
         return _fail("--resume continues a deployment (SuperLink and SuperNodes); not with --simulation")
     if cfg.drop_rate or cfg.late_rate or cfg.duplicate_rate or cfg.corrupt_rate:
@@ -405,6 +416,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
             from .flower.launch import default_worker
             follow = MetricsFollower(out, cfg.rounds)
             worker = default_worker(cfg) if args.worker is None else args.worker
+            if args.worker is None and not worker and cfg.scalar_only and not cfg.secagg:
+                print("hiso flower: --worker keeps each node's task and replica loaded between messages: faster "
+                      "rounds where starting a ClientApp costs more than a round's work", flush=True)
             print(f"hiso flower: {nodes} SuperNodes serving {cfg.clients} partitions"
                   + (" (node i: partitions i, i+N, ...)" if nodes < cfg.clients else "")
                   + ("; a worker per node keeps the model loaded" if worker else "")

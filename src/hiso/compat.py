@@ -11,7 +11,9 @@ layer may read these tables.
 
 from __future__ import annotations
 
-SCHEMA = 3  # config.json's "schema"; a file without one was written before schema versions (1)
+SCHEMA = 3  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
+# built-in method's options in its method_opts (FLAT_OPTIONS), paths relative to the run directory
+# (hiso.runners.portable)
 
 # a built-in method's options that were flat RunConfig fields before schema 3 (every run's
 # config.json had them, at these defaults unless given) and are its Method class's fields since,

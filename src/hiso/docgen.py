@@ -256,6 +256,15 @@ def link_repo_files(markdown: str, blob: str | None, root: Path) -> str:
     return "".join(p if p.startswith("```") else span.sub(link, p) for p in parts)
 
 
+def on_config(config):
+    """No repository address given (HISO_REPO_URL unset, as on a fresh clone): no "edit this page"
+    links either, whose addresses would be relative and fail --strict."""
+    if not config.get("repo_url"):
+        config["edit_uri"] = None
+        config["edit_uri_template"] = None
+    return config
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     import re
 

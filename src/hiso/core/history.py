@@ -233,9 +233,22 @@ def _parse_v3(path, data: bytes, tau: int, P: int) -> HistoryLog:
     return HistoryLog(tau, P, VERSION, records, ends, len(data) - ends[-1], seed, dtype, family)
 
 
+# what a reader can do about a damaged log: said after what is wrong with it
+DAMAGED_HINT = ("the run's log is damaged: restore history.bin from a copy of the run; without it the rounds "
+                "cannot be rebuilt, evaluated or resumed (a finished run's model.pt still holds its final model)")
+
+
 def parse_history(path: str | Path) -> HistoryLog:
-    """Read a history file, torn last record dropped (see the module's docstring)."""
+    """Read a history file, torn last record dropped (see the module's docstring); ValueError,
+    naming what is wrong and what to do, on a damaged one."""
     data = Path(path).read_bytes()
+    try:
+        return _parse(path, data)
+    except ValueError as e:
+        raise ValueError(f"{e}; {DAMAGED_HINT}") from None
+
+
+def _parse(path, data: bytes) -> HistoryLog:
     if len(data) < _HEAD.size:
         raise ValueError(f"{path}: too short to be a hiso history file")
     magic, version, tau, P = _HEAD.unpack_from(data, 0)

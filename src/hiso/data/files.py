@@ -100,7 +100,8 @@ def read_rows(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     try:
         import datasets  # noqa: F401
     except ImportError:
-        raise DataError(f"{path}: reading your own files needs Hugging Face datasets: pip install 'hiso[llm]'") from None
+        raise DataError(f"{path}: reading your own files needs Hugging Face datasets: pip install -e '.[llm]' in "
+                        "hiso's clone") from None
     builder, kw = EXTENSIONS[path.suffix[1:].lower()]
     with _quiet() as datasets, tempfile.TemporaryDirectory(prefix="hiso-data-") as cache:
         try:

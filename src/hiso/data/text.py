@@ -6,7 +6,7 @@ Two sources, giving identical examples:
   ``dev.tsv`` and SQuAD's ``train-v1.1.json`` / ``dev-v1.1.json`` (or subsets of them named
   ``train-v1.1-*.json`` etc.) -- for machines without the internet;
 * ``data_dir=None``: Hugging Face ``datasets`` (``glue/sst2``, ``glue/qqp``, ``squad``), imported
-  only then so the package does not depend on it (``pip install 'hiso[hf]'``).
+  only then so the package does not depend on it (``pip install -e '.[hf]' in hiso's clone``).
 
 The eval split is GLUE's / SQuAD's dev set (``validation`` on the Hub), the split papers
 report as "test" because GLUE's test labels are hidden. Text is returned exactly as stored
@@ -75,7 +75,7 @@ def how_to_get(task: str) -> str:
         source = f"GLUE (https://gluebenchmark.com/tasks; the {task.upper()} archive)"
     return (
         f"Download {files} from {source} into --data-dir, or install the optional Hugging Face "
-        "extra (`pip install 'hiso[hf]'`) and omit --data-dir to load it from the Hub."
+        "extra (`pip install -e '.[hf]' in hiso's clone`) and omit --data-dir to load it from the Hub."
     )
 
 
@@ -319,7 +319,7 @@ def load_hf(task: str, split: str) -> list[ClassificationExample] | list[QAExamp
     except ImportError:
         raise DataError(
             f"{task}: no --data-dir given and Hugging Face `datasets` is not installed; pass "
-            f"--data-dir with the original files, or `pip install 'hiso[hf]'`. {how_to_get(task)}"
+            f"--data-dir with the original files, or `pip install -e '.[hf]' in hiso's clone`. {how_to_get(task)}"
         ) from None
     name, hf_split = HF_NAMES[task], HF_SPLITS[split]
     source = f"Hugging Face datasets {'/'.join(name)} [{hf_split}]"

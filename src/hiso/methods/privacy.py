@@ -140,7 +140,7 @@ def _accountant():
     try:
         import dp_accounting
     except ImportError as e:  # an optional extra
-        raise ImportError("privacy accounting needs dp-accounting: pip install 'hiso[privacy]'") from e
+        raise ImportError("privacy accounting needs dp-accounting: pip install -e '.[privacy]' in hiso's clone") from e
     return dp_accounting
 
 

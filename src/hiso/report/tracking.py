@@ -1,5 +1,5 @@
 """Experiment tracking: a run's rows, as they are written to ``metrics.jsonl``, also to TensorBoard
-and / or MLflow (``hiso run --tensorboard DIR --mlflow URI``; ``pip install 'hiso[track]'``).
+and / or MLflow (``hiso run --tensorboard DIR --mlflow URI``; ``pip install -e '.[track]' in hiso's clone``).
 
 One small interface: :class:`Tracking` says where (picklable, so ``hiso compare``'s worker
 processes get it), :meth:`Tracking.open` gives a :class:`Tracker` whose ``log(row, h)`` the run
@@ -155,9 +155,9 @@ class Tracking:
     def check(self) -> None:
         """Refuse (ValueError, one line) a tracker whose package is missing, before a run starts."""
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
-            raise ValueError("--tensorboard needs the tensorboard package: pip install 'hiso[track]'")
+            raise ValueError("--tensorboard needs the tensorboard package: pip install -e '.[track]' in hiso's clone")
         if self.mlflow and importlib.util.find_spec("mlflow") is None:
-            raise ValueError("--mlflow needs the mlflow package: pip install 'hiso[track]'")
+            raise ValueError("--mlflow needs the mlflow package: pip install -e '.[track]' in hiso's clone")
 
     def for_run(self, name: str, **tags: Any) -> "Tracking":
         """The same destinations for one run of several (``hiso compare``), named and tagged."""

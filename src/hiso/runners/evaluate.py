@@ -18,6 +18,12 @@ from .runfiles import saved_config, write_atomic
 from .runmodel import load_run_model, run_task
 
 SPLITS = ("dev", "test")
+
+
+def relative_to(path: str | None, run_dir: Path) -> str | None:
+    """``path`` relative to the run directory (eval.json lies there): no path of this machine."""
+    from .portable import relative
+    return None if path is None else relative(path, run_dir)
 _PREFIX = {"dev": "val_", "test": ("eval_", "gap")}
 
 
@@ -56,7 +62,7 @@ def evaluate_run(run_dir: str | Path, round: int | None = None, data_dir: str | 
     if split is not None:
         metrics = {k: v for k, v in metrics.items() if k.startswith(_PREFIX[split])}
     return {"metrics": metrics, "round": rm.round, "split": split or "all", **scored,
-            "data_dir": data_dir or cfg.data_dir, "eval_max": eval_max or cfg.eval_max,
+            "data_dir": relative_to(data_dir or cfg.data_dir, run_dir), "eval_max": eval_max or cfg.eval_max,
             "seconds": seconds, **{k: v for k, v in rm.identity().items() if k != "round"}}
 
 

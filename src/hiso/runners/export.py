@@ -8,9 +8,10 @@
 * ``state-dict``: ``model.safetensors``, the model's ``state_dict()`` (LoRA merged) for any task,
   vision and users' own included: ``model.load_state_dict(safetensors.torch.load_file(...))``.
 
-Every export says where it came from: ``hiso.json`` and a model card (``README.md``) hold the
-run's identity (directory, configuration sha256, algorithm, seed, round) and, for language runs,
-the base model's name and weight fingerprint; ``merged`` also puts them in ``config.json``
+Every export says where it came from, without a path of the machine that made it: ``hiso.json``
+and a model card (``README.md``, :mod:`hiso.runners.model_card`) hold the run's identity (its
+directory's name, configuration sha256, algorithm, seed, round) and, for language runs, the base
+model's name, hub id when known and weight fingerprint; ``merged`` also puts them in ``config.json``
 (key ``hiso``), ``state-dict`` in the safetensors header. A run is exported only onto the base it
 started from. Everything is written to a temporary directory beside ``--out`` and renamed at the
 end, so a refused or failed export leaves nothing behind. ``--force`` replaces an earlier export
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 from typing import Any
 
+from .model_card import model_card
 from .runfiles import overwrites_run, saved_config
 from .runmodel import RunModel, load_run_model
 
@@ -66,7 +68,8 @@ def check_format(fmt: str, cfg, info: dict) -> None:
     import importlib.util
 
     if importlib.util.find_spec("safetensors") is None:
-        raise ValueError("hiso export writes safetensors: pip install safetensors (or 'hiso[llm]')")
+        raise ValueError("hiso export writes safetensors: pip install safetensors (or pip install -e '.[llm]' in "
+                         "hiso's clone)")
     language = info.get("task") == "language"
     if fmt == "peft" and not (language and info.get("lora")):
         why = "trains all parameters (use --format merged)" if language else \
@@ -115,6 +118,17 @@ def _metrics_at(run_dir: Path, rnd: int) -> dict:
     return {}
 
 
+def _trained(run_dir: Path) -> dict:
+    """What the run's summary.json says of the whole run: its rounds and bytes per client."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        comm = summary.get("communication_per_client") or {}
+        return {"rounds": summary["rounds_done"], "bytes_up_mean": comm.get("bytes_up_mean"),
+                "bytes_down_mean": comm.get("bytes_down_mean")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
     """hiso.json: the export's format, the run's identity, its base and the metrics logged then."""
     from .. import __version__
@@ -124,6 +138,8 @@ def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
         meta["lora"] = rm.info["lora"]
     if "template" in rm.info:  # the prompt and its label words: what a reader needs to ask as the run did
         meta["prompt"] = {k: rm.info[k] for k in ("template", "label_words", "labels") if k in rm.info}
+    if trained := _trained(rm.run_dir):
+        meta["trained"] = trained
     logged = _metrics_at(rm.run_dir, rm.round)
     if logged:
         meta["metrics_logged_at_round"] = logged
@@ -138,71 +154,60 @@ def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
     return meta
 
 
-def adapter_base(info: dict) -> str | None:
-    """The base an adapter names: the model the run was given (a hub id, hiso's short name, or
-    the user's own directory), never the cache a short name's weights were read from."""
-    return info.get("model") or info.get("model_source")
+def adapter_base(info: dict, base_dir: str | None = None) -> str | None:
+    """What an adapter names as its base (``base_model_name_or_path``): ``base_dir`` when given
+    (``--base-dir``), else the hub id the run's model came from, else the base's name (a local
+    directory of the user's: its last component; never a path of this machine or a cache)."""
+    from .portable import base_name
+    if base_dir is not None:
+        return str(base_dir)
+    return info.get("hub_id") or (base_name(info["model"]) if info.get("model") else None)
 
 
-def model_card(meta: dict, info: dict) -> str:
-    """A short README.md (Hugging Face model card) naming the base, the run and how to load it."""
-    from ..tasks.lm import SHORT_NAMES
-
-    base = meta.get("base_model")
-    # a hub name is the card's base_model; a short name's weights are a GGUF dequantized here, not the hub's
-    hub = base if base and base not in SHORT_NAMES and not Path(base).expanduser().exists() else None
-    front = ["---", *( [f"base_model: {hub}"] if hub else []),
-             f"library_name: {'peft' if meta['format'] == 'peft' else 'transformers'}",
-             "tags: [hiso, federated-learning, zeroth-order]", "---", ""]
-    task = info.get("dataset", meta["task"])
-    lines = [f"# {task} fine-tuned with hiso ({meta['algorithm']}, round {meta['round']})", "",
-             f"Federated zeroth-order fine-tuning with hiso (seeds and scalars on the wire); exported by "
-             f"`hiso export --format {meta['format']}`.", "",
-             f"- run: `{meta['run_dir']}`, seed {meta['seed']}, round {meta['round']}",
-             f"- configuration sha256: `{meta['config_sha256']}`"]
-    if base:
-        lines += [f"- base model: `{base}`" + (f", {SHORT_NAMES[base]}" if base in SHORT_NAMES else "")
-                  + (f", read from `{info['model_source']}`" if info.get("model_source", base) != base else ""),
-                  f"- base weights sha256 (hiso fingerprint): `{meta['base_fingerprint']}`"]
-    if meta.get("lora"):
-        lo = meta["lora"]
-        lines.append(f"- LoRA r = {lo['r']}, alpha = {lo['alpha']:g}, targets {', '.join(lo['targets'])}")
-    if meta.get("dtype"):
-        lines.append(f"- weights written in {meta['dtype']} (`--dtype`), merged in float32 first")
-    if dp := meta.get("privacy"):
-        spent = (f"({dp['epsilon']:.3g}, {dp['delta']:g})-DP at round {meta['round']} for the client that took part "
-                 f"in the most rounds ({dp['participations_max']}), against a reader who knows who took part"
-                 if dp["epsilon"] is not None else "no epsilon reported (no delta given)")
-        lines.append(f"- differential privacy ({dp['mode']}): scalars clipped at {dp['clip']:g}, noise multiplier "
-                     f"{dp['noise_multiplier']:.4g}; {spent}")
-    for k, v in meta.get("metrics_logged_at_round", {}).items():
-        lines.append(f"- {k} logged by the run at this round: {v:.6g}")
-    lines += ["", "## Load", "", "```python"]
-    if meta["format"] == "merged":
-        lines += ["from transformers import AutoModelForCausalLM, AutoTokenizer",
-                  "model = AutoModelForCausalLM.from_pretrained(DIR)", "tok = AutoTokenizer.from_pretrained(DIR)"]
-    elif meta["format"] == "peft":
-        if base in SHORT_NAMES:  # hiso's dequantized GGUF, rebuilt from its pip package wherever the cache is
-            lines += ["from peft import PeftModel", "from hiso.tasks.lm import base_model",
-                      f"base = base_model({base!r})", "model = PeftModel.from_pretrained(base, DIR)"]
-        else:
-            lines += ["from peft import PeftModel", "from transformers import AutoModelForCausalLM",
-                      f"base = AutoModelForCausalLM.from_pretrained({adapter_base(info)!r})",
-                      "model = PeftModel.from_pretrained(base, DIR)"]
-    else:
-        lines += ["from safetensors.torch import load_file",
-                  "model.load_state_dict(load_file(DIR + '/model.safetensors'))"]
-    lines += ["```", ""]
-    return "\n".join(front + lines)
+def _run_base(rm: RunModel):
+    """The run's base model in float32, as hiso loaded it (a short name's dequantized GGUF)."""
+    from ..tasks import lm
+    return lm.load_model(rm.task.model_name, lm.resolve_model(rm.task.model_name))
 
 
-def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict) -> None:
+def place_base(rm: RunModel, base_dir: Path) -> None:
+    """Write the run's base model (and its tokenizer) into ``base_dir``, whole or not at all; an
+    existing ``base_dir`` is checked to hold the run's base, tensor for tensor, and left as it is."""
+    from transformers import AutoModelForCausalLM
+
+    from ..tasks import lm
+    base = _run_base(rm)
+    if _taken(base_dir):
+        lm._quiet_transformers()
+        try:
+            there = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).state_dict()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--base-dir {base_dir} holds no model ({str(e).splitlines()[0][:120]}): give a new "
+                             "directory, which the export fills with the run's base") from None
+        want = base.state_dict()
+        if set(there) != set(want) or any(not torch.equal(there[k], want[k]) for k in want):
+            raise ValueError(f"--base-dir {base_dir} holds another model than the run's base: give a new directory, "
+                             "which the export fills with the run's base")
+        return
+    base_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{base_dir.name}.base-", dir=base_dir.parent))
+    try:
+        base.save_pretrained(tmp)
+        rm.task.tok.save_pretrained(tmp)
+        _usual_modes(tmp)
+        os.replace(tmp, base_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict, base_ref: str | None = None) -> None:
     tok = getattr(rm.task, "tok", None)
     if fmt == "peft":
         rm.model.save_pretrained(tmp)  # adapter_config.json + adapter_model.safetensors
         cfg_path = tmp / "adapter_config.json"
         acfg = json.loads(cfg_path.read_text())
-        acfg["base_model_name_or_path"] = adapter_base(rm.info) or acfg.get("base_model_name_or_path")
+        acfg["base_model_name_or_path"] = base_ref or acfg.get("base_model_name_or_path")
         cfg_path.write_text(json.dumps(acfg, indent=2))
     elif fmt == "merged":
         model = _plain_model(rm).to(DTYPES[meta.get("dtype", "float32")])
@@ -222,7 +227,7 @@ def _write(rm: RunModel, fmt: str, tmp: Path, meta: dict) -> None:
         save_file(tensors, tmp / "model.safetensors", metadata={"hiso": json.dumps(meta)})
     if tok is not None and fmt != "state-dict":
         tok.save_pretrained(tmp)
-    (tmp / "README.md").write_text(model_card(meta, rm.info))
+    (tmp / "README.md").write_text(model_card(meta, rm.info, base_ref))
     files = sorted([*(p.name for p in tmp.iterdir()), "hiso.json"])  # what --force may replace later, only
     (tmp / "hiso.json").write_text(json.dumps({**meta, "files": files}, indent=2))
 
@@ -274,10 +279,12 @@ def _usual_modes(root: Path) -> None:
 
 
 def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: int | None = None,
-           force: bool = False, device: str = "cpu", task=None, dtype: str = "float32") -> dict[str, Any]:
+           force: bool = False, device: str = "cpu", task=None, dtype: str = "float32",
+           base_dir: str | Path | None = None) -> dict[str, Any]:
     """Export round ``round`` (None: the last) of the run in ``run_dir`` into the directory ``out``
     (``task``: the run's task object; default: built from ``config.json``), a merged model or state
-    dict with its floating tensors in ``dtype``.
+    dict with its floating tensors in ``dtype``; a PEFT adapter naming ``base_dir`` as its base,
+    where the run's base model is written unless it is there already.
 
     Returns what was written: format, round, files, bytes and seconds. Bad input raises
     ValueError / FileNotFoundError before anything is written.
@@ -288,6 +295,9 @@ def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: 
     fmt = fmt or default_format(info)
     check_format(fmt, cfg, info)
     check_dtype(dtype, fmt)
+    if base_dir is not None and fmt != "peft":
+        raise ValueError(f"--base-dir names the base of a PEFT adapter: give --format peft (a {fmt} export holds "
+                         "its whole model)")
     why = overwrites_run(out, run_dir)
     if why is not None:
         raise ValueError(f"--out {out} {why}: export elsewhere")
@@ -296,10 +306,13 @@ def export(run_dir: str | Path, out: str | Path, fmt: str | None = None, round: 
     meta = metadata(rm, fmt)
     if dtype != "float32":
         meta["dtype"] = dtype
+    base_ref = adapter_base(rm.info, base_dir) if fmt == "peft" else None
+    if base_dir is not None:
+        place_base(rm, Path(base_dir))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
-        _write(rm, fmt, tmp, meta)
+        _write(rm, fmt, tmp, meta, base_ref)
         _usual_modes(tmp)
         if _taken(out):  # --force over an earlier export: checked above, and again now it goes
             _check_out(out, force)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 MiB = 2**20
 BASE_DTYPES = ("float32", "bfloat16", "int8", "int4")
@@ -136,6 +137,9 @@ def runtime_bytes(s: Structure, device: str) -> int:
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMbB]?)\s*$")
 
 
+_LIKE_SIZE = re.compile(r"[\d.]+\s*[A-Za-z]{0,2}")  # what is meant as a size, if anything (8X, 1.5G)
+
+
 def parse_size(text: str) -> int | None:
     """``"8B"``, ``"1.5B"``, ``"350M"``, ``"125000000"`` as a parameter count; None if not a size."""
     m = _SIZE.match(text)
@@ -180,6 +184,9 @@ def structure(model: str, lora_r: int | None = None, targets=("q_proj", "v_proj"
                 f"{'tied' if cfg.tie_word_embeddings else 'untied'} head")
         return count(cfg, model, lora_r, targets, note)
     from ..tasks import lm
+    if _LIKE_SIZE.fullmatch(model) and not Path(model).expanduser().exists():  # refused before the hub is asked
+        raise ValueError(f"--params-model {model!r} is not a size: give a number with K, M or B (135M, 1.5B, 8B), "
+                         f"a short name ({', '.join(lm.SHORT_NAMES)}), a directory with a config.json or a hub name")
     try:
         cfg = AutoConfig.from_pretrained(lm.resolve_model(model))
     except OSError as e:

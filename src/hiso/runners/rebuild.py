@@ -10,6 +10,7 @@ from ..core.state import ModelState
 from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task
+from .portable import require_inputs
 from .runfiles import check_run_task, checkpoint, read_pool_run_log, read_run_history, saved_config
 
 
@@ -35,6 +36,8 @@ def _run_task_on(run_dir, cfg, info: dict, task: Task | None, device: str, check
     """The run's task on ``device``: the object given, else built from its configuration; checked
     against the run (:func:`~hiso.runners.runfiles.check_run_task`) unless the caller did."""
     given = task is not None
+    if not given:
+        require_inputs(cfg, run_dir)  # data and base model where config.json (or the user) says
     task = on_device(task, device) if given else build_task(cfg.model_copy(update={"device": device}))
     if not checked:
         check_run_task(task, info, run_dir, given)

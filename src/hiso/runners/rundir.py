@@ -57,6 +57,7 @@ from ..tasks.registry import build_task, higher_is_better
 from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one import path for a run directory)
 from ..methods.identity import source_of
 from .runfiles import config_text, method_source
+from .portable import portable_name
 from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp_secret,  # noqa: F401
                        extend_refusal, made_before, not_a_dir, overwrites_run, read_run_history, resume_point,
                        same_run, saved_config, write_atomic)
@@ -312,7 +313,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     if ckpt is not None:  # model.pt holds the final state now
         ckpt.remove()
     summary = {
-        "algorithm": cfg.algorithm, "task": cfg.task, "rounds": cfg.rounds,
+        "algorithm": portable_name(cfg.algorithm, out), "task": portable_name(cfg.task, out), "rounds": cfg.rounds,
         "rounds_done": row.get("round", 0), "diverged": diverged,
         "final": last_eval, "best": best, "final_train_loss": row.get("train_loss"),
         "communication_per_client": sim.comm.summary(),

