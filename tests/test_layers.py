@@ -17,7 +17,7 @@ LAYERS = {
     "tasks": 3, "data": 3, "baselines": 3, "config": 3, "config_methods": 3, "config_parse": 3,
     "runners": 4, "flower": 4, "procs": 4,
     "report": 5, "experiments": 5,
-    "cli": 6, "cli_commands": 6, "api": 6, "docgen": 6, "__init__": 6, "__main__": 6,
+    "cli": 6, "cli_commands": 6, "cli_flags": 6, "cli_flower": 6, "api": 6, "docgen": 6, "__init__": 6, "__main__": 6,
 }
 MAX_LINES = 460
 

@@ -94,7 +94,7 @@ def test_compare_refuses_the_arms_of_an_edited_method_file_or_runs_them_again(tm
 
 def test_flower_resume_names_the_changed_part_and_records_an_accepted_change(tmp_path, capsys):
     pytest.importorskip("flwr", reason="the flower extra is not installed")
-    from hiso.cli_commands import _record_accepted_method
+    from hiso.cli_flower import _record_accepted_method
     from hiso.runners.runfiles import saved_config
     mine = tmp_path / "mine.py"
     shutil.copyfile(EXAMPLES / "clip_method.py", mine)

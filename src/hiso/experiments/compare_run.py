@@ -49,6 +49,7 @@ from typing import Any, Callable
 from ..config import ConfigError, RunConfig
 
 from ..atomic import write_atomic
+from .peak_rss import peak_rss_mb as _vm_hwm_mb, reset_peak_rss as _reset_peak_rss  # noqa: F401
 from .compare_plan import NOT_TASK_FIELDS, RESUME_IGNORED, Plan, RunSpec, lr_dirname
 
 
@@ -186,26 +187,6 @@ def _config_state(spec: RunSpec, fix: str = "use --force to rerun, or another --
     except (OSError, ValueError):
         return "start"
     return "continue"
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _vm_hwm_mb() -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 _PROGRESS = None  # in a worker process: the queue its runs report their rounds to
