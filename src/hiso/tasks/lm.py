@@ -110,11 +110,19 @@ def _tokenizer(source: str | Path, **kw):
     return tok
 
 
-def _model(source: str | Path, **kw) -> nn.Module:
+def _model(source: str | Path, streamed: bool = False, **kw) -> nn.Module:
+    """``from_pretrained``; ``streamed``: a local safetensors model read a tensor at a time
+    (:mod:`.lm_stream`: a base held below float32 is then never whole in float32)."""
     from transformers import AutoModelForCausalLM
 
+    from . import lm_stream
+
     _quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(str(source), **{"dtype": torch.float32, **kw})
+    kw = {"dtype": torch.float32, **kw}
+    files = lm_stream.weight_files(source) if streamed else None
+    model = lm_stream.from_pretrained(source, files, **kw) if files else None
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(str(source), **kw)
     model.eval()
     for m in model.modules():
         # bitsandbytes repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first forward
@@ -188,9 +196,10 @@ def load_tokenizer(name: str, source: str):
 def load_model(name: str, source: str, base_dtype: str = "float32", device: str = "cpu",
                quantize_embedding: bool = True) -> nn.Module:
     """The model in eval mode (``source`` from :func:`resolve_model`): float32, or its weights held
-    in ``base_dtype`` as they are read (:func:`base_precision`); under int8 and int4 its embedding
-    and head int8 per row too unless ``quantize_embedding`` is false (runs made before: float32)."""
-    model = _loading(name, _model, source, **base_precision(base_dtype, device))
+    in ``base_dtype`` as they are read one at a time (:func:`base_precision`, :mod:`.lm_stream`);
+    under int8 and int4 its embedding and head int8 per row too unless ``quantize_embedding`` is
+    false (runs made before: float32). A float32 base stays a view of the mapped file."""
+    model = _loading(name, _model, source, streamed=base_dtype != "float32", **base_precision(base_dtype, device))
     return quantize_embeddings(model) if quantize_embedding and base_dtype in ("int8", "int4") else model
 
 
