@@ -47,18 +47,49 @@ def test_a_streamed_base_holds_the_whole_file_loads_values_bit_for_bit(tiny, dty
     assert new.generation_config.to_dict() == old.generation_config.to_dict()
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_a_quantized_base_is_read_without_mapping_its_weight_file(tiny, dtype):
-    """A mapped file's pages count as the process's own once read: the float32 model's size."""
-    def mapped() -> bool:
-        return any(str(tiny) in line for line in Path("/proc/self/maps").read_text().splitlines())
+def _resident_file_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and ":" not in line.split(" ", 1)[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
 
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_quantized_base_leaves_no_page_of_its_weight_file_resident(tiny, dtype):
+    """A mapped file's pages count as the process's own once read: the whole-file load keeps the
+    float32 model's size resident; the streamed one reads by pread, and the embedding rows it
+    reads from the mapping are released once quantized."""
+    weights = tiny / "model.safetensors"
+    size_kib = weights.stat().st_size // 1024
     model = lm.load_model(str(tiny), str(tiny), dtype)
-    assert not mapped()
-    old = _whole_file(tiny, dtype)  # the whole-file load keeps it mapped (float32 norms are views of it)
-    assert mapped()
+    assert _resident_file_kib(weights) <= 8  # at most the pages around the header
+    old = _whole_file(tiny, dtype)
+    assert _resident_file_kib(weights) > size_kib // 2
     del model, old
+
+
+def test_release_mapped_drops_a_mapped_tensors_pages_and_leaves_others_alone(tiny, tmp_path):
+    import shutil
+
+    from safetensors import safe_open
+    weights = Path(shutil.copy(tiny / "model.safetensors", tmp_path / "model.safetensors"))  # mapped here only
+    own = torch.arange(4096, dtype=torch.float32)
+    lm_stream.release_mapped(own)
+    assert torch.equal(own, torch.arange(4096, dtype=torch.float32))
+    with safe_open(str(weights), framework="pt", device="cpu", backend="mmap") as f:
+        name = max(f.keys(), key=lambda k: f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[-1])
+        t = f.get_slice(name)[...]
+        before, kib = t.clone(), t.numel() * 4 // 1024
+        resident = _resident_file_kib(weights)
+        assert resident >= kib - 8
+        lm_stream.release_mapped(t)
+        assert _resident_file_kib(weights) <= resident - (kib - 8)  # (the kernel maps neighbouring pages too)
+        assert torch.equal(t, before)  # read again from the file
 
 
 def test_a_float32_base_and_a_model_without_safetensors_are_read_as_before(tiny, tmp_path):

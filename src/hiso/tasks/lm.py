@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import lm_stream
 from .draws import PortableDraws
 
 SHORT_NAMES = {
@@ -110,17 +111,16 @@ def _tokenizer(source: str | Path, **kw):
     return tok
 
 
-def _model(source: str | Path, streamed: bool = False, **kw) -> nn.Module:
+def _model(source: str | Path, streamed: bool = False, map_vocabulary: bool = False, **kw) -> nn.Module:
     """``from_pretrained``; ``streamed``: a local safetensors model read a tensor at a time
-    (:mod:`.lm_stream`: a base held below float32 is then never whole in float32)."""
+    (:mod:`.lm_stream`: a base held below float32 is then never whole in float32), its embedding
+    and head left mapped if ``map_vocabulary`` (for :func:`quantize_embeddings`)."""
     from transformers import AutoModelForCausalLM
-
-    from . import lm_stream
 
     _quiet_transformers()
     kw = {"dtype": torch.float32, **kw}
     files = lm_stream.weight_files(source) if streamed else None
-    model = lm_stream.from_pretrained(source, files, **kw) if files else None
+    model = lm_stream.from_pretrained(source, files, map_vocabulary, **kw) if files else None
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(str(source), **kw)
     model.eval()
@@ -199,8 +199,10 @@ def load_model(name: str, source: str, base_dtype: str = "float32", device: str 
     in ``base_dtype`` as they are read one at a time (:func:`base_precision`, :mod:`.lm_stream`);
     under int8 and int4 its embedding and head int8 per row too unless ``quantize_embedding`` is
     false (runs made before: float32). A float32 base stays a view of the mapped file."""
-    model = _loading(name, _model, source, streamed=base_dtype != "float32", **base_precision(base_dtype, device))
-    return quantize_embeddings(model) if quantize_embedding and base_dtype in ("int8", "int4") else model
+    rows = quantize_embedding and base_dtype in ("int8", "int4")
+    model = _loading(name, _model, source, streamed=base_dtype != "float32", map_vocabulary=rows,
+                     **base_precision(base_dtype, device))
+    return quantize_embeddings(model) if rows else model
 
 
 def base_precision(base_dtype: str, device: str = "cpu") -> dict:
@@ -278,7 +280,8 @@ def _swap_class(module: nn.Module, rows: type) -> None:
 def _int8_rows(w: torch.Tensor):
     """``w`` as torchao's int8 per-row ``Int8Tensor``, quantized ``HEAD_ROWS`` rows at a time into
     tensors allocated once (per-row quantization: the same tensor as at once). All at once, and
-    by blocks kept until joined, both left Gemma-3-270M's loading 1.6 GiB larger."""
+    by blocks kept until joined, both left Gemma-3-270M's loading 1.6 GiB larger; rows read from a
+    mapped file are released once quantized."""
     from torchao.quantization import Int8Tensor, PerRow
 
     rows, cols = w.shape
@@ -288,6 +291,8 @@ def _int8_rows(w: torch.Tensor):
         block = Int8Tensor.from_hp(w[i:i + HEAD_ROWS].float(), granularity=PerRow())
         for out, part in ((qdata, block.qdata), (scale, block.scale), (zero, block.zero_point)):
             out[i:i + HEAD_ROWS].copy_(part)
+        if w.device.type == "cpu":
+            lm_stream.release_mapped(w[i:i + HEAD_ROWS])  # rows read from a mapped file (lm_stream)
     return Int8Tensor(qdata, scale, [1, cols], torch.float32, zero_point=zero)
 
 

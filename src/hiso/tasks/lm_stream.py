@@ -6,15 +6,20 @@ file whose pages, once read, count as the process's own until it exits (SmolLM2-
 glibc keeps the holes its freed float32 copies leave between the quantized tensors (+333 MB).
 Here the same ``from_pretrained`` gets the same tensors through ``state_dict``, each read with
 ``pread`` (no mapping) when transformers asks for it, after the memory the previous one freed is
-returned to the system. The modules, the quantization and so the values held are those of a
-plain ``from_pretrained`` (tests/test_quantized_loading.py compares the two)."""
+returned to the system. The embedding and an untied head, which an int8 or int4 base quantizes
+after loading (:func:`hiso.tasks.lm.quantize_embeddings`), stay views of the mapped file instead,
+and each block of rows quantized is released from the process (:func:`release_mapped`), so they
+are never resident whole in float32 either. The modules, the quantization and so the values
+held are those of a plain ``from_pretrained`` (tests/test_quantized_loading.py compares them)."""
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 
@@ -61,10 +66,13 @@ class _Weights(dict):
         return self
 
 
-def from_pretrained(source: str | Path, files: list[Path], **kw) -> nn.Module | None:
+def from_pretrained(source: str | Path, files: list[Path], map_vocabulary: bool = False,
+                    **kw) -> nn.Module | None:
     """``AutoModelForCausalLM.from_pretrained(source, **kw)`` with the weights read a tensor at a
-    time from ``files`` (:func:`weight_files`); None for a model class the auto mapping does not
-    know (custom code: to be read as usual)."""
+    time from ``files`` (:func:`weight_files`); ``map_vocabulary``: the tensors with a row per
+    vocabulary entry (embedding, head) left views of the mapped file, for a caller that reads
+    them by blocks of rows (and releases each, :func:`release_mapped`). None for a model class the
+    auto mapping does not know (custom code: to be read as usual)."""
     from safetensors import safe_open
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -74,9 +82,14 @@ def from_pretrained(source: str | Path, files: list[Path], **kw) -> nn.Module | 
         return None
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     trim, weights = _libc_trim(), _Weights()
+    vocab = getattr(config.get_text_config(), "vocab_size", None) if map_vocabulary else None
     for f in files:
         handle = safe_open(str(f), framework="pt", device="cpu", backend="pread")
-        weights.update({k: _Slice(handle.get_slice(k), trim) for k in handle.keys()})
+        mapped = safe_open(str(f), framework="pt", device="cpu", backend="mmap") if vocab else None
+        for k in handle.keys():
+            shape = handle.get_slice(k).get_shape()
+            by_rows = vocab is not None and len(shape) == 2 and shape[0] == vocab
+            weights[k] = mapped.get_slice(k) if by_rows else _Slice(handle.get_slice(k), trim)
     model = cls.from_pretrained(None, config=config, state_dict=weights, **kw)
     weights.clear()
     trim()
@@ -85,3 +98,40 @@ def from_pretrained(source: str | Path, files: list[Path], **kw) -> nn.Module | 
     except OSError:
         pass
     return model
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _file_mapping(t: torch.Tensor) -> tuple[int, int] | None:
+    """The address range of the mapped file ``t`` lies in, or None (memory of the process's own)."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if start <= lo and hi <= end:
+            path = parts[5] if len(parts) == 6 else ""
+            return (start, end) if path.endswith(".safetensors") else None
+    return None
+
+
+def release_mapped(t: torch.Tensor) -> None:
+    """Drop the resident pages of ``t`` if it is a view of a mapped safetensors file (read rows of
+    an embedding): they count as the process's until then, and are read again from the file if
+    touched. The mapping is private and never written, so nothing is lost; memory of the
+    process's own is left alone."""
+    span = _file_mapping(t) if t.numel() else None
+    if span is None:
+        return
+    lo = max(span[0], t.data_ptr() // _PAGE * _PAGE)
+    hi = min(span[1], -(-(t.data_ptr() + t.numel() * t.element_size()) // _PAGE) * _PAGE)
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(lo, hi - lo, 4)  # MADV_DONTNEED
