@@ -33,15 +33,18 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 FLOORS = {
     "floor: import torch, transformers, peft": "import torch, transformers, peft",
-    "floor: + hiso, the model's code, torchao, bitsandbytes":
-        "import importlib.util as u, hiso.cli, torch, transformers, peft, transformers.models.llama.modeling_llama\n"
-        "for m in ('torchao', 'bitsandbytes'):\n    __import__(m) if u.find_spec(m) else None",
+    "floor: import torch, transformers, the model's code (no peft)":
+        "import torch, transformers, transformers.models.llama.modeling_llama",
+    "floor: + hiso, peft, torchao, bitsandbytes (a run before loading)":
+        "import importlib.util as u, hiso.cli, torch, transformers, transformers.models.llama.modeling_llama\n"
+        "for m in ('peft', 'torchao', 'bitsandbytes'):\n    __import__(m) if u.find_spec(m) else None",
 }
 
 
 def _site_without(drop: list[str], into: Path) -> Path:
     """A directory of links to site-packages' entries, the ``drop`` packages (and their metadata) left out."""
     site = Path(sysconfig.get_paths()["purelib"])
+    into.mkdir(parents=True)
     norm = {d.lower().replace("-", "_") for d in drop}
     for entry in site.iterdir():
         top = re.split(r"[-.]", entry.name, maxsplit=1)[0].lower().replace("-", "_")
@@ -97,15 +100,16 @@ def main() -> None:
         site = _site_without(drop, tmp / "site")
         env["PYTHONPATH"] = f"{SRC}{os.pathsep}{site}"
         py = [sys.executable, "-S"]
-    subprocess.run([*py, "-c", f"from hiso.tasks import lm; lm.resolve_model({args.model!r})"], env=env,
-                   check=True, capture_output=True)  # the one-time GGUF conversion, if any
+    if args.dtypes:  # the one-time GGUF conversion, if any
+        subprocess.run([*py, "-c", f"from hiso.tasks import lm; lm.resolve_model({args.model!r})"], env=env,
+                       check=True, capture_output=True)
     rows = []
     if not args.no_floor:
         for label, code in FLOORS.items():
             peak, err = _timed([*py, "-c", code], env, str(tmp))
             rows.append({"row": label, "peak_rss_mib": peak, **({"error": err} if err else {})})
             print(json.dumps(rows[-1] | {"drop": drop}), flush=True)
-    for dtype in args.dtypes.split(","):
+    for dtype in [d for d in args.dtypes.split(",") if d]:
         cmd = [*py, "-m", "hiso.cli", "run", "--task", "sst2", "--model", args.model, "--data-dir", args.data_dir,
                "--algorithm", args.algorithm, "--lora-r", str(args.lora_r), "--clients", str(args.clients),
                "--sampled", "2", "--rounds", str(args.rounds), "--lr", "1e-2", "--eval-max", str(args.eval_max),

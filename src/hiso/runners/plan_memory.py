@@ -130,16 +130,16 @@ def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS,
 
 
 def loading_bytes(s: Structure, dtype: str, quantize_embedding: bool = True) -> int:
-    """What loading holds on a CPU at its peak besides the runtime: a float32 base stays a view of
-    its mapped file, read as the rounds touch it (0: the rounds' figure counts it); a base below
-    float32 is read a tensor at a time (:mod:`hiso.tasks.lm_stream`): the base at ``dtype`` plus
+    """What loading holds on a CPU at its peak besides the runtime: a float32 base is a view of its
+    mapped file, all of it read (resident) once its fingerprint is taken; a base below float32 is
+    read a tensor at a time (:mod:`hiso.tasks.lm_stream`): the base at ``dtype`` plus
     the largest tensor read in float32 before it is cast or quantized (a bfloat16 base's
     embedding), where an int8 embedding and head are read by blocks of
     :data:`hiso.tasks.lm.HEAD_ROWS` rows."""
     from ..tasks.lm import HEAD_ROWS
 
     if dtype == "float32":
-        return 0
+        return base_bytes(s, dtype)
     if dtype == "bfloat16":
         read = max(s.largest, s.vocab * s.hidden)
     else:
@@ -216,7 +216,7 @@ def client_memory(s: Structure, dtype: str, state_bytes: float, lora: bool, quan
     for dev in ("cpu", "cuda"):
         tr, rt = transient_bytes(s, dtype, dev, quantize_embedding=quantize_embedding), runtime_bytes(s, dev)
         out |= {f"{dev}_transient": tr, f"{dev}_runtime": rt, f"{dev}_total": held + tr + rt}
-    loading = out["cpu_runtime"] + (loading_bytes(s, dtype, quantize_embedding) if lora else 0)
+    loading = out["cpu_runtime"] + (loading_bytes(s, dtype, quantize_embedding) if lora else base_bytes(s, "float32"))
     larger = "loading" if loading > out["cpu_total"] else "rounds"
     return out | {"cpu_loading": loading, "cpu_peak": max(loading, out["cpu_total"]), "cpu_larger": larger}
 

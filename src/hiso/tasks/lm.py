@@ -362,12 +362,14 @@ def add_lora(model: nn.Module, r: int, alpha: float, targets: list[str], seed: i
 
 
 def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over names, shapes, dtypes and bytes: identifies a base model's weights exactly."""
+    """sha256 over names, shapes, dtypes and bytes: identifies a base model's weights exactly. The
+    bytes are hashed where they lie (a copy of the largest, SmolLM2-135M's float32 embedding,
+    added 113 MB to a run's peak)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
     return h.hexdigest()
 
 
