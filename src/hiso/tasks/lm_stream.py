@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..heap import return_freed
+
 
 def weight_files(source: str | Path) -> list[Path] | None:
     """The safetensors files of a local model directory, or None (a hub name, .bin weights)."""
@@ -32,15 +34,6 @@ def weight_files(source: str | Path) -> list[Path] | None:
     if index.is_file():
         return [d / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     return None
-
-
-def _libc_trim():
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to return
-        return lambda: None
-    trim.argtypes = [ctypes.c_size_t]
-    return lambda: trim(0)
 
 
 class _Slice:
@@ -81,7 +74,7 @@ def from_pretrained(source: str | Path, files: list[Path], map_vocabulary: bool 
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return None
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    trim, weights = _libc_trim(), _Weights()
+    trim, weights = return_freed, _Weights()
     vocab = getattr(config.get_text_config(), "vocab_size", None) if map_vocabulary else None
     for f in files:
         handle = safe_open(str(f), framework="pt", device="cpu", backend="pread")
