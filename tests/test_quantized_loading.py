@@ -45,6 +45,7 @@ def test_a_streamed_base_holds_the_whole_file_loads_values_bit_for_bit(tiny, dty
     with torch.no_grad():
         assert torch.equal(new(input_ids=ids).logits, old(input_ids=ids).logits)
     assert new.generation_config.to_dict() == old.generation_config.to_dict()
+    assert (new.name_or_path, new.config.to_dict()) == (old.name_or_path, old.config.to_dict())
 
 
 def _resident_file_kib(path: Path) -> int:

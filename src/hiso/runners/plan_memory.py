@@ -237,8 +237,8 @@ def format_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None
                  mib(m["cuda_total"]))
         head.append("  ".join(f"{c:>13}" for c in cells))
     head.append("CPU total: the resident peak during the rounds; CPU loading: loading's (a base below float32 read a "
-                "tensor at a time, its embedding and head whole in float32 before they are int8); CPU peak: the "
-                "larger, a client process's; ")
+                "tensor at a time; float32 mapped and read whole for its fingerprint); CPU peak: the larger, a "
+                "client process's; ")
     how = (f"linear weights quantized, the embedding and output head {'int8 per row' if quantize_embedding else 'float32'}"
            ", norms float32" if dtype in ("int8", "int4")
            else f"every weight {dtype}")

@@ -77,7 +77,10 @@ def from_pretrained(source: str | Path, files: list[Path], map_vocabulary: bool 
     trim, weights = return_freed, _Weights()
     vocab = getattr(config.get_text_config(), "vocab_size", None) if map_vocabulary else None
     for f in files:
-        handle = safe_open(str(f), framework="pt", device="cpu", backend="pread")
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu", backend="pread")
+        except TypeError:  # safetensors before its backends: read as usual
+            return None
         mapped = safe_open(str(f), framework="pt", device="cpu", backend="mmap") if vocab else None
         for k in handle.keys():
             shape = handle.get_slice(k).get_shape()
@@ -86,6 +89,7 @@ def from_pretrained(source: str | Path, files: list[Path], map_vocabulary: bool 
     model = cls.from_pretrained(None, config=config, state_dict=weights, **kw)
     weights.clear()
     trim()
+    model.name_or_path = model.config._name_or_path = str(source)  # as from the directory (peft records it)
     try:  # from a directory, from_pretrained reads it too
         model.generation_config = GenerationConfig.from_pretrained(str(source))
     except OSError:
