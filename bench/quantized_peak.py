@@ -9,7 +9,9 @@ what a run imports before it loads a model: hiso, the model's transformers code,
 bitsandbytes), then per ``--dtypes`` a ``hiso run`` of ``--rounds`` rounds of SST-2 with LoRA
 (``--clients`` clients, 2 sampled a round, one process: hiso's in-process federation), the same
 command for every dtype but ``--base-dtype``. Beside each run, ``hiso plan``'s predicted peak
-(loading's and the rounds', the larger of the two) and its error. A short name's GGUF is
+(loading's and the rounds', the larger of the two) and its error. A ``hiso run`` also measures
+a client's transient peak once, on one answer under the torch profiler, whose buffers can set
+the run's peak (docs/llm.md, "A quantized base"). A short name's GGUF is
 dequantized once into the cache before the rows (that one-time conversion is not a client's).
 
 ``--drop`` runs every row as if the named packages were not installed (a copy of site-packages
@@ -63,15 +65,14 @@ def _timed(cmd: list[str], env: dict, cwd: str) -> tuple[float | None, str]:
 
 def _predicted(args, dtype: str) -> dict:
     """hiso plan's CPU client peaks (MiB) for the run: loading's, the rounds', which is larger."""
-    sys.path.insert(0, str(SRC))
+    if str(SRC) not in sys.path:
+        sys.path.insert(0, str(SRC))
     from hiso.runners.plan import Deployment, plan
     from hiso.runners.plan_memory import MiB, client_memory, structure
 
     s = structure(args.model, args.lora_r)
     row = plan([args.algorithm], Deployment(s.lora, args.clients, 2, args.rounds))[0]
     m = client_memory(s, dtype, row["client_bytes"], lora=True)
-    if "cpu_loading" not in m:
-        return {}
     return {"plan_loading_mib": m["cpu_loading"] / MiB, "plan_rounds_mib": m["cpu_total"] / MiB,
             "plan_peak_mib": m["cpu_peak"] / MiB, "plan_larger": m["cpu_larger"]}
 
@@ -116,7 +117,7 @@ def main() -> None:
                "--threads", str(args.threads), "--base-dtype", dtype, "--out", str(tmp / f"run-{dtype}"), "--quiet"]
         peak, err = _timed(cmd, env, str(tmp))
         row = {"row": f"hiso run, base {dtype}", "base_dtype": dtype, "peak_rss_mib": peak, **_predicted(args, dtype)}
-        if peak and "plan_peak_mib" in row:
+        if peak:
             row["plan_error_pct"] = 100 * (row["plan_peak_mib"] - peak) / peak
         rows.append(row | ({"error": err} if err else {}))
         print(json.dumps(rows[-1] | {"drop": drop}), flush=True)
