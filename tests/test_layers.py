@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 ROOT = SRC / "hiso"
 # each room (a package, or a top-level module) and its layer, as docs/architecture.md draws them
 LAYERS = {
-    "kernels": 0, "compat": 0, "atomic": 0, "patience": 0, "hardware": 0, "__version__": 0,
+    "kernels": 0, "compat": 0, "atomic": 0, "patience": 0, "hardware": 0, "heap": 0, "__version__": 0,
     "core": 1,
     "methods": 2, "plugins": 2,
     "tasks": 3, "data": 3, "baselines": 3, "config": 3, "config_methods": 3, "config_parse": 3,

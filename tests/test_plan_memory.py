@@ -74,6 +74,28 @@ def test_memory_adds_the_runtime_on_a_cpu_only(files):
     assert m["cuda_runtime"] == 0 and m["cuda_total"] == m["held"] + m["cuda_transient"]
     full = pm.client_memory(s, "float32", 8 * s.params, lora=False)  # full parameters: the model is the state
     assert full["held"] == 8 * s.params
+    assert full["cpu_loading"] == full["cpu_runtime"] + pm.base_bytes(s, "float32")  # the mapped file, read whole
+    assert full["cpu_larger"] == "rounds"
+
+
+@pytest.mark.parametrize("head", ["tied", "untied"])
+def test_loading_holds_the_base_and_one_float32_tensor_and_names_the_larger_peak(files, head):
+    """A base below float32 is read a tensor at a time: loading holds the base at its dtype and the
+    largest tensor read in float32 (an int8 embedding's rows by blocks); the peak is the larger."""
+    from hiso.tasks.lm import HEAD_ROWS
+    s = pm.structure(files[head], lora_r=2)
+    for dtype in ("int8", "int4"):
+        m = pm.client_memory(s, dtype, 4 * s.lora, lora=True)
+        assert m["cpu_loading"] == m["cpu_runtime"] + pm.base_bytes(s, dtype) + 4 * max(s.largest,
+                                                                                     HEAD_ROWS * s.hidden)
+        assert m["cpu_peak"] == max(m["cpu_loading"], m["cpu_total"])
+        assert m["cpu_larger"] == ("loading" if m["cpu_loading"] > m["cpu_total"] else "rounds")
+    bf16 = pm.client_memory(s, "bfloat16", 4 * s.lora, lora=True)
+    assert bf16["cpu_loading"] == bf16["cpu_runtime"] + pm.base_bytes(s, "bfloat16") + 4 * max(s.largest,
+                                                                                              s.vocab * s.hidden)
+    big = pm.structure("8B", lora_r=8)  # the float32 embedding a bfloat16 base reads whole: 2 GiB
+    m = pm.client_memory(big, "bfloat16", 4 * big.lora, lora=True)
+    assert m["cpu_larger"] == "loading" and m["cpu_peak"] == m["cpu_loading"] > m["cpu_total"]
 
 
 def _plan(files, capsys, *extra):
@@ -87,7 +109,7 @@ def test_cli_plan_prints_client_memory_by_base_dtype(files, capsys):
     s = pm.structure(files["tied"], lora_r=2)
     assert out.startswith(f"d={s.lora:,} params")  # d: the adapters
     table = out[out.index("client memory at the peak of a round"):]
-    assert "base int4" in table and "resident peak during the rounds, not loading's" in table
+    assert "base int4" in table and "CPU loading: loading's" in table
     hiso, decomfl = (line.split() for line in table.splitlines() if line.strip().startswith(("hiso ", "decomfl ")))
     held = pm.base_bytes(s, "int4") + 4 * s.lora
     assert decomfl[1] == f"{held / pm.MiB:,.0f}" and hiso[1] == f"{(held + 4 * s.lora) / pm.MiB:,.0f}"  # + H

@@ -18,11 +18,13 @@ delta) are float32, from :mod:`.plan`.
 
 On top of the tensors: a CPU client's process runtime (Python, torch, transformers and peft
 imported, the tokenizer, the rest of the process), and one answer's transient peak (the
-activations of a forward; on a CPU a quantized base's dequantized weights). What is modelled is
-the peak resident memory *during the rounds* (``bench/base_dtype.py``'s ``peak_rss_rounds_mb``),
-not loading's: with an int8 or int4 base loading reads the float32 weights before quantizing them
-and peaks higher (SmolLM2-135M int4: 1,553 MiB against the rounds' 852). On CUDA
-the figure is the allocator's peak (the CUDA context and the host process are not in it).
+activations of a forward; on a CPU a quantized base's dequantized weights): the peak resident
+memory *during the rounds* (``bench/base_dtype.py``'s ``peak_rss_rounds_mb``). Loading's peak on a
+CPU is modelled apart (:func:`loading_bytes`: a base below float32 is read a tensor at a time,
+:mod:`hiso.tasks.lm_stream`, but its embedding and head whole in float32 before they are
+quantized), and a client process's peak is the larger of the two (``bench/quantized_peak.py``
+measures both under ``/usr/bin/time -v``). On CUDA the figure is the allocator's peak (the CUDA
+context and the host process are not in it).
 The per-item figures below were measured on a 2-core AMD EPYC (torch 2.13, transformers 5.24);
 docs/results/language.md compares the whole estimate with measured peaks.
 """
@@ -128,6 +130,24 @@ def transient_bytes(s: Structure, dtype: str, device: str, tokens: int = TOKENS,
     return act
 
 
+def loading_bytes(s: Structure, dtype: str, quantize_embedding: bool = True) -> int:
+    """What loading holds on a CPU at its peak besides the runtime: a float32 base is a view of its
+    mapped file, all of it read (resident) once its fingerprint is taken; a base below float32 is
+    read a tensor at a time (:mod:`hiso.tasks.lm_stream`): the base at ``dtype`` plus
+    the largest tensor read in float32 before it is cast or quantized (a bfloat16 base's
+    embedding), where an int8 embedding and head are read by blocks of
+    :data:`hiso.tasks.lm.HEAD_ROWS` rows."""
+    from ..tasks.lm import HEAD_ROWS
+
+    if dtype == "float32":
+        return base_bytes(s, dtype)
+    if dtype == "bfloat16":
+        read = max(s.largest, s.vocab * s.hidden)
+    else:
+        read = max(s.largest, HEAD_ROWS * s.hidden) if quantize_embedding else s.largest
+    return base_bytes(s, dtype, quantize_embedding) + 4 * read
+
+
 def runtime_bytes(s: Structure, device: str) -> int:
     """A CPU client process besides its tensors (libraries, data, tokenizer); 0 on CUDA,
     whose allocator figure leaves the host process out."""
@@ -203,7 +223,9 @@ def client_memory(s: Structure, dtype: str, state_bytes: float, lora: bool, quan
     for dev in ("cpu", "cuda"):
         tr, rt = transient_bytes(s, dtype, dev, quantize_embedding=quantize_embedding), runtime_bytes(s, dev)
         out |= {f"{dev}_transient": tr, f"{dev}_runtime": rt, f"{dev}_total": held + tr + rt}
-    return out
+    loading = out["cpu_runtime"] + (loading_bytes(s, dtype, quantize_embedding) if lora else base_bytes(s, "float32"))
+    larger = "loading" if loading > out["cpu_total"] else "rounds"
+    return out | {"cpu_loading": loading, "cpu_peak": max(loading, out["cpu_total"]), "cpu_larger": larger}
 
 
 def format_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None,
@@ -214,14 +236,16 @@ def format_memory(rows: list[dict], s: Structure, dtype: str, lora_r: int | None
     head = [f"client memory at the peak of a round: {s.name}, {s.params:,} params ({s.linear:,} in quantizable "
             f"linears), base {dtype}, {what}" + (f"; {s.note}" if s.note else ""),
             "  ".join(f"{c:>13}" for c in ("method", "model+state", "CPU transient", "CPU runtime", "CPU total",
-                                            "CUDA transient", "CUDA total"))]
+                                            "CPU loading", "CPU peak", "CUDA transient", "CUDA total"))]
     for r in rows:
         m = r["memory"]
         cells = (r["method"], mib(m["held"]), mib(m["cpu_transient"]), mib(m["cpu_runtime"]), mib(m["cpu_total"]),
-                 mib(m["cuda_transient"]), mib(m["cuda_total"]))
+                 mib(m["cpu_loading"]), f"{mib(m['cpu_peak'])} ({m['cpu_larger']})", mib(m["cuda_transient"]),
+                 mib(m["cuda_total"]))
         head.append("  ".join(f"{c:>13}" for c in cells))
-    head.append(f"models the resident peak during the rounds, not loading's (with an int8 or int4 base higher: the "
-                f"float32 weights are read before they are quantized); ")
+    head.append("CPU total: the resident peak during the rounds; CPU loading: loading's (a base below float32 read a "
+                "tensor at a time; float32 mapped and read whole for its fingerprint); CPU peak: the larger, a "
+                "client process's; ")
     how = (f"linear weights quantized, the embedding and output head {'int8 per row' if quantize_embedding else 'float32'}"
            ", norms float32" if dtype in ("int8", "int4")
            else f"every weight {dtype}")

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .. import hardware
+from . import lm_stream
 from .draws import PortableDraws
 
 SHORT_NAMES = {
@@ -114,11 +115,18 @@ def _tokenizer(source: str | Path, **kw):
     return tok
 
 
-def _model(source: str | Path, **kw) -> nn.Module:
+def _model(source: str | Path, streamed: bool = False, map_vocabulary: bool = False, **kw) -> nn.Module:
+    """``from_pretrained``; ``streamed``: a local safetensors model read a tensor at a time
+    (:mod:`.lm_stream`: a base held below float32 is then never whole in float32), its embedding
+    and head left mapped if ``map_vocabulary`` (for :func:`quantize_embeddings`)."""
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(str(source), **{"dtype": torch.float32, **kw})
+    kw = {"dtype": torch.float32, **kw}
+    files = lm_stream.weight_files(source) if streamed else None
+    model = lm_stream.from_pretrained(source, files, map_vocabulary, **kw) if files else None
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(str(source), **kw)
     model.eval()
     for m in model.modules():
         # bitsandbytes repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first forward
@@ -210,10 +218,13 @@ def load_tokenizer(name: str, source: str):
 def load_model(name: str, source: str, base_dtype: str = "float32", device: str = "cpu",
                quantize_embedding: bool = True) -> nn.Module:
     """The model in eval mode (``source`` from :func:`resolve_model`): float32, or its weights held
-    in ``base_dtype`` as they are read (:func:`base_precision`); under int8 and int4 its embedding
-    and head int8 per row too unless ``quantize_embedding`` is false (runs made before: float32)."""
-    model = _loading(name, _model, source, **base_precision(base_dtype, device))
-    return quantize_embeddings(model) if quantize_embedding and base_dtype in ("int8", "int4") else model
+    in ``base_dtype`` as they are read one at a time (:func:`base_precision`, :mod:`.lm_stream`);
+    under int8 and int4 its embedding and head int8 per row too unless ``quantize_embedding`` is
+    false (runs made before: float32). A float32 base stays a view of the mapped file."""
+    rows = quantize_embedding and base_dtype in ("int8", "int4")
+    model = _loading(name, _model, source, streamed=base_dtype != "float32", map_vocabulary=rows,
+                     **base_precision(base_dtype, device))
+    return quantize_embeddings(model) if rows else model
 
 
 def base_precision(base_dtype: str, device: str = "cpu") -> dict:
@@ -291,7 +302,8 @@ def _swap_class(module: nn.Module, rows: type) -> None:
 def _int8_rows(w: torch.Tensor):
     """``w`` as torchao's int8 per-row ``Int8Tensor``, quantized ``HEAD_ROWS`` rows at a time into
     tensors allocated once (per-row quantization: the same tensor as at once). All at once, and
-    by blocks kept until joined, both left Gemma-3-270M's loading 1.6 GiB larger."""
+    by blocks kept until joined, both left Gemma-3-270M's loading 1.6 GiB larger; rows read from a
+    mapped file are released once quantized."""
     from torchao.quantization import Int8Tensor, PerRow
 
     rows, cols = w.shape
@@ -301,6 +313,8 @@ def _int8_rows(w: torch.Tensor):
         block = Int8Tensor.from_hp(w[i:i + HEAD_ROWS].float(), granularity=PerRow())
         for out, part in ((qdata, block.qdata), (scale, block.scale), (zero, block.zero_point)):
             out[i:i + HEAD_ROWS].copy_(part)
+        if w.device.type == "cpu":
+            lm_stream.release_mapped(w[i:i + HEAD_ROWS])  # rows read from a mapped file (lm_stream)
     return Int8Tensor(qdata, scale, [1, cols], torch.float32, zero_point=zero)
 
 
@@ -370,12 +384,14 @@ def add_lora(model: nn.Module, r: int, alpha: float, targets: list[str], seed: i
 
 
 def fingerprint(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over names, shapes, dtypes and bytes: identifies a base model's weights exactly."""
+    """sha256 over names, shapes, dtypes and bytes: identifies a base model's weights exactly. The
+    bytes are hashed where they lie (a copy of the largest, SmolLM2-135M's float32 embedding,
+    added 113 MB to a run's peak)."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")
     return h.hexdigest()
 
 
