@@ -16,12 +16,12 @@ from cli_helpers import run_cli  # noqa: E402
 from lm_fixtures import write_lm_files  # noqa: E402
 
 from hiso.config import load_config, parse_size  # noqa: E402
-from hiso.core.config import ZOConfig  # noqa: E402
 from hiso.core.directions import DirectionGenerator  # noqa: E402
 from hiso.core.estimator import local_update  # noqa: E402
 from hiso.core.perturb import Perturber, Shift  # noqa: E402
 from hiso.core.preconditioner import PreconditionerConfig  # noqa: E402
 from hiso.core.state import ModelState  # noqa: E402
+from hiso.methods.hiso_method import hiso  # noqa: E402
 from hiso.tasks.language import LanguageTask  # noqa: E402
 
 WORDS = ["great", "terrible"]
@@ -41,8 +41,8 @@ def _task(files, lora):
 
 def _scalars(files, lora, mode, difference, tau, batch_memory=None):
     task = _task(files, lora)
-    cfg = ZOConfig(lr=1e-2, mu=1e-3, perturbations=3, local_steps=tau, difference=difference,
-                   precond=PreconditionerConfig())
+    cfg = hiso(lr=1e-2, mu=1e-3, perturbations=3, local_steps=tau, difference=difference,
+               precond=PreconditionerConfig())
     state = ModelState(task.build_model(), cfg)
     g = torch.Generator().manual_seed(1)  # a non-trivial H, the same for both modes
     state.h = [torch.rand(p.shape, generator=g) + 0.5 for p in state.params]

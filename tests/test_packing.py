@@ -121,7 +121,7 @@ def test_only_batches_that_save_work_are_packed():
 
 @pytest.mark.parametrize("mode", ["hooks", "batched"])
 def test_perturbed_scalars_are_the_same_packed(files, always_pack, mode):
-    from hiso.core.config import ZOConfig
+    from hiso.methods.hiso_method import hiso
     from hiso.core.estimator import local_update
     from hiso.core.perturb import Perturber
     from hiso.core.preconditioner import PreconditionerConfig
@@ -130,8 +130,8 @@ def test_perturbed_scalars_are_the_same_packed(files, always_pack, mode):
     out = []
     for pack in (True, False):
         task = _task(files, lora_r=2, pack=pack)
-        state = ModelState(task.build_model(), ZOConfig(lr=1e-2, mu=1e-3, perturbations=3,
-                                                        precond=PreconditionerConfig()))
+        state = ModelState(task.build_model(), hiso(lr=1e-2, mu=1e-3, perturbations=3,
+                                                    precond=PreconditionerConfig()))
         _perturb_adapters(state.model)
         seeds = np.arange(3, dtype=np.uint64).reshape(1, 3) + 7
         res = local_update(state, Perturber(state.model, state.params, mode), task.loss,
