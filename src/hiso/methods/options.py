@@ -10,6 +10,7 @@ values in ``__post_init__`` (it runs for every instance hiso builds).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,15 @@ def fields_of(cls: type) -> dict[str, Any]:
     """The options a method class declares: its dataclass fields (name -> type)."""
     if cls is None or not dataclasses.is_dataclass(cls):
         return {}
+    return dict(_fields_of(cls))
+
+
+@functools.lru_cache(maxsize=256)
+def _fields_of(cls: type) -> tuple[tuple[str, Any], ...]:
+    # typing.get_type_hints evaluates every annotation anew (ms a class): the command line asks
+    # it once per flag when it builds its parser; a class edited and reloaded is another key
     hints = typing.get_type_hints(cls)
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls) if f.init}
+    return tuple((f.name, hints.get(f.name, Any)) for f in dataclasses.fields(cls) if f.init)
 
 
 def cast_option(name: str, kind: Any, value: Any) -> Any:
