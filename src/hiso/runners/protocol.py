@@ -74,11 +74,13 @@ class ScalarRounds:
 
 
 class _Blob:
-    """A stand-in replica of ``n`` float32 values (sizes snapshots without a model)."""
+    """A stand-in replica of ``n`` float32 values (sizes snapshots without a model). One zero
+    seen ``n`` times: a plan of a billion-parameter model holds no copy of it (a snapshot the
+    schedule does send is still encoded whole)."""
 
     def __init__(self, n: int):
         import torch
-        self.params, self.h, self.round = [torch.zeros(n)], None, 0
+        self.params, self.h, self.round = [torch.zeros(1).expand(n)], None, 0
 
 
 def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int, perturbations: int, rounds: int,
