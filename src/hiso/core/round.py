@@ -18,6 +18,9 @@ supplied by two objects:
 A :class:`Tally` counts what crossed the network (bytes each way per client) and, under local
 DP, each answer the server received; the transport counts the uplinks (only it knows what was
 sent and lost), the round counts the downlinks.
+
+Resume replays a log through :func:`replay_log` and a :class:`LoggedRounds` (the same two
+server sides), so every driver of a method resumes the same way.
 """
 
 from __future__ import annotations
@@ -55,6 +58,25 @@ class Rounds(Protocol):
 
     def commit(self, record: Any) -> None:
         """The closed round logged and folded into the server's replica."""
+
+
+class LoggedRounds(Protocol):
+    """A method's server side replaying its own log on resume (see :func:`replay_log`)."""
+
+    def plan_logged(self, record: Any, on_plan: Callable[[Plan], None] | None = None) -> Plan:
+        """Round ``record.round`` planned again as the run planned it (its draws checked against
+        the log); ``on_plan(plan)`` hears every plan of it, abandoned attempts included."""
+
+    def downlink(self, client: int) -> Any: ...
+
+    def logged_answer(self, client: int, record: Any) -> Any:
+        """The answer ``client`` gave to ``record`` as the wire carried it (its size is counted)."""
+
+    def close_logged(self, record: Any, fold: bool) -> None:
+        """The planned round closed with its logged record; folded into the replica if ``fold``."""
+
+    def replayed(self) -> None:
+        """After the last record: whatever the replica defers to the end (FedKSeed's model)."""
 
 
 class Transport(Protocol):
@@ -160,3 +182,35 @@ def play_round(server: Rounds, transport: Transport, tally: Tally | None = None,
 def _size(msg: Any) -> int:
     """A downlink's bytes on the wire (a message that is not bytes says so by ``nbytes``)."""
     return len(msg) if isinstance(msg, (bytes, bytearray, memoryview)) else int(msg.nbytes)
+
+
+def replay_log(server: LoggedRounds, records: list, tally: Tally | None = None, *, first: int = 0,
+               each: Callable[[int, Any, Plan], None] | None = None,
+               send: Callable[[int, Plan], None] | None = None) -> dict[int, int]:
+    """Resume, the other half of :func:`play_round`: bring a new server to the end of an
+    interrupted run's log as if it had played it. Each logged round is planned again (the
+    server's streams are seeded: its sample and seeds are checked against the log), the bytes
+    of its messages are counted in ``tally`` as if every sampled client answered as logged, and
+    it is closed with its record, folded into the replica from record ``first`` on (a
+    checkpoint's round; the earlier ones are in it). ``each(i, record, plan)`` runs before
+    record i is closed (the replica still at its round: a faithful client rebuilt there).
+    ``send(i, plan)``: the driver replays every plan of record i itself (its faults' fates and
+    abandoned attempts) and counts its bytes; nothing is counted here then. Returns the round
+    each client last answered."""
+    tally = tally or Tally()
+    last: dict[int, int] = {}
+    for i, rec in enumerate(records):
+        if send is None:
+            plan = server.plan_logged(rec)
+            for client in plan.participants:
+                tally.down(client, _size(server.downlink(client)))
+                if client in rec.participants:
+                    tally.up(client, _size(server.logged_answer(client, rec)))
+        else:
+            plan = server.plan_logged(rec, on_plan=lambda p, i=i: send(i, p))
+        if each is not None:
+            each(i, rec, plan)
+        server.close_logged(rec, fold=rec.round >= first)
+        last.update(dict.fromkeys(rec.participants, rec.round))
+    server.replayed()
+    return last

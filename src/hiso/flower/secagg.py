@@ -213,7 +213,7 @@ class SecAggFederation(FlowerFederation):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.grid_cfg: SecAggConfig = self.cfg.secagg_config
-        self.rounds = SecureRounds(self.server, self.state, on_commit=self._logged)
+        self.rounds = SecureRounds(self.server, self.state, on_commit=self._logged, loss_slot=self._loss_slot)
 
     def _init_nodes(self) -> None:
         super()._init_nodes()

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import RunConfig
 from ..core.history import RoundRecord
-from ..core.messages import Hello, encode_downlink, encode_hello, encode_welcome, welcome_for
+from ..core.messages import Hello, encode_hello, encode_welcome, welcome_for
 from ..core.round import RoundsExhausted, play_round
 from ..core.state import ModelState
 from ..methods.privacy import reports_loss
@@ -62,7 +62,7 @@ class FlowerFederation:
         self.privacy = privacy_ledger(self.cfg)  # DP: participations, the epsilon reported, the budget
         self._loss_slot = 0.0 if reports_loss(self.zo.dp) else None  # an answer's loss, for its size only
         self.comm = Comm.zeros(M)
-        self.rounds = ScalarRounds(self.server, self.state, on_commit=self._logged)
+        self.rounds = ScalarRounds(self.server, self.state, on_commit=self._logged, loss_slot=self._loss_slot)
         self._init_nodes()
 
     def _init_pool(self) -> None:
@@ -379,28 +379,13 @@ class FlowerFederation:
         holds when they are queried, so each one's next downlink starts there. ``start``: the
         server state at a round c of the log, as :meth:`hiso.runners.simulate.Simulation.resume`
         takes it (model and H replay only the records from c on)."""
-        from ..core.messages import Uplink, encode_uplink
+        from ..core.round import replay_log
         from ..runners.checkpoint import start_from
-        if hasattr(self.rounds, "replay"):  # FedKSeed's server replays its own log (PoolRounds.replay)
-            self.rounds.replay(records, CommTally(self.comm))
-            return
-        wire = self.server.wire
         if self.server.round:
             raise RuntimeError("resume() needs a federation that has not run yet")
-        first = start_from(self.state, self.server, start, len(records))
-        for rec in records:
-            plan = self.server.plan_logged(rec)
-            for cid in plan.participants:
-                self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
-                if cid in rec.participants:
-                    # its size only (FeedSign: the logged vote may be 0, which no client sends)
-                    self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, self._loss_slot,
-                                                                  rec.attempt), wire, check=False))
-            self.server.close_logged(rec)
-            if self.privacy is not None:
-                self.privacy.record(rec)
-            if rec.round >= first:
-                self.state.apply(rec)
+        first = start_from(self.state, self.server, start, len(records))  # (FedKSeed's runs keep no checkpoint)
+        record = None if self.privacy is None else (lambda i, rec, plan: self.privacy.record(rec))
+        replay_log(self.rounds, records, CommTally(self.comm), first=first, each=record)
 
     @property
     def model(self):

@@ -85,6 +85,7 @@ class PoolRounds:
         self._plan: PoolPlan | None = None
         self._attempt = 0
         self._rejected: list[tuple[str, str]] = []
+        self._unfolded: list[PoolRecord] = []  # replayed records the replica folds at the end
 
     @property
     def round(self) -> int:
@@ -149,25 +150,30 @@ class PoolRounds:
         if self.on_record is not None:
             self.on_record(rec)
 
-    def replay(self, records: list[PoolRecord], tally) -> dict[int, int]:
-        """Bring a new server to the end of an interrupted run's log as if it had run it: the
-        clients sampled again (checked against the log), the bytes of every message counted in
-        ``tally`` (as if every sampled client answered), the replica folded and materialised
-        once. Returns the round each client last answered."""
-        if self.records:
-            raise RuntimeError("resume() needs a server that has not run yet")
-        last = {}
-        for rec in records:
-            r = self.round
-            parts = sample_clients(self._sampler, self.num_clients, self.sampled)
-            if rec.round != r or tuple(parts) != rec.participants:
-                raise ValueError(f"history.bin's round {rec.round} was answered by {list(rec.participants)}, "
-                                 f"but the run seed samples {list(parts)}: not this run's log")
-            for j, cid in enumerate(parts):
-                tally.down(cid, len(self.downlink(cid)))
-                tally.up(cid, len(encode_pool_uplink(cid, r, rec.idx[j], rec.g[j], 0.0, self.dtype)))
-                last[cid] = r
-            self.records.append(rec)
-            self.synced[list(parts)] = r
-        self.replica.catch_up(records)
-        return last
+    # resume (hiso.core.round.replay_log): the log's rounds sampled, sized and folded again; the
+    # replica folds them all and is materialised once, at the end
+    def plan_logged(self, rec: PoolRecord, on_plan=None) -> PoolPlan:
+        r = self.round
+        parts = sample_clients(self._sampler, self.num_clients, self.sampled)
+        if rec.round != r or tuple(parts) != rec.participants:
+            raise ValueError(f"history.bin's round {rec.round} was answered by {list(rec.participants)}, "
+                             f"but the run seed samples {list(parts)}: not this run's log")
+        self._plan = PoolPlan(r, tuple(parts), 0)
+        if on_plan is not None:
+            on_plan(self._plan)
+        return self._plan
+
+    def logged_answer(self, client: int, rec: PoolRecord) -> bytes:
+        j = rec.participants.index(client)
+        return encode_pool_uplink(client, rec.round, rec.idx[j], rec.g[j], 0.0, self.dtype)
+
+    def close_logged(self, rec: PoolRecord, fold: bool) -> None:
+        self.records.append(rec)
+        self.synced[list(rec.participants)] = rec.round
+        self._plan = None
+        if fold:
+            self._unfolded.append(rec)
+
+    def replayed(self) -> None:
+        self.replica.catch_up(self._unfolded)
+        self._unfolded = []

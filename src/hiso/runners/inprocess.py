@@ -20,7 +20,7 @@ import numpy as np
 
 from ..core.errors import MessageError
 from ..core.perturb import Perturber
-from ..core.round import PlainTransport, play_round
+from ..core.round import PlainTransport, play_round, replay_log
 from ..methods.fedkseed import PoolRecord, PoolReplica, decode_pool_downlink
 from ..methods.fedkseed_rounds import PoolRounds, pool_answer, pool_replica
 from .client_cost import ClientCost, Timer, model_bytes
@@ -133,9 +133,11 @@ class FedKSeedSimulation:
 
     def resume(self, records: list[PoolRecord]) -> None:
         """Bring a new simulation to the end of an interrupted run's log as if it had run it
-        (:meth:`~hiso.methods.fedkseed_rounds.PoolRounds.replay`); in faithful mode each client
+        (:func:`hiso.core.round.replay_log`); in faithful mode each client
         that took part is rebuilt at the round it last answered."""
-        last = self.rounds.replay(records, self.tally)
+        if self.rounds.round:
+            raise RuntimeError("resume() needs a simulation that has not run yet")
+        last = replay_log(self.rounds, records, self.tally)
         if self.cfg.mode == "faithful":
             for cid, r in last.items():
                 rep = pool_replica(self.cfg, self.task.build_model)

@@ -41,8 +41,10 @@ class ScalarRounds:
     it: downlinks and uplinks encoded with the run's wire; a closed round logged and folded into
     ``replica`` (the server's x_r), then ``on_commit(record)`` (the log file, the DP ledger)."""
 
-    def __init__(self, server: Server, replica=None, on_commit: Callable[[RoundRecord], None] | None = None):
+    def __init__(self, server: Server, replica=None, on_commit: Callable[[RoundRecord], None] | None = None,
+                 loss_slot: float | None = 0.0):
         self.server, self.replica, self.on_commit = server, replica, on_commit
+        self.loss_slot = loss_slot  # a logged answer's loss, for its size only (None: answers carry none)
 
     @property
     def wire(self):
@@ -71,6 +73,23 @@ class ScalarRounds:
             self.replica.apply(record)
         if self.on_commit is not None:
             self.on_commit(record)
+
+    # resume (hiso.core.round.replay_log): the log's rounds planned, sized and folded again
+    def plan_logged(self, record: RoundRecord, on_plan=None):
+        return self.server.plan_logged(record, on_plan=on_plan)
+
+    def logged_answer(self, client: int, record: RoundRecord) -> bytes:
+        # its size only (FeedSign: the logged vote may be 0, which no client sends)
+        return encode_uplink(Uplink(client, record.round, record.scalars, self.loss_slot, record.attempt),
+                             self.server.wire, check=False)
+
+    def close_logged(self, record: RoundRecord, fold: bool) -> None:
+        self.server.close_logged(record)
+        if fold and self.replica is not None:
+            self.replica.apply(record)
+
+    def replayed(self) -> None:
+        pass
 
 
 class _Blob:

@@ -37,7 +37,7 @@ from ..core.history import RoundRecord
 from ..core.messages import (Downlink, Hello, MessageError, Uplink, decode_downlink, decode_uplink, encode_downlink,
                              encode_hello, encode_uplink, encode_welcome, welcome_for)
 from ..core.perturb import Mode, Perturber
-from ..core.round import play_round
+from ..core.round import play_round, replay_log
 from ..methods.secagg import SecAggConfig, loss_level, mean_loss
 from ..core.state import ModelState
 from ..methods.privacy import noise_key, reports_loss
@@ -114,7 +114,7 @@ class Simulation:
         self.sync_checks = 0
         # forwards, backwards and seconds per client-round; a client's memory (under DP no seconds)
         self.cost = ClientCost(timed=self.zo.dp is None)
-        self.rounds = ScalarRounds(self.server, self.state, on_commit=self._logged)
+        self.rounds = ScalarRounds(self.server, self.state, on_commit=self._logged, loss_slot=self._loss_slot)
         self.transport = InProcess(self)
         self.tally = CommTally(self.comm, self.privacy)
         for c in range(M):  # every client joins once, at x_0
@@ -377,6 +377,7 @@ class Simulation:
                            unreliable=self.unreliable)
         last = {c: rec.round for rec in records for c in rec.participants}
         wire = self.server.wire
+        send = None
         if self.unreliable:
             if rows is None or len(rows) < len(records) + 1:
                 raise ValueError("resuming a run with faults or attackers needs its metrics rows")
@@ -385,35 +386,29 @@ class Simulation:
                     self.totals["rejected_" + code] += n
                 self.totals["corrupt_decodable"] += row.get("corrupt_decodable", 0)
                 self.out_of_sync += row.get("out_of_sync", 0)
-        for i, rec in enumerate(records):
-            if self.unreliable:
+
+            def each_plan(i, plan):  # every plan of a logged round, its fates and attackers drawn again
                 final = i == len(records) - 1
 
-                def replayed(cid, down, attack, fate, final=final):
+                def replayed(cid, down, attack, fate):
                     if final and fate == "late":  # in flight at the cut: its bytes are needed
                         return self._live_answer(cid, down, attack, fate)
                     if self.mode == "faithful":  # it computed (and was checked) in the run
                         self.sync_checks += 1
                     return encode_uplink(Uplink(cid, self.server.round, np.zeros(wire.shape, np.float32),
                                                 self._loss_slot, self.server.planned.attempt), wire, check=False)
+                self._send(plan, replayed)
+            send = each_plan
 
-                plan = self.server.plan_logged(rec, on_plan=lambda p: self._send(p, replayed))
-            else:
-                plan = self.server.plan_logged(rec)
-                for cid in plan.participants:
-                    self.comm.down[cid] += len(encode_downlink(self.server.downlink(cid), wire))
-                    if cid in rec.participants:  # its size only (FeedSign: the logged vote may be 0, no sign)
-                        self.comm.up[cid] += len(encode_uplink(Uplink(cid, rec.round, rec.scalars, self._loss_slot,
-                                                                      rec.attempt), wire, check=False))
+        def each(i, rec, plan):
             if self.mode == "faithful":
                 for cid in plan.participants:
                     if last.get(cid) == rec.round:  # the replica at rec.round
                         self.client(cid).state.load_state_dict(self.state.state_dict())
-            self.server.close_logged(rec)
             if self.privacy is not None:
                 self.privacy.record(rec)
-            if rec.round >= first:
-                self.state.apply(rec)
+
+        replay_log(self.rounds, records, CommTally(self.comm), first=first, each=each, send=send)
 
     def state_dict(self) -> dict:
         """The server's final state (model, H, round), as saved in ``model.pt``."""
