@@ -38,7 +38,7 @@ that peers compare when they join (:func:`hiso.core.join.config_fingerprint`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -47,7 +47,18 @@ from .uplink import uplink_codec
 
 if TYPE_CHECKING:
     from .history import RoundRecord
-    from .state import ModelState
+
+
+class Replica(Protocol):
+    """What a hook is handed as ``state``: a replica, :class:`hiso.core.state.ModelState` (built
+    from the :class:`~hiso.core.config.ZOConfig` that holds the method, so described here, not imported)."""
+
+    model: Any  # the model, x_r
+    params: list  # its trainable tensors, in protocol order
+    slots: dict  # the fold's stage states by stage name
+    round: int  # r: the round whose starting point the replica holds
+    cfg: Any  # the run's ZOConfig
+    gen: Any  # the direction generator (hiso.core.directions), bound to the run
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,7 @@ class Method:
         """Minibatches a client's answer takes (one per local step)."""
         return cfg.local_steps
 
-    def local_update(self, state: "ModelState", perturber, loss_fn, batches: list, seeds: np.ndarray):
+    def local_update(self, state: Replica, perturber, loss_fn, batches: list, seeds: np.ndarray):
         """The client's answer (a :class:`~hiso.core.estimator.LocalResult`-like object with
         ``scalars``, ``loss`` and ``work``), or None for the ZO estimate."""
         return None
@@ -74,7 +85,7 @@ class Method:
         """The answers ``g`` (n, tau, P) float64 with weights ``w`` to the aggregate (float64)."""
         return combine(g, w, rule, trim)
 
-    def apply_(self, state: "ModelState", record: "RoundRecord") -> Any:
+    def apply_(self, state: Replica, record: "RoundRecord") -> Any:
         """Fold ``record`` into ``state`` and return True, or return None for the chain fold."""
         return None
 
