@@ -60,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     """``hiso``'s parser; ``lr_task``: the task whose default lrs --lr's help lists (None: every one)."""
     parser = _Parser(prog="hiso", description="Federated zeroth-order fine-tuning with scalar-only communication.")
-    from . import __version__
+    from ._version import __version__
     parser.add_argument("--version", action="version", version=f"hiso {__version__}")
     parser.add_argument("-v", "--verbose-log", dest="verbosity", action="count", default=0,
                         help="say more of what hiso does (its log at info; -vv: debug)")

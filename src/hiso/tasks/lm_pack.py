@@ -126,7 +126,7 @@ def pack(model: str, out: str | Path, part_size: int | str = DEFAULT_PART_SIZE, 
     fingerprint of the weights dequantized here; the far side dequantizes it again on unpacking
     (needs the ``gguf`` package there) and refuses weights with another fingerprint.
     """
-    from .. import __version__
+    from .._version import __version__
 
     size = parse_size(part_size) if isinstance(part_size, str) else int(part_size)
     out = Path(out)
