@@ -9,8 +9,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from .cli_commands import (_ending_note, _fail, _new_run_refusal, _stopped_by, _tracking,  # noqa: F401
-                           _warn_unused, cmd_compare, cmd_diagnose, cmd_eval, cmd_export,
+from .cli_commands import (_ending_note, _fail, _stopped_by,  # noqa: F401
+                           cmd_compare, cmd_diagnose, cmd_eval, cmd_export,
                            cmd_plan, cmd_rebuild, cmd_run)
 from .cli_flower import cmd_flower
 from .cli_flags import (_add_accept_flag, _add_run_flags, _add_tracking_flags, _add_where_flags,  # noqa: F401

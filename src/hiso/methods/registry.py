@@ -126,13 +126,8 @@ def register_method(info: MethodInfo) -> MethodInfo:
     return info
 
 
-def _load_builtins() -> None:
-    """The built-in methods are registered at the end of this module (nothing to load)."""
-
-
 def method_names() -> tuple[str, ...]:
     """The built-in methods' names, in the order --help and errors list them."""
-    _load_builtins()
     return tuple(_REGISTRY)
 
 
@@ -155,7 +150,6 @@ def _file_digest(spec: str) -> str | None:
 
 def method_info(name: str) -> MethodInfo:
     """The built-in method ``name``, or the user's method it names (``module:Class``, ``file.py:Class``)."""
-    _load_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if is_user_method(name):
@@ -214,13 +208,11 @@ def default_reference(arms) -> str:
 
 def with_capability(cap: str) -> list[str]:
     """The built-in methods that declare ``cap`` (for a refusal that says where it belongs)."""
-    _load_builtins()
     return [n for n, info in _REGISTRY.items() if cap in info.can]
 
 
 def builtin_name(cls: type) -> str | None:
     """The name of the built-in method whose class is ``cls`` (HiSo: ``hiso``), or None."""
-    _load_builtins()
     return next((name for name, info in _REGISTRY.items() if info.cls is cls), None)
 
 
@@ -228,7 +220,6 @@ def flag_options() -> dict[str, tuple[type, str]]:
     """The built-in methods' own options that are also top-level flags and TOML keys (HiSo's
     ``nu``, ...): name -> (the Method class whose field it is, whose they are, for notes)."""
     from .options import fields_of
-    _load_builtins()
     out: dict[str, tuple[type, str]] = {}
     for info in _REGISTRY.values():
         whose = getattr(info.cls, "flags", None) if info.cls is not None else None
@@ -246,7 +237,6 @@ def in_words(names) -> str:
 
 def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
     """(option names, the methods that read them, whose they are), for unused-option reports."""
-    _load_builtins()
     return [(names, tuple(n for n, info in _REGISTRY.items() if group in info.options), _WHOSE[group])
             for group, names in METHOD_OPTIONS.items()]
 

@@ -69,7 +69,7 @@ from statistics import mean
 
 from ..tasks.registry import higher_is_better  # the one rule (re-exported here)
 # the footer, labels and units, in their own modules; re-exported so the names keep working here
-from .footer import (_FAULTS, KEPT_WARN, RISE_WARN, _privacy_of, _reliability_of, _rounds_text,  # noqa: F401
+from .footer import (KEPT_WARN, RISE_WARN, _privacy_of, _reliability_of,  # noqa: F401
                      ending_warnings, footer, loss_rise_note, lr_warnings, privacy_lines, reliability_lines,
                      run_ending_note, selection_lines)
 from .labels import (METRIC_LABEL, _fmt_rounds, _fmt_threshold, display_name, human_bytes,  # noqa: F401

@@ -12,7 +12,7 @@ from ..core.config import ZOConfig
 from ..core.history import RoundRecord
 from ..core.messages import (Hello, MessageError, Uplink, decode_uplink, encode_downlink, encode_hello, encode_uplink,
                              encode_welcome, varint_size, welcome_for)
-from ..core.round import PlainTransport, Tally, play_round
+from ..core.round import PlainTransport, play_round
 from ..core.server import Server, client_sampler, sample_clients
 from ..core.state import ModelState
 from ..methods.privacy import noise_key
