@@ -73,7 +73,7 @@ class ScalarRounds:
             self.on_commit(record)
 
 
-class _Blob:
+class BlobReplica:
     """A stand-in replica of ``n`` float32 values (sizes snapshots without a model). One zero
     seen ``n`` times: a plan of a billion-parameter model holds no copy of it (a snapshot the
     schedule does send is still encoded whole)."""
@@ -98,7 +98,7 @@ def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int,
     change the uplink's encoding; None: DeComFL's and HiSo's)."""
     import time
     t0 = time.perf_counter()
-    blob = None if state_values is None else _Blob(state_values)
+    blob = None if state_values is None else BlobReplica(state_values)
     server = Server(num_clients, clients_per_round, local_steps, perturbations, seed=seed, scalar_dtype=scalar_dtype,
                     replica=blob, snapshot_after=snapshot_after, bandwidth=bandwidth, method=method)
     wire, comm = server.wire, Comm.zeros(num_clients)
