@@ -1,7 +1,8 @@
 """The layer rules of docs/architecture.md hold for every import in src/hiso (those inside
 functions and under ``if TYPE_CHECKING:`` included): the layers are read from the doc itself, every
 room of the code has exactly one, a module imports only from its own layer or below, the lowest
-layer imports nothing of hiso, and no module is bigger than the size the project keeps to."""
+layer imports nothing of hiso, every module is named in the doc, and no module is bigger than the
+size the project keeps to."""
 
 import ast
 import re
@@ -128,6 +129,13 @@ def test_the_check_sees_an_upward_import(monkeypatch):
 def test_the_check_sees_an_import_from_the_lowest_layer(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "NO_IMPORTS", NO_IMPORTS | {"core"})  # as if the core were at the bottom
     assert any(v.startswith("hiso/core/") and "lowest layer" in v for v in violations())
+
+
+def test_every_module_is_named_in_the_doc():
+    text = DOC.read_text()
+    unnamed = [str(p.relative_to(ROOT)) for p in sorted(ROOT.rglob("*.py"))
+               if (p.name != "__init__.py" or p.parent == ROOT) and f"`{p.name}`" not in text and f"/{p.name}`" not in text]
+    assert not unnamed, f"modules docs/architecture.md does not name (its room table says what each holds): {unnamed}"
 
 
 @pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
