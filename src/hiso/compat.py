@@ -48,10 +48,11 @@ HASH_ONLY_WHERE = {"quantize_embedding": lambda v: v.get("quantize_embedding") i
                    and v.get("base_dtype") in ("int8", "int4")}
 
 # a built-in method's place in the protocol fingerprint hiso wrote before methods were plugins
-# (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`
-# and HiSo's as its H's configuration under "precond" (it was ZOConfig.precond)
+# (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`, HiSo's as
+# its H's configuration under "precond" (it was ZOConfig.precond, which every blob has) and
+# DeComFL's as nothing (it was no method); any other method's class and fields go under "method"
 FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.FerretConfig": "ferret", "hiso.methods.feedsign.FeedSign": "signs",
-                          "hiso.methods.hiso_method.HiSo": "precond"}
+                          "hiso.methods.hiso_method.HiSo": "precond", "hiso.methods.decomfl.DeComFL": None}
 
 # method fields added after runs were written with that method: left out of the fingerprint while
 # None, so those runs' checkpoints and peers stay this configuration's
@@ -63,6 +64,20 @@ def class_key(obj) -> str:
     """``module.QualName`` of an object's class: how the fingerprint tables name a method."""
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def fingerprint_method(method, fields: dict | None, uplink) -> dict:
+    """The protocol fingerprint's entries for a method (``fields``: its dataclass fields;
+    ``uplink``: its codec), as hiso wrote them before methods were plugins
+    (:data:`FINGERPRINT_LEGACY_KEY`): ``signs`` (whether the answers are one-bit signs) and
+    ``ferret`` in every blob, ``method`` for a method that table does not name."""
+    out = {"signs": getattr(uplink, "name", None) == "signs", "ferret": None}
+    key = class_key(method)
+    if method is not None and key not in FINGERPRINT_LEGACY_KEY:
+        out["method"] = {"class": key, **(fields or {})}
+    elif FINGERPRINT_LEGACY_KEY.get(key) == "ferret":
+        out["ferret"] = fields
+    return out
 
 
 def predates(raw: dict) -> dict:

@@ -377,7 +377,7 @@ class RunConfig(BaseModel, MethodRules):
         return None if self.batch_memory is None else parse_size(self.batch_memory)
 
     def zo(self) -> ZOConfig:
-        method = self.method.build(self)  # the core's hooks and stages (None: DeComFL's; HiSo's keeps H)
+        method = self.method.build(self)  # the core's hooks and stages (HiSo's keeps H)
         if "ferret" in self.method.options:  # the record's (tau, P) is (blocks, K); tau local steps live in the method
             return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.ferret_k, local_steps=self.ferret_blocks,
                             directions=self.directions, scalar_dtype=self.scalar_dtype, lr_decay=self.lr_decay,

@@ -47,7 +47,7 @@ class MethodRules:
             return
         if not self.method_opts:
             return
-        if cls is None:
+        if not fields_of(cls):
             raise ValueError(f"method_opts: {self.algorithm} has no options of its own (its options are flags: "
                              "hiso run --help); method_opts is for a Method subclass's fields")
         self.method_opts = check_options(cls, self.method_opts, self.algorithm)

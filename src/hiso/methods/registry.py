@@ -11,8 +11,8 @@ with), ``hiso compare``, the reports, the runners, rebuild, export, resume and t
 * ``options``: the method-specific options it reads (:data:`METHOD_OPTIONS`); one it does not
   read, set to another value than its default, is refused or reported as unused;
 * ``can``: its capabilities (:data:`CAPABILITIES`); an option that needs one it lacks is refused;
-* ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls (None: DeComFL's);
-* ``cls``: for a method written on the contract (HiSo, ConMeZO, greedy), its Method class: its
+* ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls;
+* ``cls``: for a method written on the contract (HiSo, DeComFL, ConMeZO, greedy), its Method class: its
   dataclass fields are its options (``--method-opt KEY=VALUE``, as a user's method's), and it is
   built as a user's method is (``from_config``, then the options). A built-in class with a
   ``flags`` attribute (HiSo's: ``"HiSo's preconditioner"``, whose they are) also has its fields
@@ -254,8 +254,6 @@ def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
 # the built-in methods, in the order --help and errors list them
 _ZO = frozenset({"zo_estimate"})
 _FULL = frozenset({"server_lr", "wire_dtype"})
-_SCALAR = frozenset({"dp", "secagg", "faults", "robust", "weighted", "int8", "lowbit", "lr_decay", "momentum",
-                     "step_norm", "refresh", "structured"})
 
 
 def _feedsign(cfg):
@@ -280,7 +278,7 @@ def _sketch(cfg):
 
 
 register_method(contract_method("hiso", "hiso.methods.hiso_method", "HiSo"))
-register_method(MethodInfo("decomfl", "DeComFL", options=_ZO, can=_SCALAR, doc="seeds and scalars on the wire"))
+register_method(contract_method("decomfl", "hiso.methods.decomfl", "DeComFL"))
 register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
                            can=frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",
                                           "structured", "one-seed"}),
