@@ -25,7 +25,8 @@ class MethodRules:
     @property
     def sends_signs(self) -> bool:
         """Whether the method's clients upload one sign bit per scalar (FeedSign's wire)."""
-        return self.method.scalar_only and getattr(self.method.build(self), "uplink", None) == "signs"
+        uplink = getattr(self.method.build(self), "uplink", None) if self.method.scalar_only else None
+        return getattr(uplink, "name", None) == "signs"
 
     def resolved_server_lr(self) -> float:
         if self.server_lr is not None:
