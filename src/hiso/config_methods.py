@@ -142,8 +142,6 @@ class MethodRules:
             if self.sketch_bits not in CODE_BITS:
                 raise ValueError(f"sketch_bits must be one of {', '.join(map(str, CODE_BITS))}, got {self.sketch_bits}")
         if info.pool_log:
-            from .methods.fedkseed import check_pool
-            check_pool(self.seed_pool)
             if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
                 raise ValueError(f"{self.algorithm} runs with the plain mean only (no faults, attackers, robust or "
                                  "weighted aggregation, lr decay)")

@@ -16,8 +16,9 @@ A codec is any object with
 after them; the decoder checks the exact length first and refuses non-finite answers after,
 whatever the codec. A method names its codec in ``uplink`` (:mod:`hiso.core.method`): a codec
 instance, or one of the built-in names ``"scalars"`` and ``"codes"`` (with the method's
-``bits``); a method's own codec lives beside it (FeedSign's one-bit signs, greedy's choices). The codec is part of the method's code, so peers that fingerprint the same
-method class (:func:`hiso.core.join.config_fingerprint`) use the same one.
+``bits``); a method's own codec lives beside it (FeedSign's one-bit signs, greedy's choices).
+The codec is part of the method's code, so peers that fingerprint the same method class
+(:func:`hiso.core.join.config_fingerprint`) use the same one.
 """
 
 from __future__ import annotations
