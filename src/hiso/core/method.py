@@ -20,10 +20,10 @@ hook                called by, and when
 ``stages``          every replica, once: the chain's stages (step-size stages, then the step
                     stage); a method adds a stage with state of its own or replaces the step
                     (its state is saved in model.pt and checkpoint.pt, sent in snapshots)
-``uplink``          the wire: a codec (:mod:`hiso.core.uplink`) for the answers, or the name
-                    of a built-in one: ``"scalars"`` (the run's scalar dtype), ``"signs"``
-                    (one bit) or ``"codes"`` (b-bit codes with a scale per row of the
-                    record, b the method's ``bits`` field)
+``uplink``          the wire: a codec (:mod:`hiso.core.uplink`) for the answers (FeedSign's
+                    one-bit signs are its own), or the name of a built-in one:
+                    ``"scalars"`` (the run's scalar dtype) or ``"codes"`` (b-bit codes with
+                    a scale per row of the record, b the method's ``bits`` field)
 ==================  ==========================================================================
 
 Everything a method computes must be a pure function of what the protocol gives it (x_r, the
@@ -66,7 +66,7 @@ class Method:
     """DeComFL's round: the ZO estimate on the client, the (robust) mean on the server, the
     chain fold on every replica. Subclass it and override a hook to make another method."""
 
-    uplink: ClassVar[Any] = "scalars"  # "signs", "codes" (the method has ``bits``) or a codec (hiso.core.uplink)
+    uplink: ClassVar[Any] = "scalars"  # "codes" (the method has ``bits``) or a codec (hiso.core.uplink)
 
     def batches(self, cfg) -> int:
         """Minibatches a client's answer takes (one per local step)."""

@@ -106,7 +106,7 @@ def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int,
                                                   scalar_dtype=scalar_dtype), seed, []))
     for c in range(num_clients):
         comm.join(c, encode_hello(Hello(c, 0)), welcome)
-    zeros = (np.ones if wire.signs else np.zeros)(wire.shape, np.float32)  # (FeedSign's answers are +-1)
+    zeros = np.zeros(wire.shape, np.float32)  # encoded unchecked: its size only (a codec may refuse zeros)
     split = {"snapshots": 0, "snapshot_bytes": 0, "records": 0, "join_down": int(comm.down.sum()),
              "join_up": int(comm.up.sum())}
 
