@@ -59,7 +59,7 @@ def test_method_opt_flag_toml_key_and_method_table_run_the_same_bits(tmp_path, c
     assert all(files[name] == files["flags"] for name in ways)
     assert (tmp_path / "default" / "history.bin").read_bytes() != files["flags"][0]  # the options did act
     saved = json.loads((tmp_path / "method-opt" / "config.json").read_text())
-    assert saved["schema"] == 3 and not set(H_OPTIONS) & set(saved)
+    assert saved["schema"] == compat.SCHEMA and not set(H_OPTIONS) & set(saved)
     assert (saved["method_opts"]["nu"], saved["method_opts"]["h_min"], saved["method_opts"]["h_source"]) == (
         0.3, 0.5, "every")
 
@@ -85,10 +85,11 @@ def test_another_methods_flag_is_named_and_not_kept(tmp_path, capsys):
 
 
 def _schema2(cfg: RunConfig) -> dict:
-    """``cfg`` as hiso wrote it before schema 3: every run with the 8 options flat."""
+    """``cfg`` as hiso wrote it before schema 3: every run with the 8 options flat (and the other
+    built-in methods' that were flat until later)."""
     values = cfg.model_dump()
     opts = dict(values.pop("method_opts"))
-    flat = {k: opts.pop(k, d) for k, d in compat.FLAT_OPTIONS["hiso"].items()}
+    flat = {k: opts.pop(k, d) for owner in compat.FLAT_OPTIONS.values() for k, d in owner.items()}
     return {"schema": 2, **values, **flat, "method_opts": opts}
 
 

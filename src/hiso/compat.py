@@ -11,17 +11,19 @@ layer may read these tables.
 
 from __future__ import annotations
 
-SCHEMA = 3  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
+SCHEMA = 4  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
 # built-in method's options in its method_opts (FLAT_OPTIONS), paths relative to the run directory
-# (hiso.runners.portable)
+# (hiso.runners.portable); 4: more built-in methods' options there (FLAT_OPTIONS: FedKSeed's)
 
-# a built-in method's options that were flat RunConfig fields before schema 3 (every run's
-# config.json had them, at these defaults unless given) and are its Method class's fields since,
-# recorded in method_opts: algorithm -> {option: the default it had}. Reading an older file
-# moves them into that method's method_opts and drops them from the other methods' (they did
-# nothing there); the configuration's hash puts them back where they were (flat_options).
+# a built-in method's options that were flat RunConfig fields before schema 3 (HiSo's) or 4 (the
+# others': every run's config.json had them, at these defaults unless given) and are its Method
+# class's fields since, recorded in method_opts: algorithm -> {option: the default it had}.
+# Reading an older file moves them into that method's method_opts and drops them from the other
+# methods' (they did nothing there); the configuration's hash puts them back where they were
+# (flat_options).
 FLAT_OPTIONS = {"hiso": {"nu": 0.05, "eps": 1e-8, "h_min": None, "h_max": None, "h_source": "last",
-                         "h_stat": "ghat2", "h_granularity": "coordinate", "h_bias_correction": False}}
+                         "h_stat": "ghat2", "h_granularity": "coordinate", "h_bias_correction": False},
+                "fedkseed": {"seed_pool": 4096, "seed_sampling": "weighted"}}
 
 # options added later whose default computes differently: option -> (the tasks it applies to, None
 # for every task; the value runs made before it had). A config.json without `directions` predates
@@ -48,10 +50,13 @@ HASH_ONLY_WHERE = {"quantize_embedding": lambda v: v.get("quantize_embedding") i
                    and v.get("base_dtype") in ("int8", "int4")}
 
 # a built-in method's place in the protocol fingerprint hiso wrote before methods were plugins
-# (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`
-# and HiSo's as its H's configuration under "precond" (it was ZOConfig.precond)
+# (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`, HiSo's as
+# its H's configuration under "precond" (it was ZOConfig.precond, which every blob has) and
+# DeComFL's and FedKSeed's as nothing (they were no method); any other method's class and fields go
+# under "method"
 FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.FerretConfig": "ferret", "hiso.methods.feedsign.FeedSign": "signs",
-                          "hiso.methods.hiso_method.HiSo": "precond"}
+                          "hiso.methods.hiso_method.HiSo": "precond", "hiso.methods.decomfl.DeComFL": None,
+                          "hiso.methods.fedkseed_method.FedKSeed": None}
 
 # method fields added after runs were written with that method: left out of the fingerprint while
 # None, so those runs' checkpoints and peers stay this configuration's
@@ -63,6 +68,20 @@ def class_key(obj) -> str:
     """``module.QualName`` of an object's class: how the fingerprint tables name a method."""
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def fingerprint_method(method, fields: dict | None, uplink) -> dict:
+    """The protocol fingerprint's entries for a method (``fields``: its dataclass fields;
+    ``uplink``: its codec), as hiso wrote them before methods were plugins
+    (:data:`FINGERPRINT_LEGACY_KEY`): ``signs`` (whether the answers are one-bit signs) and
+    ``ferret`` in every blob, ``method`` for a method that table does not name."""
+    out = {"signs": getattr(uplink, "name", None) == "signs", "ferret": None}
+    key = class_key(method)
+    if method is not None and key not in FINGERPRINT_LEGACY_KEY:
+        out["method"] = {"class": key, **(fields or {})}
+    elif FINGERPRINT_LEGACY_KEY.get(key) == "ferret":
+        out["ferret"] = fields
+    return out
 
 
 def predates(raw: dict) -> dict:
@@ -89,13 +108,13 @@ def migrate(raw: dict) -> tuple[dict, dict]:
     if schema > SCHEMA:
         raise ValueError(f"written by a newer hiso (config.json schema {schema}, this hiso reads up to {SCHEMA}): "
                          "upgrade hiso to read it")
-    if schema < 3:
+    if schema < 4:
         raw = unflatten(raw)
     return raw, predates(raw)
 
 
 def unflatten(raw: dict) -> dict:
-    """A schema 1 or 2 configuration with its methods' flat options (:data:`FLAT_OPTIONS`) in the
+    """A schema 1, 2 or 3 configuration with its methods' flat options (:data:`FLAT_OPTIONS`) in the
     ``method_opts`` of the method they belong to, and dropped from any other's."""
     raw = dict(raw)
     flat = {k: raw.pop(k) for owner in FLAT_OPTIONS.values() for k in owner if k in raw}

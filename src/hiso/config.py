@@ -165,13 +165,6 @@ class RunConfig(BaseModel, MethodRules):
         "secagg on Flower: each client's secrets go to this many clients, itself included (SecAgg+'s num_shares, "
         "odd: its neighbours on a ring of the round's clients), not to all; a round then closes while every client "
         "has at least secagg_threshold (below this number) of them answering (default: all clients)"))
-    # FedKSeed (hiso.methods.fedkseed)
-    seed_pool: int = Field(4096, description=(
-        "fedkseed: K, the candidate seeds fixed for the run (1..65536; default: 4096, the value of the paper's LLM "
-        "runs, Qin et al. 2024)"))
-    seed_sampling: Literal["weighted", "uniform"] = Field("weighted", description=(
-        "fedkseed: how a local step picks its seed: weighted (FedKSeed-Pro: softmax of the min-max normalised mean "
-        "|scalar| per seed) or uniform (plain FedKSeed)"))
     # Ferret (hiso.methods.ferret)
     ferret_k: int = Field(200, description=(
         "ferret, sketch, fedkrso: K, the random directions per parameter block the local update is projected on "
@@ -377,7 +370,7 @@ class RunConfig(BaseModel, MethodRules):
         return None if self.batch_memory is None else parse_size(self.batch_memory)
 
     def zo(self) -> ZOConfig:
-        method = self.method.build(self)  # the core's hooks and stages (None: DeComFL's; HiSo's keeps H)
+        method = self.method.build(self)  # the core's hooks and stages (HiSo's keeps H)
         if "ferret" in self.method.options:  # the record's (tau, P) is (blocks, K); tau local steps live in the method
             return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.ferret_k, local_steps=self.ferret_blocks,
                             directions=self.directions, scalar_dtype=self.scalar_dtype, lr_decay=self.lr_decay,
@@ -402,7 +395,8 @@ class RunConfig(BaseModel, MethodRules):
 # options that change how a run is carried out, never its results: a resumed run may take others
 RUNTIME_ONLY = ("checkpoint_every",)
 
-FLAGS_BEFORE = "momentum"  # where the methods' own flags (nu, h_*) sit among the run's options (--help, docs)
+FLAGS_BEFORE = "momentum"  # where a method's own flags (nu, h_*) sit among the run's options (--help, docs), unless
+# its class says (``flags_at``: FedKSeed's before ferret_k)
 
 
 def option_fields() -> dict[str, FieldInfo]:
@@ -413,14 +407,14 @@ def option_fields() -> dict[str, FieldInfo]:
 
     from .methods.options import fields_of
     from .methods.registry import flag_options
-    flags = {}
+    flags: dict[str, dict[str, FieldInfo]] = {}  # by the RunConfig field they sit before
     for name, (cls, _) in flag_options().items():
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
-        flags[name] = FieldInfo(annotation=fields_of(cls)[name], default=f.default, description=f.metadata.get("help"))
+        flags.setdefault(getattr(cls, "flags_at", FLAGS_BEFORE), {})[name] = FieldInfo(
+            annotation=fields_of(cls)[name], default=f.default, description=f.metadata.get("help"))
     out: dict[str, FieldInfo] = {}
     for name, field in RunConfig.model_fields.items():
-        if name == FLAGS_BEFORE:
-            out.update(flags)
+        out.update(flags.get(name, {}))
         out[name] = field
     return out
 

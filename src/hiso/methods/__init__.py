@@ -10,7 +10,8 @@ core's fold, estimator, server or client calls its rule. A method with its own r
 and log is built on the core here too: FedKSeed's seed pool (``fedkseed.py``; its server and
 client sides of a round, ``fedkseed_rounds.py``).
 
-HiSo itself is a method on the contract (``hiso_method.py``: :class:`HiSo`, whose stage keeps H).
+HiSo itself is a method on the contract (``hiso_method.py``: :class:`HiSo`, whose stage keeps H),
+as are DeComFL (``decomfl.py``) and FedKSeed's options (``fedkseed_method.py``).
 
 Nothing is imported here until asked (``hiso.methods.HiSo``), so importing one method costs only
 that method.

@@ -11,8 +11,8 @@ with), ``hiso compare``, the reports, the runners, rebuild, export, resume and t
 * ``options``: the method-specific options it reads (:data:`METHOD_OPTIONS`); one it does not
   read, set to another value than its default, is refused or reported as unused;
 * ``can``: its capabilities (:data:`CAPABILITIES`); an option that needs one it lacks is refused;
-* ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls (None: DeComFL's);
-* ``cls``: for a method written on the contract (HiSo, ConMeZO, greedy), its Method class: its
+* ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls;
+* ``cls``: for a method written on the contract (HiSo, DeComFL, FedKSeed, ConMeZO, greedy), its Method class: its
   dataclass fields are its options (``--method-opt KEY=VALUE``, as a user's method's), and it is
   built as a user's method is (``from_config``, then the options). A built-in class with a
   ``flags`` attribute (HiSo's: ``"HiSo's preconditioner"``, whose they are) also has its fields
@@ -53,14 +53,13 @@ METHOD_OPTIONS = {
     "server_moments": ("beta1", "beta2"),
     "server_tau": ("server_tau",),
     "wire_dtype": ("wire_dtype",),
-    "seed_pool": ("seed_pool", "seed_sampling"),
     "ferret": ("ferret_k", "ferret_blocks"),
     "sketch": ("sketch_bits",),
     "zo_estimate": ("perturbations", "mu", "difference"),
 }
 _WHOSE = {"server_lr": "the full-model baselines' and ferret's server step",
           "server_moments": "fedadam's and fedyogi's server moments", "server_tau": "the adaptive server optimisers'",
-          "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's",
+          "wire_dtype": "the full-model baselines' messages",
           "ferret": "ferret's, sketch's and fedkrso's", "sketch": "sketch's",
           "zo_estimate": "the zeroth-order estimate's"}
 
@@ -126,13 +125,8 @@ def register_method(info: MethodInfo) -> MethodInfo:
     return info
 
 
-def _load_builtins() -> None:
-    """The built-in methods are registered at the end of this module (nothing to load)."""
-
-
 def method_names() -> tuple[str, ...]:
     """The built-in methods' names, in the order --help and errors list them."""
-    _load_builtins()
     return tuple(_REGISTRY)
 
 
@@ -155,7 +149,6 @@ def _file_digest(spec: str) -> str | None:
 
 def method_info(name: str) -> MethodInfo:
     """The built-in method ``name``, or the user's method it names (``module:Class``, ``file.py:Class``)."""
-    _load_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if is_user_method(name):
@@ -191,15 +184,19 @@ def _user_method_info(spec: str) -> MethodInfo:
 
 def contract_method(name: str, module: str, cls_name: str) -> MethodInfo:
     """A built-in method written on the contract as a user's would be: its class's ``display``,
-    ``gradient``, ``options`` and ``can`` are its registry entry, its fields its options."""
+    ``gradient``, ``options`` and ``can`` are its registry entry, its fields its options; a
+    built-in class may also declare the registry's other facts (``family``: FedKSeed's
+    ``"seed-pool"``; ``server_lr``, ``server_opt``), which a user's method cannot."""
     import importlib
 
     from .options import build_user_method
 
     obj = getattr(importlib.import_module(module), cls_name)
     options = frozenset(getattr(obj, "options", ())) | {"zo_estimate"}
-    return MethodInfo(name, obj.display, "scalar", obj.gradient, options, frozenset(obj.can),
-                      lambda cfg: build_user_method(obj, cfg), doc=(obj.__doc__ or "").strip().split("\n")[0], cls=obj)
+    return MethodInfo(name, obj.display, getattr(obj, "family", "scalar"), obj.gradient, options, frozenset(obj.can),
+                      lambda cfg: build_user_method(obj, cfg), server_lr=getattr(obj, "server_lr", None),
+                      server_opt=getattr(obj, "server_opt", None), doc=(obj.__doc__ or "").strip().split("\n")[0],
+                      cls=obj)
 
 
 REFERENCE = "decomfl"  # the paper's baseline: a comparison's default reference arm
@@ -214,13 +211,11 @@ def default_reference(arms) -> str:
 
 def with_capability(cap: str) -> list[str]:
     """The built-in methods that declare ``cap`` (for a refusal that says where it belongs)."""
-    _load_builtins()
     return [n for n, info in _REGISTRY.items() if cap in info.can]
 
 
 def builtin_name(cls: type) -> str | None:
     """The name of the built-in method whose class is ``cls`` (HiSo: ``hiso``), or None."""
-    _load_builtins()
     return next((name for name, info in _REGISTRY.items() if info.cls is cls), None)
 
 
@@ -228,7 +223,6 @@ def flag_options() -> dict[str, tuple[type, str]]:
     """The built-in methods' own options that are also top-level flags and TOML keys (HiSo's
     ``nu``, ...): name -> (the Method class whose field it is, whose they are, for notes)."""
     from .options import fields_of
-    _load_builtins()
     out: dict[str, tuple[type, str]] = {}
     for info in _REGISTRY.values():
         whose = getattr(info.cls, "flags", None) if info.cls is not None else None
@@ -246,7 +240,6 @@ def in_words(names) -> str:
 
 def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
     """(option names, the methods that read them, whose they are), for unused-option reports."""
-    _load_builtins()
     return [(names, tuple(n for n, info in _REGISTRY.items() if group in info.options), _WHOSE[group])
             for group, names in METHOD_OPTIONS.items()]
 
@@ -254,8 +247,6 @@ def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
 # the built-in methods, in the order --help and errors list them
 _ZO = frozenset({"zo_estimate"})
 _FULL = frozenset({"server_lr", "wire_dtype"})
-_SCALAR = frozenset({"dp", "secagg", "faults", "robust", "weighted", "int8", "lowbit", "lr_decay", "momentum",
-                     "step_norm", "refresh", "structured"})
 
 
 def _feedsign(cfg):
@@ -280,7 +271,7 @@ def _sketch(cfg):
 
 
 register_method(contract_method("hiso", "hiso.methods.hiso_method", "HiSo"))
-register_method(MethodInfo("decomfl", "DeComFL", options=_ZO, can=_SCALAR, doc="seeds and scalars on the wire"))
+register_method(contract_method("decomfl", "hiso.methods.decomfl", "DeComFL"))
 register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
                            can=frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",
                                           "structured", "one-seed"}),
@@ -289,8 +280,7 @@ register_method(MethodInfo("ferret", "Ferret", gradient="first-order", options=f
                            build=_ferret,
                            can=frozenset({"faults", "robust", "weighted", "backprop", "lr_decay", "grad_clip"}), server_lr=1.0,
                            doc="first-order local steps, K projections per block on the wire"))
-register_method(MethodInfo("fedkseed", "FedKSeed", "seed-pool", options=_ZO | {"seed_pool"},
-                           can=frozenset({"one-seed"}), doc="a fixed pool of seeds, (index, scalar) pairs on the wire"))
+register_method(contract_method("fedkseed", "hiso.methods.fedkseed_method", "FedKSeed"))
 register_method(MethodInfo("fedzo", "FedZO", "full-model", options=_FULL | _ZO, can=frozenset({"weighted"}),
                            server_lr=1.0, server_opt="avg", doc="ZO local steps, the model on the wire"))
 register_method(MethodInfo("fedavg", "FedAvg", "full-model", "first-order", _FULL, frozenset({"weighted"}),

@@ -68,8 +68,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..core.scalars import CODE_BITS, quantize_rows
 from .ferret import FerretConfig, FerretResult
 from .ferret import local_update as ferret_update
