@@ -494,3 +494,25 @@ def test_a_run_made_before_the_directions_option_rebuilds_with_torch_normal(tmp_
     code, _, err = _cli(["eval", str(d), "--round", "4"], capsys)
     row4 = json.loads((d / "metrics.jsonl").read_text().splitlines()[4])
     assert code == 0 and json.loads((d / "eval.json").read_text())["metrics"]["gap"] == row4["gap"], err
+
+
+def test_resume_replays_a_log_in_one_place():
+    """Every driver resumes through hiso.core.round.replay_log: no other code plans or closes a
+    logged round (a LoggedRounds' own plan_logged / close_logged may hand it to its server)."""
+    import ast
+    from pathlib import Path
+
+    import hiso
+
+    src = Path(hiso.__file__).parent
+    callers = []
+    for path in sorted(src.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("plan_logged", "close_logged") and fn.name != node.func.attr):
+                    callers.append(f"{path.relative_to(src)}:{fn.name}")
+    assert sorted(set(callers)) == ["core/round.py:replay_log"]
