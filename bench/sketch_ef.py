@@ -31,7 +31,7 @@ import hiso.runners.simulate as sim_mod
 from hiso.core.scalars import quantize_rows
 from hiso.methods.ferret import FerretResult, blocks_of
 from hiso.methods.ferret import local_update as ferret_update
-from hiso.methods.sketch import SketchConfig
+from hiso.methods.sketch import Sketch
 
 
 _CID = {"cid": None}
@@ -48,15 +48,9 @@ sim_mod.answer_work = _answer_work
 
 
 @dataclass(frozen=True)
-class SketchEF(SketchConfig):
+class SketchEF(Sketch):  # Sketch's options (ferret_k, ferret_blocks, sketch_bits), server step and codes
     display = "SketchEF"
-    gradient = "first-order"
-    options = frozenset({"server_lr", "ferret", "sketch"})
     can = frozenset({"backprop", "lowbit", "int8"})
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, cfg.sketch_bits)
 
     def local_update(self, state, perturber, loss_fn, batches, seeds):
         res = ferret_update(state, loss_fn, batches, seeds)

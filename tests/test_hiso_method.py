@@ -59,7 +59,7 @@ def test_method_opt_flag_toml_key_and_method_table_run_the_same_bits(tmp_path, c
     assert all(files[name] == files["flags"] for name in ways)
     assert (tmp_path / "default" / "history.bin").read_bytes() != files["flags"][0]  # the options did act
     saved = json.loads((tmp_path / "method-opt" / "config.json").read_text())
-    assert saved["schema"] == 3 and not set(H_OPTIONS) & set(saved)
+    assert saved["schema"] == compat.SCHEMA and not set(H_OPTIONS) & set(saved)
     assert (saved["method_opts"]["nu"], saved["method_opts"]["h_min"], saved["method_opts"]["h_source"]) == (
         0.3, 0.5, "every")
 
@@ -85,10 +85,12 @@ def test_another_methods_flag_is_named_and_not_kept(tmp_path, capsys):
 
 
 def _schema2(cfg: RunConfig) -> dict:
-    """``cfg`` as hiso wrote it before schema 3: every run with the 8 options flat."""
+    """``cfg`` as hiso wrote it before schema 3: every run with the 8 options flat (and the other
+    methods' flat options of compat.FLAT_OPTIONS, at their defaults but the run's method's)."""
     values = cfg.model_dump()
     opts = dict(values.pop("method_opts"))
-    flat = {k: opts.pop(k, d) for k, d in compat.FLAT_OPTIONS["hiso"].items()}
+    own = compat.FLAT_OPTIONS.get(cfg.algorithm, {})
+    flat = {k: opts.pop(k) if k in own else d for k, d in compat.FLAT_DEFAULTS.items()}
     return {"schema": 2, **values, **flat, "method_opts": opts}
 
 
@@ -102,7 +104,9 @@ def test_a_schema_2_configuration_reads_as_today_with_the_same_hash(kw):
     # the hash exports carry is the one the flat configuration had (method_opts {}: left out, as before)
     flat = {k: v for k, v in old.items() if k != "schema" and not (k == "method_opts" and v == {})}
     for name in compat.HASH_LATER_FIELDS:
-        if name in flat and flat[name] == RunConfig.model_fields[name].get_default(call_default_factory=True):
+        default = compat.FLAT_DEFAULTS[name] if name in compat.FLAT_DEFAULTS else \
+            RunConfig.model_fields[name].get_default(call_default_factory=True)
+        if name in flat and flat[name] == default:
             flat.pop(name)
     for name, counts in compat.HASH_ONLY_WHERE.items():
         if not counts(flat):

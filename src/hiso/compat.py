@@ -11,17 +11,21 @@ layer may read these tables.
 
 from __future__ import annotations
 
-SCHEMA = 3  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
+SCHEMA = 4  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
 # built-in method's options in its method_opts (FLAT_OPTIONS), paths relative to the run directory
-# (hiso.runners.portable)
+# (hiso.runners.portable); 4: Ferret's, sketch's and FedKRSO's options in their method_opts too
 
-# a built-in method's options that were flat RunConfig fields before schema 3 (every run's
-# config.json had them, at these defaults unless given) and are its Method class's fields since,
-# recorded in method_opts: algorithm -> {option: the default it had}. Reading an older file
-# moves them into that method's method_opts and drops them from the other methods' (they did
-# nothing there); the configuration's hash puts them back where they were (flat_options).
+# a built-in method's options that were flat RunConfig fields before schema 3 (HiSo's) or 4 (the
+# others; every run's config.json had them, at these defaults unless given) and are its Method
+# class's fields since, recorded in method_opts: algorithm -> {option: the default it had}.
+# Reading an older file moves them into that method's method_opts and drops them from the other
+# methods' (they did nothing there); the configuration's hash puts them back where they were
+# (flat_options). Methods may share an option (Ferret's ferret_k is sketch's and FedKRSO's too).
+_FERRET = {"ferret_k": 200, "ferret_blocks": 8}
 FLAT_OPTIONS = {"hiso": {"nu": 0.05, "eps": 1e-8, "h_min": None, "h_max": None, "h_source": "last",
-                         "h_stat": "ghat2", "h_granularity": "coordinate", "h_bias_correction": False}}
+                         "h_stat": "ghat2", "h_granularity": "coordinate", "h_bias_correction": False},
+                "ferret": _FERRET, "sketch": {**_FERRET, "sketch_bits": 1}, "fedkrso": _FERRET}
+FLAT_DEFAULTS = {name: default for owner in FLAT_OPTIONS.values() for name, default in owner.items()}
 
 # options added later whose default computes differently: option -> (the tasks it applies to, None
 # for every task; the value runs made before it had). A config.json without `directions` predates
@@ -37,7 +41,8 @@ MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False), "directions"
 DEFAULT_BEFORE = {"squad": ("max_length", 256)}
 
 # RunConfig fields added after exports began to carry the configuration's hash
-# (runners.runmodel.config_sha256): at their default they are left out, so older runs keep theirs
+# (runners.runmodel.config_sha256): at their default (FLAT_DEFAULTS' for an option flat then) they
+# are left out, so older runs keep theirs
 HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares", "grad_clip", "method_opts",
                      "text_column", "label_column", "prompt_column", "response_column", "base_dtype")
 
@@ -50,13 +55,22 @@ HASH_ONLY_WHERE = {"quantize_embedding": lambda v: v.get("quantize_embedding") i
 # a built-in method's place in the protocol fingerprint hiso wrote before methods were plugins
 # (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`
 # and HiSo's as its H's configuration under "precond" (it was ZOConfig.precond)
-FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.FerretConfig": "ferret", "hiso.methods.feedsign.FeedSign": "signs",
+FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.Ferret": "ferret", "hiso.methods.feedsign.FeedSign": "signs",
                           "hiso.methods.hiso_method.HiSo": "precond"}
 
-# method fields added after runs were written with that method: left out of the fingerprint while
-# None, so those runs' checkpoints and peers stay this configuration's
-FINGERPRINT_LATER_FIELDS = {"hiso.methods.ferret.FerretConfig": ("grad_clip",),
-                            "hiso.methods.sketch.SketchConfig": ("grad_clip",)}
+# method classes renamed or reshaped since runs were written with them: class -> (the class the
+# fingerprint names, {field: its name there, None: left out}). Ferret's, sketch's and FedKRSO's
+# classes were FerretConfig, SketchConfig and FedKRSOConfig with fields blocks and bits; K, their
+# ferret_k, was (and is) the record's P, which the fingerprint has already
+_BLOCKS = {"ferret_k": None, "ferret_blocks": "blocks"}
+FINGERPRINT_AS = {"hiso.methods.ferret.Ferret": ("hiso.methods.ferret.FerretConfig", _BLOCKS),
+                  "hiso.methods.sketch.Sketch": ("hiso.methods.sketch.SketchConfig", {**_BLOCKS, "sketch_bits": "bits"}),
+                  "hiso.methods.fedkrso.FedKRSO": ("hiso.methods.fedkrso.FedKRSOConfig", _BLOCKS)}
+
+# method fields added after runs were written with that method (by their names in the fingerprint):
+# left out of the fingerprint while None, so those runs' checkpoints and peers stay this configuration's
+FINGERPRINT_LATER_FIELDS = {"hiso.methods.ferret.Ferret": ("grad_clip",),
+                            "hiso.methods.sketch.Sketch": ("grad_clip",)}
 
 
 def class_key(obj) -> str:
@@ -89,14 +103,14 @@ def migrate(raw: dict) -> tuple[dict, dict]:
     if schema > SCHEMA:
         raise ValueError(f"written by a newer hiso (config.json schema {schema}, this hiso reads up to {SCHEMA}): "
                          "upgrade hiso to read it")
-    if schema < 3:
+    if schema < 4:
         raw = unflatten(raw)
     return raw, predates(raw)
 
 
 def unflatten(raw: dict) -> dict:
-    """A schema 1 or 2 configuration with its methods' flat options (:data:`FLAT_OPTIONS`) in the
-    ``method_opts`` of the method they belong to, and dropped from any other's."""
+    """A configuration of schema 1 to 3 with its methods' flat options (:data:`FLAT_OPTIONS`) in
+    the ``method_opts`` of the method they belong to, and dropped from any other's."""
     raw = dict(raw)
     flat = {k: raw.pop(k) for owner in FLAT_OPTIONS.values() for k in owner if k in raw}
     own = FLAT_OPTIONS.get(raw.get("algorithm", "hiso")) if isinstance(raw.get("algorithm", "hiso"), str) else None
@@ -109,11 +123,9 @@ def unflatten(raw: dict) -> dict:
 def flat_options(values: dict) -> dict:
     """A configuration's values (``RunConfig.model_dump()``) as before schema 3, for its hash: the
     options of :data:`FLAT_OPTIONS` flat again, at their defaults where the method has none."""
-    values = dict(values)
-    algorithm = values.get("algorithm")
+    values = {**dict(values), **FLAT_DEFAULTS}
     opts = dict(values.get("method_opts") or {})
-    for owner, defaults in FLAT_OPTIONS.items():
-        for name, default in defaults.items():
-            values[name] = opts.pop(name, default) if algorithm == owner else default
+    for name in FLAT_OPTIONS.get(values.get("algorithm"), {}):
+        values[name] = opts.pop(name, FLAT_DEFAULTS[name])
     values["method_opts"] = opts
     return values

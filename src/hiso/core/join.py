@@ -27,17 +27,21 @@ def config_fingerprint(zo) -> bytes:
     wrote before methods were plugins (:data:`hiso.compat.FINGERPRINT_LEGACY_KEY`: Ferret's fields
     under "ferret", FeedSign's as ``signs: true``, HiSo's as its H's configuration under
     "precond", which every blob has: None without H); any other method adds its class and fields
-    under "method". Fields added to a method later (:data:`hiso.compat.FINGERPRINT_LATER_FIELDS`)
-    count only when set."""
+    under "method" (a class renamed or reshaped since, by the names its runs' blobs have:
+    :data:`hiso.compat.FINGERPRINT_AS`). Fields added to a method later
+    (:data:`hiso.compat.FINGERPRINT_LATER_FIELDS`) count only when set."""
     return hashlib.sha256(f"hiso-protocol-{VERSION}|{config_blob(zo)}".encode()).digest()[:FINGERPRINT_BYTES]
 
 
 def config_blob(zo) -> str:
     """The JSON text :func:`config_fingerprint` hashes (see there)."""
-    from ..compat import FINGERPRINT_LATER_FIELDS, FINGERPRINT_LEGACY_KEY, class_key
+    from ..compat import FINGERPRINT_AS, FINGERPRINT_LATER_FIELDS, FINGERPRINT_LEGACY_KEY, class_key
     fields = dataclasses.asdict(zo)
     method = fields.pop("method")
     key = class_key(zo.method)
+    named, renamed = FINGERPRINT_AS.get(key, (key, {}))
+    if method is not None:  # (a renamed or reshaped class: its fields by the names its runs' blobs have)
+        method = {renamed.get(k, k): v for k, v in method.items() if renamed.get(k, k) is not None}
     for name in FINGERPRINT_LATER_FIELDS.get(key, ()):
         if method.get(name) is None:
             method.pop(name)
@@ -45,9 +49,11 @@ def config_blob(zo) -> str:
     fields["signs"] = zo.signs
     precond = zo.precond  # H's configuration, whichever method's stage keeps it
     fields["precond"] = None if precond is None else dataclasses.asdict(precond)
-    fields["ferret"] = method if legacy == "ferret" else None
     if zo.method is not None and legacy is None:
-        fields["method"] = {"class": f"{type(zo.method).__module__}.{type(zo.method).__qualname__}", **method}
+        fields["method"] = {"class": named, **method}
+    elif legacy is not None and legacy not in fields:  # its fields under their old key (Ferret's)
+        fields[legacy] = method
+    fields.setdefault("ferret", None)  # (every old blob has Ferret's key)
     return json.dumps(fields, sort_keys=True, default=repr)
 
 
