@@ -9,6 +9,7 @@ import json
 import pytest
 
 from cli_helpers import run_cli
+import hiso.methods
 from hiso import compat
 from hiso.config import RunConfig, load_config
 from hiso.core.join import config_blob
@@ -29,7 +30,7 @@ CLASSES = {"ferret": Ferret, "sketch": Sketch, "fedkrso": FedKRSO}
 def test_each_is_one_method_class_whose_fields_are_its_options(name):
     cls = CLASSES[name]
     info = method_info(name)
-    assert issubclass(cls, Method) and info.cls is cls
+    assert issubclass(cls, Method) and info.cls is cls and getattr(hiso.methods, cls.__name__) is cls
     own = ("ferret_k", "ferret_blocks", "sketch_bits") if cls is Sketch else ("ferret_k", "ferret_blocks")
     assert tuple(fields_of(cls)) == own  # the run's steps, server step and clip are not options
     assert not set(MOVED) & set(RunConfig.model_fields)
