@@ -141,3 +141,13 @@ def test_a_method_given_as_an_instance_runs_as_the_built_in_with_its_options():
     spec, opts = method_spec(Sketch(ferret_k=5, sketch_bits=2, steps=3))
     assert opts == {"ferret_k": 5, "sketch_bits": 2}  # steps is the run's (local_steps), not an option
     assert dataclasses.replace(Sketch(), **opts).bits == 2
+
+
+def test_resume_refuses_another_value_of_a_method_flag_naming_both(tmp_path, capsys):
+    out = tmp_path / "r"
+    code, _, err = run_cli(["run", "--out", str(out), *TINY, "--algorithm", "ferret", "--ferret-k", "4"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["run", "--resume", str(out), "--ferret-k", "5", "--quiet"], capsys)
+    assert code == 2 and "ferret_k = 5 would change its 4" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli(["run", "--resume", str(out), "--ferret-k", "4", "--rounds", "4", "--quiet"], capsys)
+    assert code == 0, err
