@@ -10,10 +10,10 @@ and adds it to its next update (p(Delta + e) = p(Delta) + p(e), the projection b
 
 Experiment only: the residual lives in this process, keyed by the client id that
 ``hiso.runners.simulate.answer_work`` is patched to record (fast mode; no resume, no Flower).
-What it shows (2026-11-27, 20 rounds, lr 0.01): without EF eval loss 2.18, accuracy 32 %; with
-EF eval loss 69.7, accuracy 13 % (that EF arm ran, by a slip of its arguments, with server_lr
-0.01 and grad_clip 1; since 2026-12-05 it is built as the sketch is, server_lr 1 and no clip:
-rerun to update): the lifted residual re-enters through next round's fresh
+What it shows (2026-12-05, 20 rounds, lr 0.01): without EF eval loss 2.18, accuracy 32 %; with
+EF eval loss 2.31 (chance: ln 10 = 2.30), accuracy 7 %. (The figures of 2026-11-27, 69.7 and
+13 % with EF, came from an EF arm that by a slip of its arguments ran with server_lr 0.01 and
+grad_clip 1; it is now built as the sketch is.) The lifted residual re-enters through next round's fresh
 directions, whose projection error is d/K (~226 here) times its size, so it grows instead of
 shrinking. EF would need directions that persist between a client's rounds (a fixed pool of
 seeds, as FedKSeed's, so the residual stays K numbers in sketch space).

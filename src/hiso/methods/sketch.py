@@ -44,7 +44,7 @@ here is not: the random projection's error alone is E||(1/K) V V^T x - x||^2 = (
 quantiser's error alone, e = (1/K) sum_k (p_k - q_k) v_k (d values a client keeps), fails the
 same way: next round's directions are fresh, so e re-enters through a projection whose error is
 d/K times its size. Measured (``bench/sketch_ef.py``, MNIST, 20 rounds, lr 0.01): eval loss 2.18
-without EF, 69.7 with it. EF would need directions that persist between a client's rounds (a
+without EF, 2.31 (chance) with it. EF would need directions that persist between a client's rounds (a
 fixed pool of seeds, as FedKSeed's), where the residual stays K numbers in sketch space.
 
 Even then, two costs remain. Under client sampling (m of M a round) a client's residual waits
