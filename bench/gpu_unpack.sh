@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from hiso.tasks import lm, lm_pack
 src = Path("/tmp/x/pack"); m = lm_pack.verify(src, True)
-tmp = Path("/tmp/unp"); lm_pack._write(src, m, tmp / "pack", True)
+tmp = Path("/tmp/unp"); lm_pack.reassemble(src, m, tmp / "pack", True)
 dest = lm_pack.default_target(m); dest.parent.mkdir(parents=True, exist_ok=True)
 lm.dequantize_gguf(tmp / "pack" / m["gguf"], dest)
 for e in m["files"]:

@@ -32,7 +32,7 @@ def main() -> None:
     import torch
 
     from hiso.config import load_config
-    from hiso.tasks.language import _hidden_size, packing_pays
+    from hiso.tasks.packed_forward import hidden_size, packing_pays
     from hiso.tasks.registry import build_task
 
     torch.set_num_threads(args.threads)
@@ -52,7 +52,7 @@ def main() -> None:
     batches = [tasks[True].batch(0, r, 0, args.batch_size) for r in range(args.batches)]
     real = sum(int(b["attention_mask"].sum()) for b in batches)
     size = sum(b["attention_mask"].numel() for b in batches)
-    packed = sum(packing_pays(b["attention_mask"], _hidden_size(model)) for b in batches)
+    packed = sum(packing_pays(b["attention_mask"], hidden_size(model)) for b in batches)
     times = {False: [], True: []}
     gap = 0.0
     with torch.no_grad():

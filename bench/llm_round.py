@@ -44,7 +44,7 @@ def main() -> None:
 
     from direction_timer import DirectionTimer
     from hiso.core.state import ModelState
-    from hiso.experiments.compare import _reset_peak_rss, _vm_hwm_mb
+    from hiso.experiments.peak_rss import peak_rss_mb, reset_peak_rss
     from hiso.runners.simulate import Simulation
     from hiso.tasks.registry import build_task
 
@@ -56,7 +56,7 @@ def main() -> None:
     model = task.build_model()
     load_s = time.perf_counter() - t0
     batch = task.batch(0, 0, 0, args.batch_size)
-    if not _reset_peak_rss():
+    if not reset_peak_rss():
         raise SystemExit("needs Linux's /proc/self/clear_refs to measure peak memory per phase")
     with torch.no_grad():
         for _ in range(2):  # warm-up: first touches of the weights' pages
@@ -67,7 +67,7 @@ def main() -> None:
             task.loss(model, batch)
         sync()
         t_fwd = (time.perf_counter() - t0) / 3
-    rss_inference = _vm_hwm_mb()
+    rss_inference = peak_rss_mb()
     gpu_inference = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
 
     timers = {"forward": 0.0, "apply": 0.0}
@@ -100,7 +100,7 @@ def main() -> None:
     task._spare = model  # the simulation takes the model inference used (one copy in memory)
     sim = Simulation(task, cfg.zo(), clients_per_round=2, seed=0, batch_size=args.batch_size, eval_every=10**9,
                      perturb_mode=cfg.perturb_mode, batch_memory=cfg.batch_memory_bytes)
-    _reset_peak_rss()
+    reset_peak_rss()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     sim.step()  # warm-up: scratch buffers
@@ -129,7 +129,7 @@ def main() -> None:
         "forward_alone_s": t_fwd, "forwards_per_round": n_fwd, "round_over_forwards_alone": per / (n_fwd * t_fwd),
         "catch_up_s_per_missed_round": timers["apply"] / R, "perturb_mode": cfg.perturb_mode,
         "forward_tflop": flops / 1e12, "tflops_round": flops / per / 1e12, "tflops_forwards": flops / fwd / 1e12,
-        "rss_inference_mb": rss_inference, "peak_rss_round_mb": _vm_hwm_mb(), "device": args.device,
+        "rss_inference_mb": rss_inference, "peak_rss_round_mb": peak_rss_mb(), "device": args.device,
         "gpu_name": torch.cuda.get_device_name(args.device) if cuda else None,
         "gpu_inference_mb": gpu_inference,
         "gpu_peak_round_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,

@@ -23,7 +23,7 @@ def worker(args) -> dict:
     import torch
 
     from hiso.config import RunConfig
-    from hiso.experiments.compare import _reset_peak_rss, _vm_hwm_mb
+    from hiso.experiments.peak_rss import peak_rss_mb, reset_peak_rss
     from hiso.runners.simulate import Simulation
     from hiso.tasks.registry import build_task
 
@@ -35,7 +35,7 @@ def worker(args) -> dict:
                     lr=1e-4, rounds=args.rounds, **({"directions": args.directions} if args.directions else {}))
     task = build_task(cfg)
     model = task.build_model()
-    if not _reset_peak_rss():
+    if not reset_peak_rss():
         raise SystemExit("needs Linux's /proc/self/clear_refs to measure peak memory per phase")
     with torch.no_grad():
         for _ in range(3):  # warm-up: first touches of fresh memory are not the forward's cost
@@ -44,12 +44,12 @@ def worker(args) -> dict:
         for _ in range(10):
             task.loss(model, task.batch(0, 0, 0, 1))
         t_fwd = (time.perf_counter() - t0) / 10
-    base_rss = _vm_hwm_mb()  # peak while only inference ran (task data + model + forwards)
+    base_rss = peak_rss_mb()  # peak while only inference ran (task data + model + forwards)
     del model  # the simulation builds its own copy
 
     timer = DirectionTimer()
     sim = Simulation(task, cfg.zo(), clients_per_round=cfg.sampled, seed=0, eval_every=10**9)
-    _reset_peak_rss()
+    reset_peak_rss()
     with timer.installed():
         sim.step()  # warm-up (buffer allocation)
         timer.reset()
@@ -63,8 +63,8 @@ def worker(args) -> dict:
         "generation_share": timer.total / args.rounds / per_round,
         "forward_s": t_fwd, "forwards_per_round": fwd_per_round,
         "round_over_forwards": per_round / (fwd_per_round * t_fwd),
-        "rss_inference_mb": base_rss, "peak_rss_mb": _vm_hwm_mb(),
-        "extra_over_inference_mb": _vm_hwm_mb() - base_rss,
+        "rss_inference_mb": base_rss, "peak_rss_mb": peak_rss_mb(),
+        "extra_over_inference_mb": peak_rss_mb() - base_rss,
         "param_mb": args.dim * 4 / 2**20,
     }
 

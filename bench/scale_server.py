@@ -27,12 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from hiso.core.messages import Uplink, decode_uplink, encode_downlink, encode_uplink  # noqa: E402
 from hiso.core.server import Server  # noqa: E402
-from hiso.runners.protocol import _Blob  # noqa: E402
+from hiso.runners.protocol import BlobReplica  # noqa: E402
 
 
 def run(M: int, m: int, rounds: int, dim: int, tau: int, P: int, snapshot_after: int | None, gaps: list | None,
         traced: bool = False):
-    blob = _Blob(dim)
+    blob = BlobReplica(dim)
     if traced:
         tracemalloc.start()
     server = Server(M, m, tau, P, seed=0, replica=blob, snapshot_after=snapshot_after)

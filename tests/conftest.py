@@ -33,6 +33,7 @@ import hiso
 from hiso import hardware, procs
 from hiso.patience import Patience
 from hiso.tasks.base import Task
+from process_helpers import reap_children
 
 SRC = str(Path(hiso.__file__).parents[1])
 
@@ -103,7 +104,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 def pytest_sessionfinish(session, exitstatus):
     procs.stop_tree(grace=5.0)  # anything a test started and left behind, orphans included
-    procs.reap_children()
+    reap_children()
 
 
 def tagged(tag: str) -> list[int]:

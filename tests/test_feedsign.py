@@ -12,8 +12,7 @@ from hiso.core.history import read_history
 from hiso.core.messages import MessageError, Uplink, Wire, decode_uplink, encode_uplink
 from hiso.core.seeds import round_seeds
 from hiso.core.server import Server
-from hiso.core.uplink import SIGNS
-from hiso.methods.feedsign import pack, unpack
+from hiso.methods.feedsign import SIGNS, FeedSign, pack, unpack
 from hiso.runners.simulate import Simulation
 
 from cli_helpers import run_cli
@@ -80,12 +79,12 @@ def test_uplink_payload_is_one_bit_per_client_step():
 
 
 def test_server_logs_the_majority_vote_and_a_tie_is_no_step():
-    srv = Server(3, 3, 2, 1, seed=0, signs=True)  # all three clients answer
+    srv = Server(3, 3, 2, 1, seed=0, method=FeedSign())  # all three clients answer
     plan = srv.plan()
     s = {0: [[1], [-1]], 1: [[1], [1]], 2: [[-1], [-1]]}
     rec = srv.aggregate([Uplink(c, plan.round, np.array(s[c], np.float32), 0.0) for c in plan.participants])
     assert rec.scalars.tolist() == [[1.0], [-1.0]]  # 2 of 3 say +, then 2 of 3 say -
-    srv2 = Server(2, 2, 1, 1, seed=0, signs=True)
+    srv2 = Server(2, 2, 1, 1, seed=0, method=FeedSign())
     p2 = srv2.plan()
     tie = srv2.aggregate([Uplink(c, p2.round, np.array([[1.0 if c == 0 else -1.0]], np.float32), 0.0)
                           for c in p2.participants])
@@ -97,7 +96,7 @@ def test_server_logs_the_majority_vote_and_a_tie_is_no_step():
 def test_a_tie_is_no_step_whatever_the_number_of_clients(n, signs):
     # the mean of +-1 over 6, 10 or 12 clients sums six 1/6 in float64 and is not exactly 0:
     # the vote must come from the sum of the signs, which is
-    srv = Server(n, n, 1, 1, seed=0, signs=True)
+    srv = Server(n, n, 1, 1, seed=0, method=FeedSign())
     plan = srv.plan()
     rec = srv.aggregate([Uplink(c, plan.round, np.array([[signs[i]]], np.float32), 0.0)
                          for i, c in enumerate(plan.participants)])
@@ -128,7 +127,7 @@ def test_two_rounds_worked_by_hand():
 
 def test_replicas_and_a_client_that_skipped_every_round_match_bit_for_bit():
     zo = _zo(local_steps=2)
-    assert zo.signs and zo.shape == (2, 1) and zo.difference == "central"
+    assert zo.uplink is SIGNS and zo.shape == (2, 1) and zo.difference == "central"
     task = TinyTask(num_clients=20)
     sim = Simulation(task, zo, clients_per_round=3, seed=1, batch_size=8, mode="faithful", eval_every=1000,
                      snapshot_after=1000)
@@ -227,3 +226,24 @@ def test_attacks_a_sign_cannot_carry_are_refused_and_a_lying_sign_moves_the_run(
     honest = votes(byzantine=0)
     assert not np.array_equal(votes(attack="sign-flip"), honest)
     assert not np.array_equal(votes(attack="random"), honest)
+
+
+def test_the_core_names_no_method():
+    """FeedSign's codec and vote are its own (methods/feedsign.py): no module of hiso.core names
+    them, nor compares a value with a built-in method's name."""
+    import ast
+    from pathlib import Path
+
+    import hiso.core
+    from hiso.methods.registry import method_names
+    names, found = set(method_names()), []
+    for path in sorted(Path(hiso.core.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            used = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            made = (node.arg if isinstance(node, (ast.arg, ast.keyword)) else
+                    node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None)
+            word = used or made  # (a use of "signs" may be the direction kernels' Rademacher draw)
+            if used in ("SIGNS", "Signs", "sign_vote") or made in ("signs", "SIGNS", "Signs", "sign_vote") or (
+                    isinstance(node, ast.Constant) and node.value in names):
+                found.append(f"{path.name}:{node.lineno} {word or node.value!r}")
+    assert not found

@@ -63,11 +63,14 @@ def test_flag_method_opt_toml_key_and_method_table_run_the_same_bits(tmp_path, c
 
 
 def _schema3(cfg: RunConfig) -> dict:
-    """``cfg`` as hiso wrote it at schema 3: HiSo's options in method_opts, Ferret's, sketch's and
-    FedKRSO's flat in every run (at their defaults but in the run's method's)."""
+    """``cfg`` as hiso wrote it at schema 3: HiSo's options in method_opts, the other methods' of
+    compat.FLAT_OPTIONS (Ferret's, sketch's, FedKRSO's, ...) flat in every run, at their defaults
+    but in the run's method's."""
     values = cfg.model_dump()
     opts = dict(values.pop("method_opts"))
-    flat = {k: opts.pop(k) if k in opts else d for k, d in compat.FLAT_OPTIONS["sketch"].items()}
+    own = compat.FLAT_OPTIONS.get(cfg.algorithm, {})
+    flat = {k: opts.pop(k) if k in own else d for k, d in compat.FLAT_DEFAULTS.items()
+            if k not in compat.FLAT_OPTIONS["hiso"]}
     return {"schema": 3, **values, **flat, "method_opts": opts}
 
 

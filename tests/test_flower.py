@@ -28,6 +28,7 @@ from hiso.runners.rundir import rebuild, run_to_dir
 from hiso.tasks.registry import build_task
 
 from conftest import rows_logged, tagged_by, wait_exit, wait_progress, wait_until
+from process_helpers import kill_node, kill_serverapp, nodes_online
 
 pytestmark = pytest.mark.flower  # pytest -m flower
 
@@ -481,7 +482,7 @@ def test_flower_run_finishes_with_the_survivor_when_a_node_dies(federation, tmp_
     # loaded machine (at 20 s it missed every round left there)
     run_id = fed.submit(cfg, out, round_timeout=60)
     _wait_rows(out / "metrics.jsonl", 1, timeout=120)  # round 1 logged
-    fed.kill_node(1)
+    kill_node(fed, 1)
     _wait_rows(out / "metrics.jsonl", 2, timeout=120)  # a round without it
     fed.start_node(1)
     fed.wait(run_id, timeout=240)
@@ -515,7 +516,7 @@ def test_flower_with_tls_and_node_authentication(federation, tmp_path):
     # node authentication: a node whose key was never registered is refused and exits
     intruder = fed.start_node(7, register=False, wait=False)
     assert wait_exit(intruder, 60) != 0
-    assert len(fed.nodes_online()) == 2
+    assert len(nodes_online(fed)) == 2
     # TLS: the SuperLink answers no plain-HTTP request
     import http.client
     conn = http.client.HTTPConnection("127.0.0.1", fed.port, timeout=5)
@@ -539,7 +540,7 @@ def test_flower_run_resumes_after_its_serverapp_is_killed(federation, tmp_path):
     out = tmp_path / "flower"
     run_id = fed.submit(cfg, out, round_timeout=60)
     _wait_rows(out / "metrics.jsonl", 2, timeout=180)
-    wait_until(fed.kill_serverapp, "a ServerApp process to kill", 30, poll=0.2)
+    wait_until(lambda: kill_serverapp(fed), "a ServerApp process to kill", 30, poll=0.2)
     fed._flwr("stop", run_id, "local", "--format", "json")
     assert not (out / "summary.json").exists()
     done = len(read_history(out / "history.bin")[2])

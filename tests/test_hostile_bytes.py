@@ -23,7 +23,8 @@ from hiso.core import messages as M  # noqa: E402
 from hiso.core.history import (RoundRecord, encode_header, encode_record, parse_history)  # noqa: E402
 from hiso.core.scalars import block_size, decode_scalars, encode_scalars  # noqa: E402
 from hiso.core.seeds import round_seeds  # noqa: E402
-from hiso.core.uplink import SCALARS, SIGNS  # noqa: E402
+from hiso.core.uplink import SCALARS  # noqa: E402
+from hiso.methods.feedsign import SIGNS  # noqa: E402
 
 FUZZ = settings(max_examples=int(os.environ.get("HISO_FUZZ_EXAMPLES", "60")), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -67,7 +68,7 @@ finite32 = st.floats(-1e4, 1e4, width=32)
 
 def _scalars(wire, draw):
     vals = np.array(draw(st.lists(finite32, min_size=wire.n, max_size=wire.n)), np.float32).reshape(wire.shape)
-    if wire.signs:
+    if wire.uplink is SIGNS:
         return np.where(vals >= 0, np.float32(1), np.float32(-1))
     return M.quantize(vals, wire.dtype)
 

@@ -16,7 +16,7 @@ from hiso.config import load_config
 from hiso.core import Downlink, ModelState, Perturber, RoundRecord, Server, Uplink
 from hiso.core.client import answer
 from hiso.core.directions import direction
-from hiso.methods.feedsign import signs
+from hiso.methods.feedsign import FeedSign, signs
 from hiso.methods.ferret import blocks_of
 
 
@@ -278,7 +278,7 @@ def test_feedsign_global_step_is_minus_eta_times_the_votes_along_each_step_direc
 def test_feedsign_vote_is_the_sign_of_the_weighted_sum_and_an_exact_tie_is_zero():
     """Weights 1, 2, 3, 6 (integers, as the clients' data sizes are). Breaks caught: an
     unweighted vote (rows 0 and 1 differ), a tie voted +1 or -1 (row 0)."""
-    srv = Server(4, 4, 3, 1, seed=0, weights=[1, 2, 3, 6], signs=True)
+    srv = Server(4, 4, 3, 1, seed=0, weights=[1, 2, 3, 6], method=FeedSign())
     plan = srv.plan()
     s = np.array([[1, -1, -1], [1, -1, 1], [1, 1, 1], [-1, 1, -1]], np.float32)  # client x step
     # step 0: 1 + 2 + 3 - 6 = 0 (a tie; 3 of 4 say +); step 1: -1 - 2 + 3 + 6 = 6 (2 against 2);

@@ -13,8 +13,8 @@ import hiso
 from hiso.core.config import ZOConfig
 from hiso.core.messages import Hello, MessageError, Uplink, Wire, decode_uplink, encode_hello, encode_uplink
 from hiso.core.method import Method
-from hiso.core.uplink import SCALARS, SIGNS, Codes, uplink_codec
-from hiso.methods.feedsign import FeedSign
+from hiso.core.uplink import SCALARS, Codes, uplink_codec
+from hiso.methods.feedsign import SIGNS, FeedSign
 from hiso.methods.greedy import CHOICE, Greedy
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "methods-api.md"
@@ -128,6 +128,11 @@ class _Named(Method):
 
 
 @dataclass(frozen=True)
+class _Signs(Method):
+    uplink = "signs"  # nor this one (FeedSign's codec is its own)
+
+
+@dataclass(frozen=True)
 class _Partial(Method):
     uplink = object()
 
@@ -138,7 +143,8 @@ class _NoBits(Method):
 
 
 @pytest.mark.parametrize("method, words", [
-    (_Named(), "a method's uplink must be 'scalars', 'signs', 'codes' or a codec (hiso.core.uplink), got 'choice'"),
+    (_Named(), "a method's uplink must be 'scalars', 'codes' or a codec (hiso.core.uplink), got 'choice'"),
+    (_Signs(), "a method's uplink must be 'scalars', 'codes' or a codec (hiso.core.uplink), got 'signs'"),
     (_Partial(), "uplink codec (object) lacks name, size, encode, decode"),
     (_NoBits(), "a method with uplink 'codes' needs bits in (1, 2, 4, 8), got None"),
 ])

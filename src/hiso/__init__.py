@@ -7,7 +7,7 @@ read its :class:`Run` (metrics, summary, model) and :func:`rebuild` the model fr
 use, so ``import hiso`` alone costs little.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _EXPORTS = {
     "Task": "hiso.tasks.base", "RunConfig": "hiso.config", "ConfigError": "hiso.config",

@@ -9,8 +9,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from .cli_commands import (_ending_note, _fail, _new_run_refusal, _stopped_by, _tracking,  # noqa: F401
-                           _warn_unused, cmd_compare, cmd_diagnose, cmd_eval, cmd_export,
+from .cli_commands import (_ending_note, _fail, _stopped_by,  # noqa: F401
+                           cmd_compare, cmd_diagnose, cmd_eval, cmd_export,
                            cmd_plan, cmd_rebuild, cmd_run)
 from .cli_flower import cmd_flower
 from .cli_flags import (_add_accept_flag, _add_run_flags, _add_tracking_flags, _add_where_flags,  # noqa: F401
@@ -60,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(lr_task: str | None = None) -> argparse.ArgumentParser:
     """``hiso``'s parser; ``lr_task``: the task whose default lrs --lr's help lists (None: every one)."""
     parser = _Parser(prog="hiso", description="Federated zeroth-order fine-tuning with scalar-only communication.")
-    from . import __version__
+    from ._version import __version__
     parser.add_argument("--version", action="version", version=f"hiso {__version__}")
     parser.add_argument("-v", "--verbose-log", dest="verbosity", action="count", default=0,
                         help="say more of what hiso does (its log at info; -vv: debug)")

@@ -253,8 +253,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    import torch
-
     from .runners.rundir import overwrites_run, rebuild, saved_config
 
     saved_config(args.run_dir)  # a run directory, before anything else is said about it

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 SCHEMA = 4  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
 # built-in method's options in its method_opts (FLAT_OPTIONS), paths relative to the run directory
-# (hiso.runners.portable); 4: Ferret's, sketch's and FedKRSO's options in their method_opts too
+# (hiso.runners.portable); 4: more built-in methods' options there (FLAT_OPTIONS: FedKSeed's,
+# Ferret's, the sketch's and FedKRSO's)
 
 # a built-in method's options that were flat RunConfig fields before schema 3 (HiSo's) or 4 (the
-# others; every run's config.json had them, at these defaults unless given) and are its Method
+# others': every run's config.json had them, at these defaults unless given) and are its Method
 # class's fields since, recorded in method_opts: algorithm -> {option: the default it had}.
 # Reading an older file moves them into that method's method_opts and drops them from the other
 # methods' (they did nothing there); the configuration's hash puts them back where they were
-# (flat_options). Methods may share an option (Ferret's ferret_k is sketch's and FedKRSO's too).
+# (flat_options). Methods may share an option (Ferret's ferret_k is the sketch's and FedKRSO's too).
 _FERRET = {"ferret_k": 200, "ferret_blocks": 8}
 FLAT_OPTIONS = {"hiso": {"nu": 0.05, "eps": 1e-8, "h_min": None, "h_max": None, "h_source": "last",
                          "h_stat": "ghat2", "h_granularity": "coordinate", "h_bias_correction": False},
+                "fedkseed": {"seed_pool": 4096, "seed_sampling": "weighted"},
                 "ferret": _FERRET, "sketch": {**_FERRET, "sketch_bits": 1}, "fedkrso": _FERRET}
 FLAT_DEFAULTS = {name: default for owner in FLAT_OPTIONS.values() for name, default in owner.items()}
 
@@ -53,10 +55,13 @@ HASH_ONLY_WHERE = {"quantize_embedding": lambda v: v.get("quantize_embedding") i
                    and v.get("base_dtype") in ("int8", "int4")}
 
 # a built-in method's place in the protocol fingerprint hiso wrote before methods were plugins
-# (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`
-# and HiSo's as its H's configuration under "precond" (it was ZOConfig.precond)
+# (core.join.config_blob): Ferret's fields under "ferret", FeedSign's as `signs: true`, HiSo's as
+# its H's configuration under "precond" (it was ZOConfig.precond, which every blob has) and
+# DeComFL's and FedKSeed's as nothing (they were no method); any other method's class and fields go
+# under "method"
 FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.Ferret": "ferret", "hiso.methods.feedsign.FeedSign": "signs",
-                          "hiso.methods.hiso_method.HiSo": "precond"}
+                          "hiso.methods.hiso_method.HiSo": "precond", "hiso.methods.decomfl.DeComFL": None,
+                          "hiso.methods.fedkseed_method.FedKSeed": None}
 
 # method classes renamed or reshaped since runs were written with them: class -> (the class the
 # fingerprint names, {field: its name there, None: left out}). Ferret's, sketch's and FedKRSO's
@@ -64,11 +69,12 @@ FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.Ferret": "ferret", "hiso.methods.
 # ferret_k, was (and is) the record's P, which the fingerprint has already
 _BLOCKS = {"ferret_k": None, "ferret_blocks": "blocks"}
 FINGERPRINT_AS = {"hiso.methods.ferret.Ferret": ("hiso.methods.ferret.FerretConfig", _BLOCKS),
-                  "hiso.methods.sketch.Sketch": ("hiso.methods.sketch.SketchConfig", {**_BLOCKS, "sketch_bits": "bits"}),
+                  "hiso.methods.sketch.Sketch": ("hiso.methods.sketch.SketchConfig",
+                                                 {**_BLOCKS, "sketch_bits": "bits"}),
                   "hiso.methods.fedkrso.FedKRSO": ("hiso.methods.fedkrso.FedKRSOConfig", _BLOCKS)}
 
-# method fields added after runs were written with that method (by their names in the fingerprint):
-# left out of the fingerprint while None, so those runs' checkpoints and peers stay this configuration's
+# method fields added after runs were written with that method: left out of the fingerprint while
+# None, so those runs' checkpoints and peers stay this configuration's
 FINGERPRINT_LATER_FIELDS = {"hiso.methods.ferret.Ferret": ("grad_clip",),
                             "hiso.methods.sketch.Sketch": ("grad_clip",)}
 
@@ -77,6 +83,24 @@ def class_key(obj) -> str:
     """``module.QualName`` of an object's class: how the fingerprint tables name a method."""
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def fingerprint_method(method, fields: dict | None, uplink) -> dict:
+    """The protocol fingerprint's entries for a method (``fields``: its dataclass fields;
+    ``uplink``: its codec), as hiso wrote them before methods were plugins
+    (:data:`FINGERPRINT_LEGACY_KEY`): ``signs`` (whether the answers are one-bit signs) and
+    ``ferret`` in every blob, ``method`` for a method that table does not name (a class renamed
+    or reshaped since by the names its runs' blobs have: :data:`FINGERPRINT_AS`)."""
+    out = {"signs": getattr(uplink, "name", None) == "signs", "ferret": None}
+    key = class_key(method)
+    named, renamed = FINGERPRINT_AS.get(key, (key, {}))
+    if fields is not None:
+        fields = {renamed.get(k, k): v for k, v in fields.items() if renamed.get(k, k) is not None}
+    if method is not None and key not in FINGERPRINT_LEGACY_KEY:
+        out["method"] = {"class": named, **(fields or {})}
+    elif FINGERPRINT_LEGACY_KEY.get(key) == "ferret":
+        out["ferret"] = fields
+    return out
 
 
 def predates(raw: dict) -> dict:
@@ -109,8 +133,8 @@ def migrate(raw: dict) -> tuple[dict, dict]:
 
 
 def unflatten(raw: dict) -> dict:
-    """A configuration of schema 1 to 3 with its methods' flat options (:data:`FLAT_OPTIONS`) in
-    the ``method_opts`` of the method they belong to, and dropped from any other's."""
+    """A schema 1, 2 or 3 configuration with its methods' flat options (:data:`FLAT_OPTIONS`) in the
+    ``method_opts`` of the method they belong to, and dropped from any other's."""
     raw = dict(raw)
     flat = {k: raw.pop(k) for owner in FLAT_OPTIONS.values() for k in owner if k in raw}
     own = FLAT_OPTIONS.get(raw.get("algorithm", "hiso")) if isinstance(raw.get("algorithm", "hiso"), str) else None

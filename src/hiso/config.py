@@ -57,8 +57,9 @@ class RunConfig(BaseModel, MethodRules):
         "path/to/file.py:Class"))
     method_opts: dict[str, Any] = Field(default_factory=dict, description=(
         "the method's own options, the fields of its Method subclass (yours, or hiso's nu and h_*, conmezo's "
-        "theta and beta): --method-opt KEY=VALUE (repeatable), a [method] table in TOML; hiso's, ferret's, "
-        "sketch's and fedkrso's are also flags (--nu, --ferret-k) and TOML keys (nu = ...)"))
+        "theta and beta): --method-opt KEY=VALUE (repeatable), a [method] table in TOML; the built-ins' "
+        "(hiso's, fedkseed's, ferret's, sketch's, fedkrso's) are also flags (--nu, --seed-pool, --ferret-k) and "
+        "TOML keys (nu = ...)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -165,13 +166,6 @@ class RunConfig(BaseModel, MethodRules):
         "secagg on Flower: each client's secrets go to this many clients, itself included (SecAgg+'s num_shares, "
         "odd: its neighbours on a ring of the round's clients), not to all; a round then closes while every client "
         "has at least secagg_threshold (below this number) of them answering (default: all clients)"))
-    # FedKSeed (hiso.methods.fedkseed)
-    seed_pool: int = Field(4096, description=(
-        "fedkseed: K, the candidate seeds fixed for the run (1..65536; default: 4096, the value of the paper's LLM "
-        "runs, Qin et al. 2024)"))
-    seed_sampling: Literal["weighted", "uniform"] = Field("weighted", description=(
-        "fedkseed: how a local step picks its seed: weighted (FedKSeed-Pro: softmax of the min-max normalised mean "
-        "|scalar| per seed) or uniform (plain FedKSeed)"))
     step_norm: Literal["std"] | None = Field(None, description=(
         "std: divide the global step by a moving RMS of the round's aggregated scalars, from the log alone "
         "(hiso.methods.stepnorm; hiso, decomfl, local_steps 1; default: none)"))
@@ -365,7 +359,7 @@ class RunConfig(BaseModel, MethodRules):
         return None if self.batch_memory is None else parse_size(self.batch_memory)
 
     def zo(self) -> ZOConfig:
-        method = self.method.build(self)  # the core's hooks and stages (None: DeComFL's; HiSo's keeps H)
+        method = self.method.build(self)  # the core's hooks and stages (HiSo's keeps H)
         shape = None if method is None else method.record_shape()
         if shape is not None:  # its own record (Ferret's (B, K)); its local steps live in the method
             return ZOConfig(lr=self.lr, mu=self.mu, perturbations=shape[1], local_steps=shape[0],
@@ -391,8 +385,8 @@ class RunConfig(BaseModel, MethodRules):
 # options that change how a run is carried out, never its results: a resumed run may take others
 RUNTIME_ONLY = ("checkpoint_every",)
 
-FLAGS_BEFORE = "momentum"  # where a method's own flags (HiSo's nu, h_*) sit among the run's options (--help,
-# docs) unless its class names another option (its ``flags_before``: Ferret's ferret_k, ... before step_norm)
+FLAGS_BEFORE = "momentum"  # where a method's own flags (nu, h_*) sit among the run's options (--help, docs), unless
+# its class says (``flags_at``: Ferret's before step_norm, FedKSeed's before Ferret's ferret_k)
 
 
 def option_fields() -> dict[str, FieldInfo]:
@@ -404,15 +398,19 @@ def option_fields() -> dict[str, FieldInfo]:
 
     from .methods.options import fields_of
     from .methods.registry import flag_options
-    flags: dict[str, dict[str, FieldInfo]] = {}
+    flags: dict[str, dict[str, FieldInfo]] = {}  # by the option (RunConfig's or a flag) they sit before
     for name, (cls, _) in flag_options().items():
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
-        at = flags.setdefault(getattr(cls, "flags_before", FLAGS_BEFORE), {})
-        at[name] = FieldInfo(annotation=fields_of(cls)[name], default=f.default, description=f.metadata.get("help"))
+        flags.setdefault(getattr(cls, "flags_at", FLAGS_BEFORE), {})[name] = FieldInfo(
+            annotation=fields_of(cls)[name], default=f.default, description=f.metadata.get("help"))
     out: dict[str, FieldInfo] = {}
-    for name, field in RunConfig.model_fields.items():
-        out.update(flags.get(name, {}))
+
+    def put(name: str, field: FieldInfo) -> None:
+        for flag, info in flags.get(name, {}).items():
+            put(flag, info)
         out[name] = field
+    for name, field in RunConfig.model_fields.items():
+        put(name, field)
     return out
 
 

@@ -25,7 +25,8 @@ class MethodRules:
     @property
     def sends_signs(self) -> bool:
         """Whether the method's clients upload one sign bit per scalar (FeedSign's wire)."""
-        return self.method.scalar_only and getattr(self.method.build(self), "uplink", None) == "signs"
+        uplink = getattr(self.method.build(self), "uplink", None) if self.method.scalar_only else None
+        return getattr(uplink, "name", None) == "signs"
 
     def resolved_server_lr(self) -> float:
         if self.server_lr is not None:
@@ -48,7 +49,7 @@ class MethodRules:
             return
         if not self.method_opts:
             return
-        if cls is None:
+        if not fields_of(cls):
             raise ValueError(f"method_opts: {self.algorithm} has no options of its own (its options are flags: "
                              "hiso run --help); method_opts is for a Method subclass's fields")
         self.method_opts = check_options(cls, self.method_opts, self.algorithm)
@@ -136,8 +137,6 @@ class MethodRules:
         if "one-seed" in can:
             self._one_seed_defaults()
         if info.pool_log:
-            from .methods.fedkseed import check_pool
-            check_pool(self.seed_pool)
             if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
                 raise ValueError(f"{self.algorithm} runs with the plain mean only (no faults, attackers, robust or "
                                  "weighted aggregation, lr decay)")

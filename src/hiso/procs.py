@@ -190,18 +190,6 @@ def reap_orphans() -> list[int]:
     return done
 
 
-def reap_children() -> None:
-    """Collect this process's children that have exited (re-parented orphans are never waited
-    for by anyone else)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
 def stop_processes(pids, grace: float = 5.0) -> None:
     """SIGTERM ``pids``, wait up to ``grace`` seconds for them to end, SIGKILL the rest."""
     pids = every = [p for p in pids if p != os.getpid()]

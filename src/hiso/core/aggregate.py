@@ -18,8 +18,8 @@ it sends, within what the rule lets through.
   ``scipy.stats.trim_mean(g, trim, axis=0)``. Robust while the attackers are at most
   ``floor(trim * n)`` per round.
 
-* the sign vote (:func:`sign_vote`, FeedSign's): the sign of what the rule gives (under the
-  mean, of the weighted *sum*), 0 on an exact tie.
+A method may combine the answers its own way over these rules (its ``combine`` hook: FeedSign's
+majority vote, :func:`hiso.methods.feedsign.sign_vote`).
 
 Non-finite scalars never reach a rule: the decoder and :meth:`Server.aggregate` reject them.
 """
@@ -71,17 +71,6 @@ def combine(g: np.ndarray, w: np.ndarray | None = None, rule: str = "mean", trim
     return (vals * ws).sum(axis=0) / ws.sum(axis=0)
 
 
-def sign_vote(g: np.ndarray, w: np.ndarray | None = None, rule: str = "mean", trim: float = 0.25) -> np.ndarray:
-    """The (weighted) majority vote of answers ``g`` (n, ...): float32 -1, 0 or +1 per entry.
-
-    Under the mean it is the sign of the weighted *sum*: exact for equal (or integer) weights, so
-    a tie is 0, where the mean's w / w.sum() (1/6, 1/10, ...) can leave +-5e-17 and a step."""
-    g = np.asarray(g, dtype=np.float64)
-    w = np.ones(len(g)) if w is None else np.asarray(w, dtype=np.float64)
-    agg = combine(g, w, rule, trim)  # also checks the rule, the weights and that there are answers
-    return np.sign(np.tensordot(w, g, axes=1) if rule == "mean" else agg).astype(np.float32)
-
-
 # ------------------------------------------------------------- the server's combine, and its wrappers
 #
 # The server turns a round's valid answers into its aggregate with one Combine, built once from
@@ -103,14 +92,14 @@ class Combine(Protocol):
 
 @dataclass(frozen=True)
 class Rule:
-    """The method's combine over the base rule (``fn(g, w, rule, trim)``: :func:`combine`,
-    :func:`sign_vote` or a method's own), innermost of the wrappers."""
+    """The method's combine over the base rule (``fn(g, w, rule, trim)``: :func:`combine` or a
+    method's own), innermost of the wrappers."""
 
     fn: Callable
     rule: str = "mean"
     trim: float = 0.25
     weighted: bool = False
-    signs: bool = False  # FeedSign's votes
+    own: bool = False  # the method's own combine (not the rule's mean: FeedSign's vote)
     min_answers = 1
 
     def __call__(self, g: np.ndarray, weights: np.ndarray, plan) -> np.ndarray:
@@ -155,18 +144,20 @@ class SecureSum:
 
 
 def build_combine(fn: Callable, rule: str = "mean", trim: float = 0.25, *, weighted: bool = False,
-                  signs: bool = False, dp=None, noise_seed: int = 0, secagg=None) -> Combine:
+                  own: bool = False, dp=None, noise_seed: int = 0, secagg=None) -> Combine:
     """The server's combine for a run: the method's ``fn`` over ``rule``, wrapped by central DP
     (``dp`` in central mode; local mode: the clients noised their answers) and by the secure sum
-    (``secagg``); one-line errors for what the wrappers cannot account for."""
+    (``secagg``); one-line errors for what the wrappers cannot account for. ``own``: ``fn`` is the
+    method's own combine (its hook overridden), which the wrappers would replace by the mean."""
     check_rule(rule, trim)
-    if signs and dp is not None:
-        raise ValueError("FeedSign's votes are not accounted for differential privacy: turn DP off")
+    if own and dp is not None:
+        raise ValueError("a method's own combine (FeedSign's votes, ...) is not accounted for differential privacy: "
+                         "turn DP off")
     if dp is not None and (rule != "mean" or weighted):
         raise ValueError("differential privacy is accounted for the plain mean: use --aggregate mean without --weighted")
-    if secagg is not None and (rule != "mean" or weighted or signs):
+    if secagg is not None and (rule != "mean" or weighted or own):
         raise ValueError("secure aggregation gives the server only the sum: it needs the plain mean")
-    out: Combine = Rule(fn, rule, trim, weighted, signs)
+    out: Combine = Rule(fn, rule, trim, weighted, own)
     if dp is not None and dp.mode == "central":
         out = CentralDP(out, dp, noise_seed)
     if secagg is not None:

@@ -62,12 +62,6 @@ class ZOConfig:
         return self.lr / (1.0 + round / self.lr_decay)
 
     @property
-    def signs(self) -> bool:
-        """Whether clients upload one sign bit per scalar (FeedSign's wire)."""
-        from .uplink import Signs
-        return isinstance(self.uplink, Signs)
-
-    @property
     def uplink(self) -> Any:
         """The codec of the clients' answers on the wire (:mod:`hiso.core.uplink`: the method's)."""
         from .uplink import uplink_codec

@@ -24,36 +24,23 @@ def config_fingerprint(zo) -> bytes:
     """16 bytes naming the whole algorithm configuration (every field of ZOConfig, nested ones
     included, whatever fields it has, and the class of its method): peers with different
     fingerprints must not mix. Checkpoints keep it, so a built-in method's blob is the one hiso
-    wrote before methods were plugins (:data:`hiso.compat.FINGERPRINT_LEGACY_KEY`: Ferret's fields
-    under "ferret", FeedSign's as ``signs: true``, HiSo's as its H's configuration under
-    "precond", which every blob has: None without H); any other method adds its class and fields
-    under "method" (a class renamed or reshaped since, by the names its runs' blobs have:
-    :data:`hiso.compat.FINGERPRINT_AS`). Fields added to a method later
+    wrote before methods were plugins (:func:`hiso.compat.fingerprint_method`); H's configuration
+    is under "precond" in every blob (None without H). Fields added to a method later
     (:data:`hiso.compat.FINGERPRINT_LATER_FIELDS`) count only when set."""
     return hashlib.sha256(f"hiso-protocol-{VERSION}|{config_blob(zo)}".encode()).digest()[:FINGERPRINT_BYTES]
 
 
 def config_blob(zo) -> str:
     """The JSON text :func:`config_fingerprint` hashes (see there)."""
-    from ..compat import FINGERPRINT_AS, FINGERPRINT_LATER_FIELDS, FINGERPRINT_LEGACY_KEY, class_key
+    from ..compat import FINGERPRINT_LATER_FIELDS, class_key, fingerprint_method
     fields = dataclasses.asdict(zo)
     method = fields.pop("method")
-    key = class_key(zo.method)
-    named, renamed = FINGERPRINT_AS.get(key, (key, {}))
-    if method is not None:  # (a renamed or reshaped class: its fields by the names its runs' blobs have)
-        method = {renamed.get(k, k): v for k, v in method.items() if renamed.get(k, k) is not None}
-    for name in FINGERPRINT_LATER_FIELDS.get(key, ()):
+    for name in FINGERPRINT_LATER_FIELDS.get(class_key(zo.method), ()):
         if method.get(name) is None:
             method.pop(name)
-    legacy = FINGERPRINT_LEGACY_KEY.get(key) if zo.method is not None else None
-    fields["signs"] = zo.signs
     precond = zo.precond  # H's configuration, whichever method's stage keeps it
     fields["precond"] = None if precond is None else dataclasses.asdict(precond)
-    if zo.method is not None and legacy is None:
-        fields["method"] = {"class": named, **method}
-    elif legacy is not None and legacy not in fields:  # its fields under their old key (Ferret's)
-        fields[legacy] = method
-    fields.setdefault("ferret", None)  # (every old blob has Ferret's key)
+    fields.update(fingerprint_method(zo.method, method, zo.uplink))
     return json.dumps(fields, sort_keys=True, default=repr)
 
 

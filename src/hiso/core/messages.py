@@ -58,7 +58,7 @@ from .history import RoundRecord
 # header live in their own modules: join.py, snapshot.py, wire.py)
 from .join import (FINGERPRINT_BYTES, Hello, Welcome, check_welcome, config_fingerprint, decode_hello,  # noqa: F401
                    decode_welcome, encode_hello, encode_welcome, tensors_fingerprint, welcome_for)
-from .scalars import (SCALAR_BYTES, SCALAR_DTYPES, _check_dtype, block_size, decode_blocks,  # noqa: F401
+from .scalars import (SCALAR_BYTES, SCALAR_DTYPES, block_size, decode_blocks,  # noqa: F401
                       decode_codes, decode_scalars, encode_blocks, encode_codes, encode_scalars, loss_dtype,
                       pack_signs, packed_signs_size, quantize, unpack_signs)
 from .seeds import MAX_ATTEMPT, MAX_ROUND, round_seeds, seeds_of  # noqa: F401

@@ -23,10 +23,10 @@ hook                called by, and when
 ``record_shape``    the run's configuration, once: the (tau, P) of a round's seeds and scalars
                     (None: the run's local steps and perturbations, the ZO estimate's; Ferret's
                     projections: its (B, K))
-``uplink``          the wire: a codec (:mod:`hiso.core.uplink`) for the answers, or the name
-                    of a built-in one: ``"scalars"`` (the run's scalar dtype), ``"signs"``
-                    (one bit) or ``"codes"`` (b-bit codes with a scale per row of the
-                    record, b the method's ``bits`` field)
+``uplink``          the wire: a codec (:mod:`hiso.core.uplink`) for the answers (FeedSign's
+                    one-bit signs are its own), or the name of a built-in one:
+                    ``"scalars"`` (the run's scalar dtype) or ``"codes"`` (b-bit codes with
+                    a scale per row of the record, b the method's ``bits`` field)
 ==================  ==========================================================================
 
 Everything a method computes must be a pure function of what the protocol gives it (x_r, the
@@ -41,7 +41,7 @@ that peers compare when they join (:func:`hiso.core.join.config_fingerprint`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -50,7 +50,18 @@ from .uplink import uplink_codec
 
 if TYPE_CHECKING:
     from .history import RoundRecord
-    from .state import ModelState
+
+
+class Replica(Protocol):
+    """What a hook is handed as ``state``: a replica, :class:`hiso.core.state.ModelState` (built
+    from the :class:`~hiso.core.config.ZOConfig` that holds the method, so described here, not imported)."""
+
+    model: Any  # the model, x_r
+    params: list  # its trainable tensors, in protocol order
+    slots: dict  # the fold's stage states by stage name
+    round: int  # r: the round whose starting point the replica holds
+    cfg: Any  # the run's ZOConfig
+    gen: Any  # the direction generator (hiso.core.directions), bound to the run
 
 
 @dataclass(frozen=True)
@@ -58,13 +69,13 @@ class Method:
     """DeComFL's round: the ZO estimate on the client, the (robust) mean on the server, the
     chain fold on every replica. Subclass it and override a hook to make another method."""
 
-    uplink: ClassVar[Any] = "scalars"  # "signs", "codes" (the method has ``bits``) or a codec (hiso.core.uplink)
+    uplink: ClassVar[Any] = "scalars"  # "codes" (the method has ``bits``) or a codec (hiso.core.uplink)
 
     def batches(self, cfg) -> int:
         """Minibatches a client's answer takes (one per local step)."""
         return cfg.local_steps
 
-    def local_update(self, state: "ModelState", perturber, loss_fn, batches: list, seeds: np.ndarray):
+    def local_update(self, state: Replica, perturber, loss_fn, batches: list, seeds: np.ndarray):
         """The client's answer (a :class:`~hiso.core.estimator.LocalResult`-like object with
         ``scalars``, ``loss`` and ``work``), or None for the ZO estimate."""
         return None
@@ -77,7 +88,7 @@ class Method:
         """The answers ``g`` (n, tau, P) float64 with weights ``w`` to the aggregate (float64)."""
         return combine(g, w, rule, trim)
 
-    def apply_(self, state: "ModelState", record: "RoundRecord") -> Any:
+    def apply_(self, state: Replica, record: "RoundRecord") -> Any:
         """Fold ``record`` into ``state`` and return True, or return None for the chain fold."""
         return None
 

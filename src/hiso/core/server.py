@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .aggregate import SecureSum, build_combine, combine, sign_vote
+from .aggregate import SecureSum, build_combine
 from .history import RoundRecord
 from .messages import Downlink, MessageError, Uplink, Wire, encode_state, quantize, state_size, varint_size
-from .uplink import SCALARS, SIGNS, uplink_codec
+from .method import DECOMFL
+from .uplink import uplink_codec
 
 # parameter-directions replayed per second, for the automatic snapshot choice with a bandwidth
 # (one direction of one parameter: a Gaussian draw and a multiply-add; measured order on a CPU)
@@ -82,21 +83,20 @@ class Server:
                  rule: str = "mean", trim: float = 0.25,
                  scalar_dtype: str = "float32", replica=None, snapshot_after: int | None = None,
                  bandwidth: float | None = None, replay_rate: float = REPLAY_RATE,
-                 dp=None, noise_seed: int = 0, signs: bool = False, secagg=None, method=None):
+                 dp=None, noise_seed: int = 0, secagg=None, method=None):
         if num_clients < 1:
             raise ValueError(f"need at least one client, got {num_clients}")
         if not 1 <= clients_per_round <= num_clients:
             raise ValueError(f"clients per round must be in [1, {num_clients}], got {clients_per_round}")
         if weights is not None and (len(weights) != num_clients or min(weights) <= 0):
             raise ValueError("weights must be one positive number per client")
-        # the uplink's codec (hiso.core.uplink): the method's, or FeedSign's signs without one
-        wire = Wire(local_steps, perturbations, scalar_dtype, seed,
-                    uplink_codec(method) if method is not None else SIGNS if signs else SCALARS)
-        signs = wire.signs  # FeedSign's majority vote
+        method = DECOMFL if method is None else method  # (hiso.core.method: its hooks' defaults)
+        # the uplink's codec (hiso.core.uplink): the method's
+        wire = Wire(local_steps, perturbations, scalar_dtype, seed, uplink_codec(method))
         # how the answers become the round's aggregate: the method's combine over the base rule
         # (hiso.core.aggregate), wrapped by central DP and the secure sum, built once here
-        self.combine = build_combine(method.combine if method is not None else sign_vote if signs else combine,
-                                     rule, trim, weighted=weights is not None, signs=signs, dp=dp,
+        own = type(method).combine is not type(DECOMFL).combine  # its own rule (a vote, ...)
+        self.combine = build_combine(method.combine, rule, trim, weighted=weights is not None, own=own, dp=dp,
                                      noise_seed=noise_seed, secagg=secagg)
         self.M, self.m = num_clients, clients_per_round
         self.shape = (local_steps, perturbations)

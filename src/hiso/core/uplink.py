@@ -15,9 +15,10 @@ A codec is any object with
 :func:`hiso.core.messages.encode_uplink` puts the header before the codec's bytes and the loss
 after them; the decoder checks the exact length first and refuses non-finite answers after,
 whatever the codec. A method names its codec in ``uplink`` (:mod:`hiso.core.method`): a codec
-instance, or one of the built-in names ``"scalars"``, ``"signs"`` and ``"codes"`` (with the
-method's ``bits``). The codec is part of the method's code, so peers that fingerprint the same
-method class (:func:`hiso.core.join.config_fingerprint`) use the same one.
+instance, or one of the built-in names ``"scalars"`` and ``"codes"`` (with the method's
+``bits``); a method's own codec lives beside it (FeedSign's one-bit signs, greedy's choices).
+The codec is part of the method's code, so peers that fingerprint the same method class
+(:func:`hiso.core.join.config_fingerprint`) use the same one.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .scalars import (CODE_BITS, codes_size, decode_codes, decode_scalars, encode_codes, encode_scalars,
-                      pack_signs, packed_signs_size, unpack_signs)
+from .scalars import CODE_BITS, codes_size, decode_codes, decode_scalars, encode_codes, encode_scalars
 
 
 @dataclass(frozen=True)
@@ -45,24 +45,6 @@ class Scalars:
 
     def decode(self, data, off: int, wire) -> np.ndarray:
         return decode_scalars(data, off, wire.n, wire.dtype).reshape(wire.shape)
-
-
-@dataclass(frozen=True)
-class Signs:
-    """FeedSign's: one bit an answer (+1 / -1), packed 8 to a byte (:func:`hiso.core.scalars.pack_signs`)."""
-
-    name: ClassVar[str] = "signs"
-
-    def size(self, wire) -> int:
-        return packed_signs_size(wire.n)
-
-    def encode(self, scalars, wire, check: bool = True) -> bytes:
-        if check and not np.all(np.abs(np.asarray(scalars, np.float32)) == 1):
-            raise ValueError("FeedSign sends signs (+1 / -1), got other values")
-        return pack_signs(scalars)
-
-    def decode(self, data, off: int, wire) -> np.ndarray:
-        return unpack_signs(data, off, wire.n).reshape(wire.shape)
 
 
 @dataclass(frozen=True)
@@ -86,7 +68,7 @@ class Codes:
         return decode_codes(data, off, wire.tau, wire.P, self.bits)
 
 
-SCALARS, SIGNS = Scalars(), Signs()
+SCALARS = Scalars()
 CODEC_PARTS = ("name", "size", "encode", "decode")
 
 
@@ -96,14 +78,12 @@ def uplink_codec(method: Any) -> Any:
     if isinstance(spec, str):
         if spec == "scalars":
             return SCALARS
-        if spec == "signs":
-            return SIGNS
         if spec == "codes":
             bits = getattr(method, "bits", None)
             if bits not in CODE_BITS:
                 raise ValueError(f"a method with uplink 'codes' needs bits in {CODE_BITS}, got {bits!r}")
             return Codes(bits)
-        raise ValueError(f"a method's uplink must be 'scalars', 'signs', 'codes' or a codec (hiso.core.uplink), "
+        raise ValueError(f"a method's uplink must be 'scalars', 'codes' or a codec (hiso.core.uplink), "
                          f"got {spec!r}")
     return check_codec(spec)
 

@@ -15,7 +15,7 @@ import numpy as np
 from .errors import JoinError, MessageError  # noqa: F401 (defined below both wire and scalars)
 from .scalars import SCALAR_BYTES, _check_dtype, block_size, loss_dtype
 from .seeds import round_seeds
-from .uplink import SCALARS, Signs, check_codec
+from .uplink import SCALARS, check_codec
 
 VERSION = 2
 HELLO, WELCOME, DOWN, SNAPSHOT, UP = 1, 2, 3, 4, 5
@@ -77,11 +77,6 @@ class Wire:
     def of(cls, zo, seed: int) -> "Wire":
         return cls(zo.local_steps, zo.perturbations, getattr(zo, "scalar_dtype", "float32"), seed,
                    getattr(zo, "uplink", SCALARS))
-
-    @property
-    def signs(self) -> bool:
-        """Whether the answers are FeedSign's signs (the server's vote, a lost answer's +-1)."""
-        return isinstance(self.uplink, Signs)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -54,7 +54,7 @@ from ..report.table import ArmResult, RunResult, best_of, load_run_result, selec
 from ..atomic import write_atomic
 from .compare_plan import Arm, CompareSpec, Plan, RunSpec, build_plan, lr_dirname, parse_cli, run_dir  # noqa: F401
 from .compare_plan import table_plan  # noqa: F401
-from .compare_run import _finished, _reset_peak_rss, _vm_hwm_mb, execute  # noqa: F401
+from .compare_run import _finished, execute  # noqa: F401
 
 
 # --------------------------------------------------------------------------- selection

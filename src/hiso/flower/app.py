@@ -34,9 +34,9 @@ from __future__ import annotations
 import json
 
 from ..config import RunConfig
-from .client_app import (_note_timing, _trajectory, _wire, accept_welcome, attacked, handle_query, handle_train,  # noqa: F401
+from .client_app import (_trajectory, accept_welcome, attacked, handle_query, handle_train,  # noqa: F401
                          open_replica, query_fields, train_fields)
-from .records import DEFAULT_STATE_DIR, REC, Settings, _cfg_json, _partition, _task_for  # noqa: F401
+from .records import DEFAULT_STATE_DIR, REC, Settings  # noqa: F401
 from .records import noise_seed_refusal
 from .server_app import FlowerFederation, serve_zo  # noqa: F401
 

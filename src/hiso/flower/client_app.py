@@ -222,7 +222,8 @@ def _pool_save(path: Path, rep) -> None:
 
 def pool_query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str | None = None) -> dict:
     """A node's answer to ``query``: its partition and the round its pool state holds."""
-    z = _pool_saved(_pool_path(cfg_json or cfg.model_dump_json(), run_id, pid, state_dir), cfg.seed_pool)
+    from ..methods.fedkseed_method import FedKSeed
+    z = _pool_saved(_pool_path(cfg_json or cfg.model_dump_json(), run_id, pid, state_dir), FedKSeed.of(cfg).seed_pool)
     return {"partition": pid, "round": 0 if z is None else int(z["round"])}
 
 
@@ -230,12 +231,13 @@ def pool_train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: by
                       cfg_json: str | None = None) -> dict:
     """A node's answer to ``train``: ``up`` (its encoded pool uplink) or ``behind`` (its round)."""
     from ..methods.fedkseed import decode_pool_downlink
+    from ..methods.fedkseed_method import FedKSeed
     from ..methods.fedkseed_rounds import pool_answer, pool_replica
     task = _task_for(cfg_json or cfg.model_dump_json())
     path = _pool_path(cfg_json or cfg.model_dump_json(), run_id, pid, state_dir)
     rep = pool_replica(cfg, task.build_model)
     _pool_load(path, rep)
-    rnd, missed = decode_pool_downlink(down, cfg.local_steps, cfg.seed_pool, cfg.scalar_dtype)
+    rnd, missed = decode_pool_downlink(down, cfg.local_steps, FedKSeed.of(cfg).seed_pool, cfg.scalar_dtype)
     start = rnd - len(missed)
     if rep.round > rnd:  # ahead of the server: not this trajectory's state; start again from x_0
         rep = pool_replica(cfg, task.build_model)

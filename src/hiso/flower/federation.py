@@ -227,25 +227,6 @@ class LocalFederation:
                 pass
         return out
 
-    def kill_serverapp(self, sig: int = signal.SIGKILL) -> list[int]:
-        """Kill the running ServerApp processes (a crashed server, for tests); their pids."""
-        pids = self.serverapps()
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        return pids
-
-    def nodes_online(self) -> list[dict]:
-        res = self._flwr("supernode", "ls", "local", "--format", "json")
-        return [n for n in res.get("nodes", []) if n.get("status") == "online"]
-
-    def kill_node(self, i: int, sig: int = signal.SIGKILL) -> None:
-        """Kill SuperNode ``i`` (and the ClientApp it may be running, and its worker) at once."""
-        self._stop(f"supernode{i}", sig)
-        self._stop(f"worker{i}", sig)
-
     def _stop(self, name: str, sig: int = signal.SIGTERM) -> None:
         p = self.procs.pop(name, None)
         if p is None:

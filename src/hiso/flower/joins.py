@@ -4,18 +4,13 @@ each is mapped to the node, its join counted in the bytes, and its round told to
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core.messages import Hello, MessageError, decode_hello, encode_hello
 from .parts import split_answer
 from .records import log, reply_bytes, reply_int
 
-if TYPE_CHECKING:
-    from .server_app import FlowerFederation
-
-
-def take_join(fed: FlowerFederation, nid: int, rec) -> None:
-    """Node ``nid``'s answer ``rec`` to its query: every valid partition in it joins."""
+def take_join(fed, nid: int, rec) -> None:
+    """Node ``nid``'s answer ``rec`` to its query: every valid partition in it joins ``fed`` (the
+    ServerApp's :class:`~hiso.flower.server_app.FlowerFederation`, which imports this module)."""
     try:
         answers = split_answer(rec)
     except (KeyError, TypeError, ValueError) as e:
@@ -25,7 +20,7 @@ def take_join(fed: FlowerFederation, nid: int, rec) -> None:
         _take_one(fed, nid, one)
 
 
-def _take_one(fed: FlowerFederation, nid: int, rec) -> None:
+def _take_one(fed, nid: int, rec) -> None:
     welcome = getattr(fed, "welcome", None)
     try:  # the node's join: its hello (it checked our welcome before answering)
         if welcome is not None:

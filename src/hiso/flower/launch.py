@@ -13,7 +13,7 @@ from pathlib import Path
 from ..config import RunConfig
 from .certs import HOST, make_node_key, make_tls  # noqa: F401
 from .federation import (PROJECT, PROJECT_WORKER, QUIET_ENV, FlowerRunError, LocalFederation,  # noqa: F401
-                         _refuse_busy, _wait_port, free_port, rounds_logged)
+                         free_port, rounds_logged)
 
 
 def default_worker(cfg: RunConfig) -> bool:

@@ -2,7 +2,7 @@
 hiso's real ClientApp, each with its own Context kept between messages as a SuperNode keeps it.
 
 For tests and for measuring what a protocol costs on top of the transport (SecAgg+'s stages:
-:mod:`hiso.flower.bench` ``secagg``), with every message Flower's own ``Message`` and every
+``bench/flower_rounds.py secagg``), with every message Flower's own ``Message`` and every
 record what would cross the network."""
 
 from __future__ import annotations

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..core.messages import MessageError
 from ..core.round import PlainTransport
 from .records import log, reply_bytes, reply_int
-
-if TYPE_CHECKING:
-    from .server_app import FlowerFederation
 
 
 HOLD = "HOLD"  # in the run directory: a round number the ServerApp holds before, while the file exists
@@ -37,7 +33,7 @@ def hold(settings, round: int) -> None:
         time.sleep(max(settings.poll_s, 0.05))
 
 
-def reach_sampled(fed: "FlowerFederation", plan) -> tuple[float, float]:
+def reach_sampled(fed, plan) -> tuple[float, float]:
     """What every Flower transport does before it sends a round's messages: wait while the run
     is held, learn the nodes, have the sampled partitions' nodes join; returns (start, nodes
     refreshed) for the round's timings."""
@@ -57,12 +53,14 @@ class GridTransport(PlainTransport):
     What a train message carries is the method's: by default the downlink's bytes in the
     ``down`` field of the hiso ConfigRecord. A subclass may set ``content(down)`` (the
     message's RecordDict) and ``kept(pid, reply)`` (what of a reply :meth:`answers` gets) and
-    override :meth:`answers` (the replies as the method's decoder takes them, counted)."""
+    override :meth:`answers` (the replies as the method's decoder takes them, counted).
+    ``fed``: the ServerApp's :class:`~hiso.flower.server_app.FlowerFederation` (which imports
+    this module: the type is named here, not imported)."""
 
     content = None
     kept = None
 
-    def __init__(self, fed: FlowerFederation):
+    def __init__(self, fed):
         self.fed = fed
 
     def exchange(self, plan, downlink, tally) -> list:

@@ -141,12 +141,6 @@ def combine(out, h, has_h, k0s, k1s, coefs, fam, table, idx):
                     out[base + t] = acc[t]
 
 
-@njit
-def philox_words(c0, c1, c2, c3, k0, k1):
-    """One block, for the known-answer tests of the compiled generator."""
-    return philox(U(c0), U(c1), U(c2), U(c3), U(k0), U(k1))
-
-
 def set_threads(n: int) -> None:
     n = max(1, min(int(n), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != n:

@@ -36,7 +36,9 @@ def pool_config(cfg) -> ZOConfig:
 
 def pool_replica(cfg, build_model: Callable[[], Any]) -> PoolReplica:
     """A replica of the run ``cfg`` at x_0 (``build_model()``: the task's model)."""
-    return PoolReplica(build_model(), pool_config(cfg), cfg.seed_pool, cfg.seed, cfg.seed_sampling)
+    from .fedkseed_method import FedKSeed
+    method = FedKSeed.of(cfg)
+    return PoolReplica(build_model(), pool_config(cfg), method.seed_pool, cfg.seed, method.seed_sampling)
 
 
 def pool_answer(cid: int, rep: PoolReplica, perturber: Perturber, loss, batch: Callable[[int, int], Any],

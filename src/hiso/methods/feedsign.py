@@ -11,8 +11,9 @@ no step), logs v as the round's scalar, and every replica applies x <- x - eta v
 DeComFL step with P = 1 and the vote as its scalar (:class:`~hiso.core.state.ModelState`
 folds it unchanged). With tau > 1 a client's local step k+1 starts from x - eta b_i z_k.
 
-On the wire (:mod:`hiso.core.messages`) an uplink's tau signs are packed 8 to a byte (bit j of
-byte j // 8, least significant first, is sign j in (k, p) order: 1 is +1; pad bits 0). The
+On the wire (:mod:`hiso.core.messages`, with this module's codec :data:`SIGNS`, the method's
+``uplink``) an uplink's tau signs are packed 8 to a byte (bit j of byte j // 8, least
+significant first, is sign j in (k, p) order: 1 is +1; pad bits 0). The
 votes are logged and sent down in the run's scalar dtype (they take the values -1, 0, +1).
 
 Against the paper (arXiv 2501.17610, its abstract): its payload is one bit per step
@@ -25,12 +26,13 @@ since it travels in the history the other algorithms share and may be 0 (a tie: 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from ..core.aggregate import sign_vote
+from ..core.aggregate import combine
 from ..core.method import Method
-# the one-bit wire format is the core's (a scalar format like int8): re-exported here
+# the one-bit format is the core's (a scalar format like int8, the log's "sign"): re-exported here
 from ..core.scalars import pack_signs as pack, packed_signs_size as packed_size, unpack_signs as unpack  # noqa: F401
 
 
@@ -44,12 +46,44 @@ def vote(mean) -> np.ndarray:
     return np.sign(np.asarray(mean, dtype=np.float64)).astype(np.float32)
 
 
+def sign_vote(g: np.ndarray, w: np.ndarray | None = None, rule: str = "mean", trim: float = 0.25) -> np.ndarray:
+    """The (weighted) majority vote of answers ``g`` (n, ...): float32 -1, 0 or +1 per entry.
+
+    Under the mean it is the sign of the weighted *sum*: exact for equal (or integer) weights, so
+    a tie is 0, where the mean's w / w.sum() (1/6, 1/10, ...) can leave +-5e-17 and a step."""
+    g = np.asarray(g, dtype=np.float64)
+    w = np.ones(len(g)) if w is None else np.asarray(w, dtype=np.float64)
+    agg = combine(g, w, rule, trim)  # also checks the rule, the weights and that there are answers
+    return np.sign(np.tensordot(w, g, axes=1) if rule == "mean" else agg).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Signs:
+    """The uplink codec (:mod:`hiso.core.uplink`): one bit an answer (+1 / -1), packed 8 to a byte."""
+
+    name: ClassVar[str] = "signs"
+
+    def size(self, wire) -> int:
+        return packed_size(wire.n)
+
+    def encode(self, scalars, wire, check: bool = True) -> bytes:
+        if check and not np.all(np.abs(np.asarray(scalars, np.float32)) == 1):
+            raise ValueError("FeedSign sends signs (+1 / -1), got other values")
+        return pack(scalars)
+
+    def decode(self, data, off: int, wire) -> np.ndarray:
+        return unpack(data, off, wire.n).reshape(wire.shape)
+
+
+SIGNS = Signs()
+
+
 @dataclass(frozen=True)
 class FeedSign(Method):
     """FeedSign's hooks: a client keeps the signs of its scalars, uploads them as bits, and the
     server logs the (weighted) majority vote; the fold is DeComFL's with the vote as scalar."""
 
-    uplink = "signs"
+    uplink = SIGNS
 
     def step_scalars(self, g):
         return signs(g)

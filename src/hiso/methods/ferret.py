@@ -79,7 +79,7 @@ class Ferret(Method):
     can: ClassVar[frozenset] = frozenset({"faults", "robust", "weighted", "backprop", "lr_decay", "grad_clip"})
     default_server_lr: ClassVar[float] = 1.0
     flags: ClassVar[str] = "ferret's, sketch's and fedkrso's"  # its fields are top-level flags too; whose they are
-    flags_before: ClassVar[str] = "step_norm"  # where --help and docs list them
+    flags_at: ClassVar[str] = "step_norm"  # where they sit among the run's options (--help, docs/cli.md)
 
     def __post_init__(self) -> None:
         from ..core.seeds import MAX_PER_ROUND

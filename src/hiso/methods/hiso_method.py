@@ -100,7 +100,4 @@ def hiso(lr: float, precond: PreconditionerConfig | None = None, **kw):
     return ZOConfig(lr=lr, method=HiSo.of(precond), **kw)
 
 
-def decomfl(lr: float, **kw):
-    """A ZOConfig of DeComFL (the contract's default round: no H)."""
-    from ..core.config import ZOConfig
-    return ZOConfig(lr=lr, **kw)
+from .decomfl import decomfl  # noqa: E402,F401 (its factory, beside hiso()'s as before)

@@ -11,17 +11,18 @@ with), ``hiso compare``, the reports, the runners, rebuild, export, resume and t
 * ``options``: the method-specific options it reads (:data:`METHOD_OPTIONS`); one it does not
   read, set to another value than its default, is refused or reported as unused;
 * ``can``: its capabilities (:data:`CAPABILITIES`); an option that needs one it lacks is refused;
-* ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls (None: DeComFL's);
-* ``cls``: for a method written on the contract (HiSo, Ferret, sketch, FedKRSO, ConMeZO, greedy),
-  its Method class: its dataclass fields are its options (``--method-opt KEY=VALUE``, as a user's
-  method's; a field marked :data:`hiso.methods.options.RUN` carries a run's value instead), and
-  it is built as a user's method is (``from_config``, then the options). A built-in class with a
-  ``flags`` attribute (HiSo's: ``"HiSo's preconditioner"``, whose they are) also has its fields
-  as top-level flags and TOML keys (``--nu``, ``nu = 0.1``; :func:`flag_options`), listed before
-  the run option its ``flags_before`` names (default ``momentum``).
+* ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls;
+* ``cls``: for a method written on the contract (HiSo, DeComFL, Ferret, FedKSeed, sketch, FedKRSO,
+  ConMeZO, greedy), its Method class: its dataclass fields are its options (``--method-opt
+  KEY=VALUE``, as a user's method's; a field marked :data:`hiso.methods.options.RUN` carries a
+  run's value instead), and it is built as a user's method is (``from_config``, then the
+  options). A built-in class with a ``flags`` attribute (HiSo's: ``"HiSo's preconditioner"``,
+  whose they are) also has its fields as top-level flags and TOML keys (``--nu``, ``nu = 0.1``;
+  :func:`flag_options`), listed before the option its ``flags_at`` names (default ``momentum``).
 
 Such a class declares its entry in class attributes (:func:`contract_method`): ``display``,
-``gradient``, ``can``, ``options`` and ``default_server_lr`` (``server_lr`` above). A user's
+``gradient``, ``can``, ``options``, ``default_server_lr`` (``server_lr`` above), and a built-in's
+``family`` and ``server_opt`` too (:func:`class_info`). A user's
 method needs no registration: ``--algorithm module:Class`` (or ``path/to/file.py:Class``) names
 a :class:`hiso.core.method.Method` subclass whose attributes are read the same way (family
 ``scalar``), and ``from_config(cfg)`` builds it (default: ``Class()``).
@@ -56,13 +57,11 @@ METHOD_OPTIONS = {
     "server_moments": ("beta1", "beta2"),
     "server_tau": ("server_tau",),
     "wire_dtype": ("wire_dtype",),
-    "seed_pool": ("seed_pool", "seed_sampling"),
     "zo_estimate": ("perturbations", "mu", "difference"),
 }
 _WHOSE = {"server_lr": "the full-model baselines' and ferret's server step",
           "server_moments": "fedadam's and fedyogi's server moments", "server_tau": "the adaptive server optimisers'",
-          "wire_dtype": "the full-model baselines' messages", "seed_pool": "fedkseed's",
-          "zo_estimate": "the zeroth-order estimate's"}
+          "wire_dtype": "the full-model baselines' messages", "zo_estimate": "the zeroth-order estimate's"}
 
 
 @dataclass(frozen=True)
@@ -128,13 +127,8 @@ def register_method(info: MethodInfo) -> MethodInfo:
     return info
 
 
-def _load_builtins() -> None:
-    """The built-in methods are registered at the end of this module (nothing to load)."""
-
-
 def method_names() -> tuple[str, ...]:
     """The built-in methods' names, in the order --help and errors list them."""
-    _load_builtins()
     return tuple(_REGISTRY)
 
 
@@ -157,7 +151,6 @@ def _file_digest(spec: str) -> str | None:
 
 def method_info(name: str) -> MethodInfo:
     """The built-in method ``name``, or the user's method it names (``module:Class``, ``file.py:Class``)."""
-    _load_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if is_user_method(name):
@@ -182,19 +175,23 @@ def user_method_class(spec: str) -> type:
 
 def _user_method_info(spec: str) -> MethodInfo:
     # P, mu and the difference shape every scalar method's record and estimate: always read
-    return class_info(spec, user_method_class(spec), frozenset({"zo_estimate"}))
+    return class_info(spec, user_method_class(spec), frozenset({"zo_estimate"}), builtin=False)
 
 
-def class_info(name: str, obj: type, read: frozenset = frozenset()) -> MethodInfo:
+def class_info(name: str, obj: type, read: frozenset = frozenset(), builtin: bool = True) -> MethodInfo:
     """The registry entry a Method class declares in its attributes: ``display`` (default: its
-    name), ``gradient``, ``options`` (with ``read`` added), ``can`` and ``default_server_lr``;
-    its fields are its options, and ``from_config`` then its options build it."""
+    name), ``gradient``, ``options`` (with ``read`` added), ``can`` and ``default_server_lr``,
+    and for a built-in class the registry's other facts (``family``: FedKSeed's ``"seed-pool"``;
+    ``server_opt``), which a user's method cannot declare; its fields are its options, and
+    ``from_config`` then its options build it."""
     from .options import build_user_method
 
-    return MethodInfo(name, getattr(obj, "display", obj.__name__), "scalar", getattr(obj, "gradient", "zo"),
+    family, server_opt = (getattr(obj, "family", "scalar"), getattr(obj, "server_opt", None)) if builtin else \
+        ("scalar", None)
+    return MethodInfo(name, getattr(obj, "display", obj.__name__), family, getattr(obj, "gradient", "zo"),
                       frozenset(getattr(obj, "options", ())) | read, frozenset(getattr(obj, "can", ())),
                       lambda cfg: build_user_method(obj, cfg), server_lr=getattr(obj, "default_server_lr", None),
-                      doc=(obj.__doc__ or "").strip().split("\n")[0], cls=obj)
+                      server_opt=server_opt, doc=(obj.__doc__ or "").strip().split("\n")[0], cls=obj)
 
 
 def contract_method(name: str, module: str, cls_name: str) -> MethodInfo:
@@ -217,13 +214,11 @@ def default_reference(arms) -> str:
 
 def with_capability(cap: str) -> list[str]:
     """The built-in methods that declare ``cap`` (for a refusal that says where it belongs)."""
-    _load_builtins()
     return [n for n, info in _REGISTRY.items() if cap in info.can]
 
 
 def builtin_name(cls: type) -> str | None:
     """The name of the built-in method whose class is ``cls`` (HiSo: ``hiso``), or None."""
-    _load_builtins()
     return next((name for name, info in _REGISTRY.items() if info.cls is cls), None)
 
 
@@ -231,7 +226,6 @@ def flag_options() -> dict[str, tuple[type, str]]:
     """The built-in methods' own options that are also top-level flags and TOML keys (HiSo's
     ``nu``, ...): name -> (the Method class whose field it is, whose they are, for notes)."""
     from .options import fields_of
-    _load_builtins()
     out: dict[str, tuple[type, str]] = {}
     for info in _REGISTRY.values():
         whose = getattr(info.cls, "flags", None) if info.cls is not None else None
@@ -249,7 +243,6 @@ def in_words(names) -> str:
 
 def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
     """(option names, the methods that read them, whose they are), for unused-option reports."""
-    _load_builtins()
     return [(names, tuple(n for n, info in _REGISTRY.items() if group in info.options), _WHOSE[group])
             for group, names in METHOD_OPTIONS.items()]
 
@@ -257,8 +250,6 @@ def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
 # the built-in methods, in the order --help and errors list them
 _ZO = frozenset({"zo_estimate"})
 _FULL = frozenset({"server_lr", "wire_dtype"})
-_SCALAR = frozenset({"dp", "secagg", "faults", "robust", "weighted", "int8", "lowbit", "lr_decay", "momentum",
-                     "step_norm", "refresh", "structured"})
 
 
 def _feedsign(cfg):
@@ -267,14 +258,13 @@ def _feedsign(cfg):
 
 
 register_method(contract_method("hiso", "hiso.methods.hiso_method", "HiSo"))
-register_method(MethodInfo("decomfl", "DeComFL", options=_ZO, can=_SCALAR, doc="seeds and scalars on the wire"))
+register_method(contract_method("decomfl", "hiso.methods.decomfl", "DeComFL"))
 register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
                            can=frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",
                                           "structured", "one-seed"}),
                            doc="seeds and one sign bit per client-step, majority vote"))
 register_method(contract_method("ferret", "hiso.methods.ferret", "Ferret"))
-register_method(MethodInfo("fedkseed", "FedKSeed", "seed-pool", options=_ZO | {"seed_pool"},
-                           can=frozenset({"one-seed"}), doc="a fixed pool of seeds, (index, scalar) pairs on the wire"))
+register_method(contract_method("fedkseed", "hiso.methods.fedkseed_method", "FedKSeed"))
 register_method(MethodInfo("fedzo", "FedZO", "full-model", options=_FULL | _ZO, can=frozenset({"weighted"}),
                            server_lr=1.0, server_opt="avg", doc="ZO local steps, the model on the wire"))
 register_method(MethodInfo("fedavg", "FedAvg", "full-model", "first-order", _FULL, frozenset({"weighted"}),

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .labels import _fmt_threshold, display_name, metric_label
 from .reach import best_of, first_and_last, first_reach, kept_share
-
-if TYPE_CHECKING:
-    from .table import Table
+from .table_data import Table
 
 
 def _privacy_of(runs) -> dict | None:

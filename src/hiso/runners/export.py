@@ -131,7 +131,7 @@ def _trained(run_dir: Path) -> dict:
 
 def metadata(rm: RunModel, fmt: str) -> dict[str, Any]:
     """hiso.json: the export's format, the run's identity, its base and the metrics logged then."""
-    from .. import __version__
+    from .._version import __version__
 
     meta = {"hiso_version": __version__, "format": fmt, **rm.identity()}
     if rm.info.get("lora"):

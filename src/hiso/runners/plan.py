@@ -24,6 +24,7 @@ import numpy as np
 from ..baselines.messages import downlink_size, uplink_size
 from ..core.server import REPLAY_RATE, client_sampler, sample_clients
 from ..core.wire import Wire
+from ..methods.options import fields_of
 from ..methods.registry import method_info
 from .protocol import pool_traffic, protocol_traffic
 
@@ -70,8 +71,9 @@ def run_config(name: str, dep: Deployment):
             "snapshot_after": dep.snapshot_after, "bandwidth": dep.bandwidth}
     if "one-seed" not in info.can:
         opts["perturbations"] = dep.perturbations
+    own = fields_of(info.cls)  # a method's own fields that are flags (fedkseed's seed_pool, ...)
     for key in ("difference", "ferret_k", "ferret_blocks", "sketch_bits", "seed_pool", "seed_sampling"):
-        if getattr(dep, key) is not None and info.reads(key):
+        if getattr(dep, key) is not None and (info.reads(key) or key in own):
             opts[key] = getattr(dep, key)
     try:
         return RunConfig(**opts)
@@ -152,10 +154,12 @@ def _scalar(info, cfg, dep: Deployment) -> dict:
 
 
 def _seed_pool(cfg, dep: Deployment) -> dict:
-    d, M, K, tau = dep.params, dep.clients, cfg.seed_pool, cfg.local_steps
+    from ..methods.fedkseed_method import FedKSeed
+    method = FedKSeed.of(cfg)
+    d, M, K, tau = dep.params, dep.clients, method.seed_pool, cfg.local_steps
     st: dict = {}
     comm = pool_traffic(M, dep.sampled, tau, K, dep.rounds, dtype=cfg.scalar_dtype, seed=dep.seed,
-                        sampling=cfg.seed_sampling, stats=st)
+                        sampling=method.seed_sampling, stats=st)
     per = dep.rounds * dep.sampled / M
     how = ("distinct seeds drawn so far (the run's draws)" if st["exact"] else
            "at most min(K, pairs so far): weighted draws follow the scalars, not exact")
@@ -167,7 +171,7 @@ def _seed_pool(cfg, dep: Deployment) -> dict:
             "client_bytes": 4 * d * (2 + (tau > 1)) + 24 * K,  # model, x_0 (+ delta), C, |g| sums, counts
             "server_bytes": 8 * M + 8 * d + 24 * K + st["log_bytes"],
             "server_s": st["server_s"] / dep.rounds + st["server_materialised"] / dep.rounds * d / REPLAY_RATE,
-            "note": f"K={K} seeds ({cfg.seed_sampling}), {cfg.difference} differences; drawn dirs: the pool "
+            "note": f"K={K} seeds ({method.seed_sampling}), {cfg.difference} differences; drawn dirs: the pool "
                     f"directions each answer materialises, {how}"}
 
 

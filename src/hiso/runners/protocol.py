@@ -12,7 +12,7 @@ from ..core.config import ZOConfig
 from ..core.history import RoundRecord
 from ..core.messages import (Hello, MessageError, Uplink, decode_uplink, encode_downlink, encode_hello, encode_uplink,
                              encode_welcome, varint_size, welcome_for)
-from ..core.round import PlainTransport, Tally, play_round
+from ..core.round import PlainTransport, play_round
 from ..core.server import Server, client_sampler, sample_clients
 from ..core.state import ModelState
 from ..methods.privacy import noise_key
@@ -73,12 +73,14 @@ class ScalarRounds:
             self.on_commit(record)
 
 
-class _Blob:
-    """A stand-in replica of ``n`` float32 values (sizes snapshots without a model)."""
+class BlobReplica:
+    """A stand-in replica of ``n`` float32 values (sizes snapshots without a model). One zero
+    seen ``n`` times: a plan of a billion-parameter model holds no copy of it (a snapshot the
+    schedule does send is still encoded whole)."""
 
     def __init__(self, n: int):
         import torch
-        self.params, self.h, self.round = [torch.zeros(n)], None, 0
+        self.params, self.h, self.round = [torch.zeros(1).expand(n)], None, 0
 
 
 def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int, perturbations: int, rounds: int,
@@ -96,7 +98,7 @@ def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int,
     change the uplink's encoding; None: DeComFL's and HiSo's)."""
     import time
     t0 = time.perf_counter()
-    blob = None if state_values is None else _Blob(state_values)
+    blob = None if state_values is None else BlobReplica(state_values)
     server = Server(num_clients, clients_per_round, local_steps, perturbations, seed=seed, scalar_dtype=scalar_dtype,
                     replica=blob, snapshot_after=snapshot_after, bandwidth=bandwidth, method=method)
     wire, comm = server.wire, Comm.zeros(num_clients)
@@ -104,7 +106,7 @@ def protocol_traffic(num_clients: int, clients_per_round: int, local_steps: int,
                                                   scalar_dtype=scalar_dtype), seed, []))
     for c in range(num_clients):
         comm.join(c, encode_hello(Hello(c, 0)), welcome)
-    zeros = (np.ones if wire.signs else np.zeros)(wire.shape, np.float32)  # (FeedSign's answers are +-1)
+    zeros = np.zeros(wire.shape, np.float32)  # encoded unchecked: its size only (a codec may refuse zeros)
     split = {"snapshots": 0, "snapshot_bytes": 0, "records": 0, "join_down": int(comm.down.sum()),
              "join_up": int(comm.up.sum())}
 

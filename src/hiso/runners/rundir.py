@@ -203,7 +203,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                                                      scalar_dtype=cfg.scalar_dtype, directions=cfg.direction_spec))
         elif cfg.method.pool_log:  # its own log: each round's (index, scalar) pairs
             from ..methods.fedkseed import PoolLogWriter
-            hist = stack.enter_context(PoolLogWriter(out / "history.bin", cfg.local_steps, cfg.seed_pool, cfg.seed,
+            from ..methods.fedkseed_method import FedKSeed
+            hist = stack.enter_context(PoolLogWriter(out / "history.bin", cfg.local_steps, FedKSeed.of(cfg).seed_pool,
+                                                     cfg.seed,
                                                      cfg.scalar_dtype, keep=records))
 
         def log(rec):  # a round that left x or H non-finite is not logged (and not counted)

@@ -326,9 +326,10 @@ def read_pool_run_log(run_dir: str | Path, cfg: RunConfig) -> list:
     """A FedKSeed run's logged records (:func:`hiso.methods.fedkseed.read_pool_log`), refused
     unless the log is of the run ``config.json`` describes."""
     from ..methods.fedkseed import read_pool_log
+    from ..methods.fedkseed_method import FedKSeed
     head, records = read_pool_log(f"{run_dir}/history.bin")
-    if (head["tau"], head["K"], head["seed"], head["scalar_dtype"]) != (cfg.local_steps, cfg.seed_pool, cfg.seed,
-                                                                      cfg.scalar_dtype):
+    K = FedKSeed.of(cfg).seed_pool
+    if (head["tau"], head["K"], head["seed"], head["scalar_dtype"]) != (cfg.local_steps, K, cfg.seed, cfg.scalar_dtype):
         raise ValueError(f"{run_dir}/history.bin is not the log of the run config.json describes")
     return records
 

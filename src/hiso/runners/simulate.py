@@ -47,7 +47,7 @@ from .client_cost import ClientCost, Timer, replica_bytes
 from .common import Comm, CommTally, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
 from .inprocess import InProcess
-from .protocol import ScalarRounds, _Blob, protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
+from .protocol import ScalarRounds, protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
 
 if TYPE_CHECKING:
     from .accounting import PrivacyLedger

@@ -47,7 +47,7 @@ from ..data.partition import label_entropy, label_histograms
 from . import lm
 from .base import Task
 from .lm_head import contiguous_head_input
-from .packed_forward import _hidden_size, _packed_logits, packing_pays, packing_works
+from .packed_forward import _packed_logits, hidden_size, packing_pays, packing_works
 from .prompts import _FIELDS, CLASSIFICATION, LANGUAGE_TASKS, QA, _check_template
 from .registry import register_task
 
@@ -159,7 +159,7 @@ class LanguageTask(Task):
     def _logits(self, model: nn.Module, batch: dict, keep: int) -> torch.Tensor:
         """Float32 logits of each prompt's last ``keep`` positions, (batch, keep, vocab)."""
         device = next(model.parameters()).device
-        if self.pack and packing_pays(batch["attention_mask"], _hidden_size(model)) and self._packs(model):
+        if self.pack and packing_pays(batch["attention_mask"], hidden_size(model)) and self._packs(model):
             with self._autocast(device):
                 return _packed_logits(model, batch, keep, device).float()
         kw = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids")}

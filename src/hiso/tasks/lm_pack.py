@@ -126,7 +126,7 @@ def pack(model: str, out: str | Path, part_size: int | str = DEFAULT_PART_SIZE, 
     fingerprint of the weights dequantized here; the far side dequantizes it again on unpacking
     (needs the ``gguf`` package there) and refuses weights with another fingerprint.
     """
-    from .. import __version__
+    from .._version import __version__
 
     size = parse_size(part_size) if isinstance(part_size, str) else int(part_size)
     out = Path(out)
@@ -326,7 +326,7 @@ def default_target(m: dict) -> Path:
     return cache_dir() / "models" / m["model"]
 
 
-def _write(src: Path, m: dict, dest: Path, quiet: bool) -> None:
+def reassemble(src: Path, m: dict, dest: Path, quiet: bool) -> None:
     """Reassemble the pack's files under ``dest`` (checking every checksum again as it goes)."""
     out = None
     try:
@@ -384,11 +384,11 @@ def unpack(src: str | Path, to: str | Path | None = None, quiet: bool = False) -
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-unpack-", dir=target.parent))
     try:
         if m.get("gguf"):
-            _write(src, m, tmp / "pack", quiet)
+            reassemble(src, m, tmp / "pack", quiet)
             _dequantized(m, tmp / "pack", tmp / "model")
             os.replace(tmp / "model", target)
         else:
-            _write(src, m, tmp / "model", quiet)
+            reassemble(src, m, tmp / "model", quiet)
             os.replace(tmp / "model", target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

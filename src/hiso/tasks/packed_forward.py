@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 
-def _hidden_size(model: nn.Module) -> int:
+def hidden_size(model: nn.Module) -> int:
+    """The width of a language model's hidden states (its text config's ``hidden_size``; 0: unknown)."""
     cfg = getattr(model, "config", None)
     cfg = getattr(cfg, "get_text_config", lambda: cfg)()
     return int(getattr(cfg, "hidden_size", 0) or 0)

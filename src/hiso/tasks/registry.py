@@ -13,10 +13,8 @@ builds it (default: ``Class(cfg.clients, seed=cfg.seed)``).
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
-import os
 import pkgutil
 import sys
 from dataclasses import dataclass, field
@@ -24,8 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from ..config import RunConfig
     from .base import Task
+
+# a run's configuration, a hiso.config.RunConfig: named, not imported (hiso.config imports this module)
+_RunConfig = Any
 
 DIRECTIONS = ("max", "min")
 
@@ -35,7 +35,7 @@ class TaskInfo:
     """What hiso knows about a task before building it."""
 
     name: str
-    build: Callable[["RunConfig"], "Task"]
+    build: Callable[[_RunConfig], "Task"]
     # evaluation metrics the task reports, each "max" (higher is better) or "min"; the first is
     # the default metric of ``hiso compare``
     metrics: dict[str, str]
@@ -90,7 +90,7 @@ def register_task(name: str, *, metrics: dict[str, str], default_lr: dict[str, f
     if options is not None and not set(options) <= TASK_OPTIONS:
         raise ValueError(f"task {name}: {sorted(set(options) - TASK_OPTIONS)} are not task options")
 
-    def deco(build: Callable[["RunConfig"], "Task"]):
+    def deco(build: Callable[[_RunConfig], "Task"]):
         if name in _REGISTRY and _REGISTRY[name].build is not build:
             raise ValueError(f"task {name!r} is registered twice")
         _REGISTRY[name] = TaskInfo(name, build, _check_metrics(f"task {name}", metrics), dict(default_lr or {}),
@@ -206,7 +206,7 @@ def use_instance(task: "Task", name: str | None = None) -> str:
     return name
 
 
-def build_task(cfg: "RunConfig") -> "Task":
+def build_task(cfg: _RunConfig) -> "Task":
     """The task ``cfg.task`` built from the run's configuration, its models on ``cfg.device``.
     A user's class that cannot be built from a configuration (its constructor wants more than
     ``from_config`` gives, e.g. a built-in task class used from Python) is one ValueError."""
@@ -242,7 +242,7 @@ def default_lr(task: str, algorithm: str, lora: bool = False, model: str | None 
     raise ValueError(f"no default lr for {algorithm} on task {what}: give one (--lr, or lr = ... in the config file)")
 
 
-def run_default_lr(cfg: "RunConfig") -> float | None:
+def run_default_lr(cfg: _RunConfig) -> float | None:
     """The lr ``cfg``'s task and algorithm give a run without --lr (None: none), for messages."""
     try:
         info = task_info(cfg.task)

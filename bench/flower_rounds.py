@@ -1,8 +1,8 @@
 """Measure hiso over Flower against the in-process simulator (docs/flower.md, Measurements).
 
-    python -m hiso.flower.bench deploy --nodes 2 --clients 2 --sampled 2 --rounds 5 [--task mnist ...]
-    python -m hiso.flower.bench sim --clients 100 --sampled 10 --rounds 10 [--secagg [--secagg-shares 21]]
-    python -m hiso.flower.bench secagg --sampled-list 3,5,10 --rounds 3 [--task mnist ...]
+    python bench/flower_rounds.py deploy --nodes 2 --clients 2 --sampled 2 --rounds 5 [--task mnist ...]
+    python bench/flower_rounds.py sim --clients 100 --sampled 10 --rounds 10 [--secagg [--secagg-shares 21]]
+    python bench/flower_rounds.py secagg --sampled-list 3,5,10 --rounds 3 [--task mnist ...]
 
 Prints one JSON object: seconds per round (deployment or simulation engine, and the
 in-process simulator on the same configuration), where a round's time goes (server side:
@@ -24,7 +24,7 @@ import numpy as np
 
 
 def _cfg(args):
-    from ..config import load_config
+    from hiso.config import load_config
     over = {k: v for k, v in vars(args).items() if k in ("task", "algorithm", "clients", "sampled", "rounds", "dim",
                                                           "local_steps", "perturbations", "batch_size", "seed", "lr",
                                                           "data_dir", "partition", "alpha", "min_size",
@@ -36,7 +36,7 @@ def _cfg(args):
 def _same(a: Path, b: Path) -> bool:
     """The two runs' final models (and H) and their logs are the same, bit for bit."""
     import torch
-    from ..core.history import read_history
+    from hiso.core.history import read_history
     x, y = torch.load(a / "model.pt", weights_only=False), torch.load(b / "model.pt", weights_only=False)
     log = [[(r.participants, r.seeds.tobytes(), r.scalars.tobytes()) for r in read_history(d / "history.bin")[2]]
            for d in (a, b)]
@@ -45,7 +45,7 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def _inproc(cfg, out: Path) -> dict:
-    from ..runners.rundir import run_to_dir
+    from hiso.runners.rundir import run_to_dir
     return run_to_dir(cfg, out)
 
 
@@ -138,7 +138,7 @@ class CountingProxy:
 
 
 def deploy(args) -> dict:
-    from .launch import LocalFederation, free_port
+    from hiso.flower.launch import LocalFederation, free_port
     cfg = _cfg(args)
     load0 = _load()
     work = Path(tempfile.mkdtemp(prefix="hiso-flower-bench-"))
@@ -226,7 +226,7 @@ def sim(args) -> dict:
     """The simulation engine against the in-process run of the same configuration, which runs
     first in a child process (so that each peak resident memory is its own run's)."""
     import multiprocessing
-    from .sim import run_simulation
+    from hiso.flower.sim import run_simulation
     cfg = _cfg(args)
     load0 = _load()
     work = Path(tempfile.mkdtemp(prefix="hiso-flower-sim-bench-"))
@@ -262,9 +262,9 @@ def secagg_cost(args) -> dict:
     serialisation, without the message envelope), and the SecAgg+ stages' share of it. A
     deployment adds Flower's cost per message on top: a plain round is one message per client,
     a SecAgg+ round four."""
-    from .app import FlowerFederation, Settings, serve
-    from .loopback import LoopbackGrid, server_task
-    from .secagg import SecAggFederation
+    from hiso.flower.app import FlowerFederation, Settings, serve
+    from hiso.flower.loopback import LoopbackGrid, server_task
+    from hiso.flower.secagg import SecAggFederation
     work = Path(tempfile.mkdtemp(prefix="hiso-secagg-bench-"))
     load0, out = _load(), {}
     for n in args.sampled_list:
@@ -324,8 +324,8 @@ def replica_cost(args) -> dict:
     import torch
     from torch import nn
 
-    from ..core import ModelState, RoundRecord, ZOConfig
-    from .replica import Replica
+    from hiso.core import ModelState, RoundRecord, ZOConfig
+    from hiso.flower.replica import Replica
     out = {}
     for d in args.dims:
         zo = ZOConfig(lr=1e-3, perturbations=1)
@@ -368,7 +368,7 @@ def replica_cost(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hiso.flower.bench")
+    p = argparse.ArgumentParser(prog="python bench/flower_rounds.py")
     p.add_argument("what", choices=["deploy", "sim", "replica", "secagg"])
     p.add_argument("--secagg", action="store_true", default=None, help="deploy, sim: with secure aggregation")
     p.add_argument("--sampled-list", type=lambda x: [int(v) for v in x.split(",")], default=[3, 5, 10],
