@@ -28,7 +28,8 @@ def read_runs(roots: list[Path]) -> dict:
         for summary in sorted(root.glob("runs/*/*/seed*/summary.json")):
             cfg = json.loads((summary.parent / "config.json").read_text())
             cfg = cfg.get("config", cfg)
-            method = cfg["algorithm"] + ("1" if cfg["algorithm"] == "sketch" and cfg.get("sketch_bits") == 1 else "")
+            bits = (cfg.get("method_opts") or {}).get("sketch_bits", cfg.get("sketch_bits"))  # (flat before schema 4)
+            method = cfg["algorithm"] + ("1" if cfg["algorithm"] == "sketch" and bits == 1 else "")
             rows = [json.loads(x) for x in (summary.parent / "metrics.jsonl").read_text().splitlines() if x.strip()]
             s = json.loads(summary.read_text())
             s["seed"] = cfg["seed"]

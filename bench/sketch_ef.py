@@ -10,8 +10,10 @@ and adds it to its next update (p(Delta + e) = p(Delta) + p(e), the projection b
 
 Experiment only: the residual lives in this process, keyed by the client id that
 ``hiso.runners.simulate.answer_work`` is patched to record (fast mode; no resume, no Flower).
-What it shows (2026-11-27, 20 rounds, lr 0.01): without EF eval loss 2.18, accuracy 32 %; with
-EF eval loss 69.7, accuracy 13 %: the lifted residual re-enters through next round's fresh
+What it shows (2026-12-05, 20 rounds, lr 0.01): without EF eval loss 2.18, accuracy 32 %; with
+EF eval loss 2.31 (chance: ln 10 = 2.30), accuracy 7 %. (The figures of 2026-11-27, 69.7 and
+13 % with EF, came from an EF arm that by a slip of its arguments ran with server_lr 0.01 and
+grad_clip 1; it is now built as the sketch is.) The lifted residual re-enters through next round's fresh
 directions, whose projection error is d/K (~226 here) times its size, so it grows instead of
 shrinking. EF would need directions that persist between a client's rounds (a fixed pool of
 seeds, as FedKSeed's, so the residual stays K numbers in sketch space).
@@ -31,7 +33,7 @@ import hiso.runners.simulate as sim_mod
 from hiso.core.scalars import quantize_rows
 from hiso.methods.ferret import FerretResult, blocks_of
 from hiso.methods.ferret import local_update as ferret_update
-from hiso.methods.sketch import SketchConfig
+from hiso.methods.sketch import Sketch
 
 
 _CID = {"cid": None}
@@ -48,15 +50,9 @@ sim_mod.answer_work = _answer_work
 
 
 @dataclass(frozen=True)
-class SketchEF(SketchConfig):
+class SketchEF(Sketch):  # Sketch's options (ferret_k, ferret_blocks, sketch_bits), server step and codes
     display = "SketchEF"
-    gradient = "first-order"
-    options = frozenset({"server_lr", "ferret", "sketch"})
     can = frozenset({"backprop", "lowbit", "int8"})
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, cfg.sketch_bits)
 
     def local_update(self, state, perturber, loss_fn, batches, seeds):
         res = ferret_update(state, loss_fn, batches, seeds)

@@ -38,7 +38,7 @@ def test_migrate_gives_an_unversioned_file_the_values_its_run_had():
 
 
 def test_the_fingerprint_tables_name_classes_that_exist_and_keep_the_old_blobs():
-    for key in {**compat.FINGERPRINT_LEGACY_KEY, **compat.FINGERPRINT_LATER_FIELDS}:
+    for key in {**compat.FINGERPRINT_LEGACY_KEY, **compat.FINGERPRINT_LATER_FIELDS, **compat.FINGERPRINT_AS}:
         module, _, name = key.rpartition(".")
         assert hasattr(importlib.import_module(module), name), key  # a renamed class must move its row
     ferret = json.loads(config_blob(RunConfig(algorithm="ferret").zo()))

@@ -86,10 +86,11 @@ def test_another_methods_flag_is_named_and_not_kept(tmp_path, capsys):
 
 def _schema2(cfg: RunConfig) -> dict:
     """``cfg`` as hiso wrote it before schema 3: every run with the 8 options flat (and the other
-    built-in methods' that were flat until later)."""
+    methods' flat options of compat.FLAT_OPTIONS, at their defaults but the run's method's)."""
     values = cfg.model_dump()
     opts = dict(values.pop("method_opts"))
-    flat = {k: opts.pop(k, d) for owner in compat.FLAT_OPTIONS.values() for k, d in owner.items()}
+    own = compat.FLAT_OPTIONS.get(cfg.algorithm, {})
+    flat = {k: opts.pop(k) if k in own else d for k, d in compat.FLAT_DEFAULTS.items()}
     return {"schema": 2, **values, **flat, "method_opts": opts}
 
 
@@ -103,7 +104,9 @@ def test_a_schema_2_configuration_reads_as_today_with_the_same_hash(kw):
     # the hash exports carry is the one the flat configuration had (method_opts {}: left out, as before)
     flat = {k: v for k, v in old.items() if k != "schema" and not (k == "method_opts" and v == {})}
     for name in compat.HASH_LATER_FIELDS:
-        if name in flat and flat[name] == RunConfig.model_fields[name].get_default(call_default_factory=True):
+        default = compat.FLAT_DEFAULTS[name] if name in compat.FLAT_DEFAULTS else \
+            RunConfig.model_fields[name].get_default(call_default_factory=True)
+        if name in flat and flat[name] == default:
             flat.pop(name)
     for name, counts in compat.HASH_ONLY_WHERE.items():
         if not counts(flat):

@@ -114,10 +114,10 @@ def test_the_decoder_refuses_what_the_codec_would_not_make():
 
 
 def test_the_built_in_names_and_codecs_resolve():
-    from hiso.methods.sketch import SketchConfig
+    from hiso.methods.sketch import Sketch
     assert uplink_codec(None) is SCALARS and uplink_codec(Method()) is SCALARS
     assert uplink_codec(FeedSign()) is SIGNS and uplink_codec(Greedy()) is CHOICE
-    sketch = SketchConfig(bits=2)
+    sketch = Sketch(sketch_bits=2)
     assert uplink_codec(sketch) == Codes(2) and Wire(1, 5, uplink=uplink_codec(sketch)).uplink_bytes == 4 + 2
     assert uplink_codec(Top1Half()) is TOP1
 

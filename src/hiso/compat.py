@@ -13,17 +13,21 @@ from __future__ import annotations
 
 SCHEMA = 4  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
 # built-in method's options in its method_opts (FLAT_OPTIONS), paths relative to the run directory
-# (hiso.runners.portable); 4: more built-in methods' options there (FLAT_OPTIONS: FedKSeed's)
+# (hiso.runners.portable); 4: more built-in methods' options there (FLAT_OPTIONS: FedKSeed's,
+# Ferret's, the sketch's and FedKRSO's)
 
 # a built-in method's options that were flat RunConfig fields before schema 3 (HiSo's) or 4 (the
 # others': every run's config.json had them, at these defaults unless given) and are its Method
 # class's fields since, recorded in method_opts: algorithm -> {option: the default it had}.
 # Reading an older file moves them into that method's method_opts and drops them from the other
 # methods' (they did nothing there); the configuration's hash puts them back where they were
-# (flat_options).
+# (flat_options). Methods may share an option (Ferret's ferret_k is the sketch's and FedKRSO's too).
+_FERRET = {"ferret_k": 200, "ferret_blocks": 8}
 FLAT_OPTIONS = {"hiso": {"nu": 0.05, "eps": 1e-8, "h_min": None, "h_max": None, "h_source": "last",
                          "h_stat": "ghat2", "h_granularity": "coordinate", "h_bias_correction": False},
-                "fedkseed": {"seed_pool": 4096, "seed_sampling": "weighted"}}
+                "fedkseed": {"seed_pool": 4096, "seed_sampling": "weighted"},
+                "ferret": _FERRET, "sketch": {**_FERRET, "sketch_bits": 1}, "fedkrso": _FERRET}
+FLAT_DEFAULTS = {name: default for owner in FLAT_OPTIONS.values() for name, default in owner.items()}
 
 # options added later whose default computes differently: option -> (the tasks it applies to, None
 # for every task; the value runs made before it had). A config.json without `directions` predates
@@ -39,7 +43,8 @@ MADE_BEFORE = {"pack_sequences": ({"sst2", "qqp", "squad"}, False), "directions"
 DEFAULT_BEFORE = {"squad": ("max_length", 256)}
 
 # RunConfig fields added after exports began to carry the configuration's hash
-# (runners.runmodel.config_sha256): at their default they are left out, so older runs keep theirs
+# (runners.runmodel.config_sha256): at their default (FLAT_DEFAULTS' for an option flat then) they
+# are left out, so older runs keep theirs
 HASH_LATER_FIELDS = ("sketch_bits", "secagg_shares", "grad_clip", "method_opts",
                      "text_column", "label_column", "prompt_column", "response_column", "base_dtype")
 
@@ -54,14 +59,24 @@ HASH_ONLY_WHERE = {"quantize_embedding": lambda v: v.get("quantize_embedding") i
 # its H's configuration under "precond" (it was ZOConfig.precond, which every blob has) and
 # DeComFL's and FedKSeed's as nothing (they were no method); any other method's class and fields go
 # under "method"
-FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.FerretConfig": "ferret", "hiso.methods.feedsign.FeedSign": "signs",
+FINGERPRINT_LEGACY_KEY = {"hiso.methods.ferret.Ferret": "ferret", "hiso.methods.feedsign.FeedSign": "signs",
                           "hiso.methods.hiso_method.HiSo": "precond", "hiso.methods.decomfl.DeComFL": None,
                           "hiso.methods.fedkseed_method.FedKSeed": None}
 
+# method classes renamed or reshaped since runs were written with them: class -> (the class the
+# fingerprint names, {field: its name there, None: left out}). Ferret's, sketch's and FedKRSO's
+# classes were FerretConfig, SketchConfig and FedKRSOConfig with fields blocks and bits; K, their
+# ferret_k, was (and is) the record's P, which the fingerprint has already
+_BLOCKS = {"ferret_k": None, "ferret_blocks": "blocks"}
+FINGERPRINT_AS = {"hiso.methods.ferret.Ferret": ("hiso.methods.ferret.FerretConfig", _BLOCKS),
+                  "hiso.methods.sketch.Sketch": ("hiso.methods.sketch.SketchConfig",
+                                                 {**_BLOCKS, "sketch_bits": "bits"}),
+                  "hiso.methods.fedkrso.FedKRSO": ("hiso.methods.fedkrso.FedKRSOConfig", _BLOCKS)}
+
 # method fields added after runs were written with that method: left out of the fingerprint while
 # None, so those runs' checkpoints and peers stay this configuration's
-FINGERPRINT_LATER_FIELDS = {"hiso.methods.ferret.FerretConfig": ("grad_clip",),
-                            "hiso.methods.sketch.SketchConfig": ("grad_clip",)}
+FINGERPRINT_LATER_FIELDS = {"hiso.methods.ferret.Ferret": ("grad_clip",),
+                            "hiso.methods.sketch.Sketch": ("grad_clip",)}
 
 
 def class_key(obj) -> str:
@@ -74,11 +89,15 @@ def fingerprint_method(method, fields: dict | None, uplink) -> dict:
     """The protocol fingerprint's entries for a method (``fields``: its dataclass fields;
     ``uplink``: its codec), as hiso wrote them before methods were plugins
     (:data:`FINGERPRINT_LEGACY_KEY`): ``signs`` (whether the answers are one-bit signs) and
-    ``ferret`` in every blob, ``method`` for a method that table does not name."""
+    ``ferret`` in every blob, ``method`` for a method that table does not name (a class renamed
+    or reshaped since by the names its runs' blobs have: :data:`FINGERPRINT_AS`)."""
     out = {"signs": getattr(uplink, "name", None) == "signs", "ferret": None}
     key = class_key(method)
+    named, renamed = FINGERPRINT_AS.get(key, (key, {}))
+    if fields is not None:
+        fields = {renamed.get(k, k): v for k, v in fields.items() if renamed.get(k, k) is not None}
     if method is not None and key not in FINGERPRINT_LEGACY_KEY:
-        out["method"] = {"class": key, **(fields or {})}
+        out["method"] = {"class": named, **(fields or {})}
     elif FINGERPRINT_LEGACY_KEY.get(key) == "ferret":
         out["ferret"] = fields
     return out
@@ -128,11 +147,9 @@ def unflatten(raw: dict) -> dict:
 def flat_options(values: dict) -> dict:
     """A configuration's values (``RunConfig.model_dump()``) as before schema 3, for its hash: the
     options of :data:`FLAT_OPTIONS` flat again, at their defaults where the method has none."""
-    values = dict(values)
-    algorithm = values.get("algorithm")
+    values = {**dict(values), **FLAT_DEFAULTS}
     opts = dict(values.get("method_opts") or {})
-    for owner, defaults in FLAT_OPTIONS.items():
-        for name, default in defaults.items():
-            values[name] = opts.pop(name, default) if algorithm == owner else default
+    for name in FLAT_OPTIONS.get(values.get("algorithm"), {}):
+        values[name] = opts.pop(name, FLAT_DEFAULTS[name])
     values["method_opts"] = opts
     return values

@@ -57,8 +57,9 @@ class RunConfig(BaseModel, MethodRules):
         "path/to/file.py:Class"))
     method_opts: dict[str, Any] = Field(default_factory=dict, description=(
         "the method's own options, the fields of its Method subclass (yours, or hiso's nu and h_*, conmezo's "
-        "theta and beta): --method-opt KEY=VALUE (repeatable), a [method] table in TOML; hiso's are also flags "
-        "(--nu) and TOML keys (nu = ...)"))
+        "theta and beta): --method-opt KEY=VALUE (repeatable), a [method] table in TOML; the built-ins' "
+        "(hiso's, fedkseed's, ferret's, sketch's, fedkrso's) are also flags (--nu, --seed-pool, --ferret-k) and "
+        "TOML keys (nu = ...)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -165,18 +166,6 @@ class RunConfig(BaseModel, MethodRules):
         "secagg on Flower: each client's secrets go to this many clients, itself included (SecAgg+'s num_shares, "
         "odd: its neighbours on a ring of the round's clients), not to all; a round then closes while every client "
         "has at least secagg_threshold (below this number) of them answering (default: all clients)"))
-    # Ferret (hiso.methods.ferret)
-    ferret_k: int = Field(200, description=(
-        "ferret, sketch, fedkrso: K, the random directions per parameter block the local update is projected on "
-        "(fedkrso: its local steps are restricted to their span) (default: 200, the authors' script; ferret_k x "
-        "ferret_blocks <= 65536)"))
-    ferret_blocks: int = Field(8, description=(
-        "ferret, sketch, fedkrso: B, contiguous blocks of trainable tensors of about equal size, each with its own K "
-        "directions (a tensor is never split: with fewer or very unequal tensors some blocks stay empty and send K "
-        "zeros)"))
-    sketch_bits: int = Field(1, description=(
-        "sketch: b, the bits of each of Ferret's projections on the uplink, one scale per block (1: the scaled "
-        "sign; 2, 4, 8: a symmetric uniform grid; K and B are ferret_k and ferret_blocks)"))
     step_norm: Literal["std"] | None = Field(None, description=(
         "std: divide the global step by a moving RMS of the round's aggregated scalars, from the log alone "
         "(hiso.methods.stepnorm; hiso, decomfl, local_steps 1; default: none)"))
@@ -371,8 +360,9 @@ class RunConfig(BaseModel, MethodRules):
 
     def zo(self) -> ZOConfig:
         method = self.method.build(self)  # the core's hooks and stages (HiSo's keeps H)
-        if "ferret" in self.method.options:  # the record's (tau, P) is (blocks, K); tau local steps live in the method
-            return ZOConfig(lr=self.lr, mu=self.mu, perturbations=self.ferret_k, local_steps=self.ferret_blocks,
+        shape = None if method is None else method.record_shape()
+        if shape is not None:  # its own record (Ferret's (B, K)); its local steps live in the method
+            return ZOConfig(lr=self.lr, mu=self.mu, perturbations=shape[1], local_steps=shape[0],
                             directions=self.directions, scalar_dtype=self.scalar_dtype, lr_decay=self.lr_decay,
                             method=method)
         momentum = None if self.momentum is None else MomentumConfig(beta=self.momentum)
@@ -396,26 +386,31 @@ class RunConfig(BaseModel, MethodRules):
 RUNTIME_ONLY = ("checkpoint_every",)
 
 FLAGS_BEFORE = "momentum"  # where a method's own flags (nu, h_*) sit among the run's options (--help, docs), unless
-# its class says (``flags_at``: FedKSeed's before ferret_k)
+# its class says (``flags_at``: Ferret's before step_norm, FedKSeed's before Ferret's ferret_k)
 
 
 def option_fields() -> dict[str, FieldInfo]:
     """Every option of a run by its flag's and TOML key's name, in --help's order: RunConfig's
-    fields and the built-in methods' own fields that are flags too (HiSo's ``nu``, ...: their
-    ``method_opts`` when the run is theirs, :func:`hiso.methods.registry.flag_options`)."""
+    fields and the built-in methods' own fields that are flags too (HiSo's ``nu``, Ferret's
+    ``ferret_k``, ...: their ``method_opts`` when the run is theirs,
+    :func:`hiso.methods.registry.flag_options`)."""
     import dataclasses
 
     from .methods.options import fields_of
     from .methods.registry import flag_options
-    flags: dict[str, dict[str, FieldInfo]] = {}  # by the RunConfig field they sit before
+    flags: dict[str, dict[str, FieldInfo]] = {}  # by the option (RunConfig's or a flag) they sit before
     for name, (cls, _) in flag_options().items():
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
         flags.setdefault(getattr(cls, "flags_at", FLAGS_BEFORE), {})[name] = FieldInfo(
             annotation=fields_of(cls)[name], default=f.default, description=f.metadata.get("help"))
     out: dict[str, FieldInfo] = {}
-    for name, field in RunConfig.model_fields.items():
-        out.update(flags.get(name, {}))
+
+    def put(name: str, field: FieldInfo) -> None:
+        for flag, info in flags.get(name, {}).items():
+            put(flag, info)
         out[name] = field
+    for name, field in RunConfig.model_fields.items():
+        put(name, field)
     return out
 
 

@@ -1,5 +1,5 @@
-"""The method-specific rules of :class:`hiso.config.RunConfig`: what secure aggregation, Ferret,
-the one-seed methods (FeedSign, FedKSeed) and differential privacy require of a run, and the
+"""The method-specific rules of :class:`hiso.config.RunConfig`: what secure aggregation, the
+one-seed methods (FeedSign, FedKSeed) and differential privacy require of a run, and the
 values they resolve. A mixin, so config.py keeps the fields and the checks every run shares."""
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ class MethodRules:
 
     def _method_opts_checks(self) -> None:
         """Type a method's options by its Method class's fields (a user's method, or a built-in one
-        written on the contract: hiso, conmezo, greedy); the other built-in methods have none of their
-        own. A built-in class whose fields are flags too (HiSo's) has all of them recorded, at their
-        defaults where not given (config.json names the values its run used), and checked here."""
+        written on the contract: hiso, ferret, sketch, fedkrso, conmezo, greedy); the other built-in
+        methods have none of their own. A built-in class whose fields are flags too (HiSo's,
+        Ferret's) has all of them recorded, at their defaults where not given (config.json names
+        the values its run used), and checked here."""
         from .methods.options import check_options, fields_of
         from .methods.registry import is_user_method
         cls = self.method.option_class
@@ -135,12 +136,6 @@ class MethodRules:
                               f"per round: not for {self.algorithm}")
         if "one-seed" in can:
             self._one_seed_defaults()
-        if "ferret" in info.options:
-            self._ferret_checks()
-        if "sketch" in info.options:
-            from .core.scalars import CODE_BITS
-            if self.sketch_bits not in CODE_BITS:
-                raise ValueError(f"sketch_bits must be one of {', '.join(map(str, CODE_BITS))}, got {self.sketch_bits}")
         if info.pool_log:
             if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
                 raise ValueError(f"{self.algorithm} runs with the plain mean only (no faults, attackers, robust or "
@@ -210,17 +205,6 @@ class MethodRules:
             return None
         from .methods.secagg import SecAggConfig
         return SecAggConfig(self.secagg_clip, self.secagg_bits, self.secagg_modulus_bits, self.secagg_threshold)
-
-    def _ferret_checks(self) -> None:
-        from .core.seeds import MAX_PER_ROUND
-        if self.ferret_k < 1 or self.ferret_blocks < 1:
-            raise ValueError(f"ferret needs ferret_k >= 1 and ferret_blocks >= 1, got {self.ferret_k} and "
-                             f"{self.ferret_blocks}")
-        if self.ferret_k * self.ferret_blocks > MAX_PER_ROUND:
-            raise ValueError(f"ferret_k x ferret_blocks = {self.ferret_k * self.ferret_blocks} seeds a round, more "
-                             f"than the format allows ({MAX_PER_ROUND})")
-        if self.momentum is not None:
-            raise ValueError(f"momentum is for hiso and decomfl, not {self.algorithm}")
 
     def _one_seed_defaults(self) -> None:
         """FeedSign (arXiv 2501.17610) and FedKSeed (arXiv 2312.06353) take one seed per step and a

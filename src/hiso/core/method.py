@@ -20,6 +20,9 @@ hook                called by, and when
 ``stages``          every replica, once: the chain's stages (step-size stages, then the step
                     stage); a method adds a stage with state of its own or replaces the step
                     (its state is saved in model.pt and checkpoint.pt, sent in snapshots)
+``record_shape``    the run's configuration, once: the (tau, P) of a round's seeds and scalars
+                    (None: the run's local steps and perturbations, the ZO estimate's; Ferret's
+                    projections: its (B, K))
 ``uplink``          the wire: a codec (:mod:`hiso.core.uplink`) for the answers (FeedSign's
                     one-bit signs are its own), or the name of a built-in one:
                     ``"scalars"`` (the run's scalar dtype) or ``"codes"`` (b-bit codes with
@@ -94,6 +97,11 @@ class Method:
         Each stage with a ``name`` keeps ``init(params)``'s value (a tensor or a list of tensors)
         as the replica's state under that name."""
         return chain
+
+    def record_shape(self) -> tuple[int, int] | None:
+        """A round's (tau, P) when the method sends other numbers than the ZO estimate's (None:
+        the run's local steps and perturbations)."""
+        return None
 
 
 DECOMFL = Method()

@@ -11,13 +11,16 @@ and log is built on the core here too: FedKSeed's seed pool (``fedkseed.py``; it
 client sides of a round, ``fedkseed_rounds.py``).
 
 HiSo itself is a method on the contract (``hiso_method.py``: :class:`HiSo`, whose stage keeps H),
-as are DeComFL (``decomfl.py``) and FedKSeed's options (``fedkseed_method.py``).
+as are DeComFL (``decomfl.py``), FedKSeed's options (``fedkseed_method.py``), and Ferret, the
+low-bit sketch and FedKRSO (:class:`Ferret`, :class:`Sketch`, :class:`FedKRSO`: their options
+``ferret_k``, ``ferret_blocks`` and ``sketch_bits`` their fields).
 
 Nothing is imported here until asked (``hiso.methods.HiSo``), so importing one method costs only
 that method.
 """
 
-_EXPORTS = {"HiSo": "hiso.methods.hiso_method"}
+_EXPORTS = {"HiSo": "hiso.methods.hiso_method", "Ferret": "hiso.methods.ferret", "Sketch": "hiso.methods.sketch",
+            "FedKRSO": "hiso.methods.fedkrso"}
 
 
 def __getattr__(name: str):

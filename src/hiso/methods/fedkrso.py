@@ -46,19 +46,24 @@ its memory saving: activations and a full gradient are held, as Ferret's client)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from ..core import exact
 from ..core.work import Work
-from .ferret import FerretConfig, FerretResult, blocks_of, clip_grads
+from .ferret import Ferret, FerretResult, blocks_of, clip_grads
 
 
 @dataclass(frozen=True)
-class FedKRSOConfig(FerretConfig):
-    """FedKRSO's hooks: Ferret's options (steps, server_lr, blocks, grad_clip) and fold; the
-    client's steps restricted to the round's subspaces (see the module's docstring)."""
+class FedKRSO(Ferret):
+    """FedKRSO's hooks: Ferret's options (``ferret_k``, ``ferret_blocks``) and fold; the client's
+    steps restricted to the round's subspaces (see the module's docstring)."""
+
+    display: ClassVar[str] = "FedKRSO"
+    can: ClassVar[frozenset] = frozenset({"faults", "robust", "weighted", "backprop", "int8", "lowbit", "lr_decay",
+                                          "grad_clip"})
 
     def local_update(self, state, perturber, loss_fn, batches, seeds):
         return local_update(state, loss_fn, batches, seeds)

@@ -36,35 +36,78 @@ informative, and a 12,800-number tensor shares block 0's K directions with two s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
 
 from ..core.method import Method
 from ..core.work import Work
+from .options import RUN
 
 DEFAULT_K = 200  # the authors' script (scripts/ferret.sh: --K 200)
 DEFAULT_BLOCKS = 8
 
 
-@dataclass(frozen=True)
-class FerretConfig(Method):
-    """Ferret's hooks (:mod:`hiso.core.method`). steps: local SGD steps; server_lr: the global
-    step's scale; blocks: B (the record's tau); grad_clip: each local step's gradient clipped
-    to this L2 norm over the trainable tensors (None: not clipped)."""
+def _help(text: str) -> dict:
+    return {"help": text}
 
-    steps: int = 1
-    server_lr: float = 1.0
-    blocks: int = DEFAULT_BLOCKS
-    grad_clip: float | None = None
+
+@dataclass(frozen=True)
+class Ferret(Method):
+    """First-order local steps, K projections per block on the wire. Its options are ``ferret_k``
+    (K) and ``ferret_blocks`` (B: the record's (tau, P) is (B, K)); ``steps``, ``server_lr`` and
+    ``grad_clip`` are the run's local steps, server step and gradient clip (``RUN`` fields, set
+    by :meth:`from_config`, not options)."""
+
+    ferret_k: int = field(default=DEFAULT_K, metadata=_help(
+        "ferret, sketch, fedkrso: K, the random directions per parameter block the local update is projected on "
+        "(fedkrso: its local steps are restricted to their span) (default: 200, the authors' script; ferret_k x "
+        "ferret_blocks <= 65536)"))
+    ferret_blocks: int = field(default=DEFAULT_BLOCKS, metadata=_help(
+        "ferret, sketch, fedkrso: B, contiguous blocks of trainable tensors of about equal size, each with its own K "
+        "directions (a tensor is never split: with fewer or very unequal tensors some blocks stay empty and send K "
+        "zeros)"))
+    steps: int = field(default=1, metadata=RUN)  # local SGD steps (the run's local_steps)
+    server_lr: float = field(default=1.0, metadata=RUN)  # the global step's scale
+    grad_clip: float | None = field(default=None, metadata=RUN)  # each local step's gradient norm clip (None: none)
+
+    display: ClassVar[str] = "Ferret"
+    gradient: ClassVar[str] = "first-order"
+    options: ClassVar[frozenset] = frozenset({"server_lr"})
+    can: ClassVar[frozenset] = frozenset({"faults", "robust", "weighted", "backprop", "lr_decay", "grad_clip"})
+    default_server_lr: ClassVar[float] = 1.0
+    flags: ClassVar[str] = "ferret's, sketch's and fedkrso's"  # its fields are top-level flags too; whose they are
+    flags_at: ClassVar[str] = "step_norm"  # where they sit among the run's options (--help, docs/cli.md)
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.blocks < 1 or not self.server_lr > 0:
-            raise ValueError(f"ferret needs steps >= 1, blocks >= 1 and server_lr > 0, got {self}")
+        from ..core.seeds import MAX_PER_ROUND
+        for name in ("ferret_k", "ferret_blocks", "steps"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} = {getattr(self, name)!r}: expected an integer")
+        if self.ferret_k < 1 or self.ferret_blocks < 1:
+            raise ValueError(f"ferret needs ferret_k >= 1 and ferret_blocks >= 1, got {self.ferret_k} and "
+                             f"{self.ferret_blocks}")
+        if self.steps < 1:
+            raise ValueError(f"ferret needs steps >= 1, got {self.steps}")
+        if self.ferret_k * self.ferret_blocks > MAX_PER_ROUND:
+            raise ValueError(f"ferret_k x ferret_blocks = {self.ferret_k * self.ferret_blocks} seeds a round, more "
+                             f"than the format allows ({MAX_PER_ROUND})")
+        if not self.server_lr > 0:
+            raise ValueError(f"server_lr must be > 0, got {self.server_lr!r}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0, got {self.grad_clip!r}")
+
+    @classmethod
+    def from_config(cls, cfg) -> "Ferret":
+        """The method of a run (a :class:`~hiso.config.RunConfig`): its local steps, server step
+        and clip (its own options are set after, from ``method_opts``)."""
+        return cls(steps=cfg.local_steps, server_lr=cfg.resolved_server_lr(), grad_clip=cfg.grad_clip)
+
+    def record_shape(self) -> tuple[int, int]:
+        """(B, K): a round's seeds and scalars are K per block."""
+        return (self.ferret_blocks, self.ferret_k)
 
     def batches(self, cfg) -> int:
         return self.steps
@@ -95,7 +138,7 @@ def apply_(state, record) -> None:
     from ..core.chain import check_record
     check_record(state, record, "(blocks, K)")
     cfg = state.cfg
-    for i, (p, b) in enumerate(zip(state.params, blocks_of(state.params, cfg.method.blocks))):
+    for i, (p, b) in enumerate(zip(state.params, blocks_of(state.params, cfg.method.ferret_blocks))):
         ghat = state.gen.combine(i, p.shape, record.seeds[b], record.scalars[b], None, p.device)
         exact.axpy_(p, -cfg.method.server_lr, ghat)
     state.round += 1

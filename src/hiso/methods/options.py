@@ -17,6 +17,10 @@ from typing import Any
 
 _CASTS = {int: int, float: float, str: str}
 
+# a method field's metadata marking it the run's value the method carries (Ferret's local steps,
+# server step and clip, set by its ``from_config``), not one of its options
+RUN = {"run": True}
+
 
 def parse_pairs(items) -> dict[str, str]:
     """``["c=0.5", "name=x"]`` (the command line's --method-opt) as a dict; a dict passes through."""
@@ -34,7 +38,8 @@ def parse_pairs(items) -> dict[str, str]:
 
 
 def fields_of(cls: type) -> dict[str, Any]:
-    """The options a method class declares: its dataclass fields (name -> type)."""
+    """The options a method class declares: its dataclass fields (name -> type), but those that
+    carry the run's values (metadata :data:`RUN`)."""
     if cls is None or not dataclasses.is_dataclass(cls):
         return {}
     return dict(_fields_of(cls))
@@ -45,7 +50,8 @@ def _fields_of(cls: type) -> tuple[tuple[str, Any], ...]:
     # typing.get_type_hints evaluates every annotation anew (ms a class): the command line asks
     # it once per flag when it builds its parser; a class edited and reloaded is another key
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, hints.get(f.name, Any)) for f in dataclasses.fields(cls) if f.init)
+    return tuple((f.name, hints.get(f.name, Any)) for f in dataclasses.fields(cls)
+                 if f.init and not f.metadata.get("run"))
 
 
 def cast_option(name: str, kind: Any, value: Any) -> Any:
@@ -119,10 +125,11 @@ def method_spec(method: Any) -> tuple[str, dict[str, Any]]:
         spec = f"{cls.__module__}:{cls.__qualname__}"
     opts = {}
     if not isinstance(method, type) and dataclasses.is_dataclass(method):
+        options = fields_of(cls)
         for f in dataclasses.fields(method):
             value = getattr(method, f.name)
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
-            if f.init and value != default:
+            if f.name in options and value != default:
                 opts[f.name] = value
     return spec, opts

@@ -12,15 +12,19 @@ with), ``hiso compare``, the reports, the runners, rebuild, export, resume and t
   read, set to another value than its default, is refused or reported as unused;
 * ``can``: its capabilities (:data:`CAPABILITIES`); an option that needs one it lacks is refused;
 * ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls;
-* ``cls``: for a method written on the contract (HiSo, DeComFL, FedKSeed, ConMeZO, greedy), its Method class: its
-  dataclass fields are its options (``--method-opt KEY=VALUE``, as a user's method's), and it is
-  built as a user's method is (``from_config``, then the options). A built-in class with a
-  ``flags`` attribute (HiSo's: ``"HiSo's preconditioner"``, whose they are) also has its fields
-  as top-level flags and TOML keys (``--nu``, ``nu = 0.1``; :func:`flag_options`).
+* ``cls``: for a method written on the contract (HiSo, DeComFL, Ferret, FedKSeed, sketch, FedKRSO,
+  ConMeZO, greedy), its Method class: its dataclass fields are its options (``--method-opt
+  KEY=VALUE``, as a user's method's; a field marked :data:`hiso.methods.options.RUN` carries a
+  run's value instead), and it is built as a user's method is (``from_config``, then the
+  options). A built-in class with a ``flags`` attribute (HiSo's: ``"HiSo's preconditioner"``,
+  whose they are) also has its fields as top-level flags and TOML keys (``--nu``, ``nu = 0.1``;
+  :func:`flag_options`), listed before the option its ``flags_at`` names (default ``momentum``).
 
-A user's method needs no registration: ``--algorithm module:Class`` (or
-``path/to/file.py:Class``) names a :class:`hiso.core.method.Method` subclass; its class
-attributes ``display``, ``gradient``, ``can`` and ``options`` play the roles above (family
+Such a class declares its entry in class attributes (:func:`contract_method`): ``display``,
+``gradient``, ``can``, ``options``, ``default_server_lr`` (``server_lr`` above), and a built-in's
+``family`` and ``server_opt`` too (:func:`class_info`). A user's
+method needs no registration: ``--algorithm module:Class`` (or ``path/to/file.py:Class``) names
+a :class:`hiso.core.method.Method` subclass whose attributes are read the same way (family
 ``scalar``), and ``from_config(cfg)`` builds it (default: ``Class()``).
 """
 
@@ -53,15 +57,11 @@ METHOD_OPTIONS = {
     "server_moments": ("beta1", "beta2"),
     "server_tau": ("server_tau",),
     "wire_dtype": ("wire_dtype",),
-    "ferret": ("ferret_k", "ferret_blocks"),
-    "sketch": ("sketch_bits",),
     "zo_estimate": ("perturbations", "mu", "difference"),
 }
 _WHOSE = {"server_lr": "the full-model baselines' and ferret's server step",
           "server_moments": "fedadam's and fedyogi's server moments", "server_tau": "the adaptive server optimisers'",
-          "wire_dtype": "the full-model baselines' messages",
-          "ferret": "ferret's, sketch's and fedkrso's", "sketch": "sketch's",
-          "zo_estimate": "the zeroth-order estimate's"}
+          "wire_dtype": "the full-model baselines' messages", "zo_estimate": "the zeroth-order estimate's"}
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,9 @@ class MethodInfo:
         return self.cls
 
     def reads(self, option: str) -> bool:
-        return any(option in METHOD_OPTIONS[g] for g in self.options)
+        """Whether the method reads ``option``: one of its groups', or its class's own field."""
+        from .options import fields_of
+        return any(option in METHOD_OPTIONS[g] for g in self.options) or option in fields_of(self.cls)
 
 
 _REGISTRY: dict[str, MethodInfo] = {}
@@ -172,31 +174,32 @@ def user_method_class(spec: str) -> type:
 
 
 def _user_method_info(spec: str) -> MethodInfo:
+    # P, mu and the difference shape every scalar method's record and estimate: always read
+    return class_info(spec, user_method_class(spec), frozenset({"zo_estimate"}), builtin=False)
+
+
+def class_info(name: str, obj: type, read: frozenset = frozenset(), builtin: bool = True) -> MethodInfo:
+    """The registry entry a Method class declares in its attributes: ``display`` (default: its
+    name), ``gradient``, ``options`` (with ``read`` added), ``can`` and ``default_server_lr``,
+    and for a built-in class the registry's other facts (``family``: FedKSeed's ``"seed-pool"``;
+    ``server_opt``), which a user's method cannot declare; its fields are its options, and
+    ``from_config`` then its options build it."""
     from .options import build_user_method
 
-    obj = user_method_class(spec)
-    # P, mu and the difference shape every scalar method's record and estimate: always read
-    options = frozenset(getattr(obj, "options", ())) | {"zo_estimate"}
-    return MethodInfo(spec, getattr(obj, "display", obj.__name__), "scalar", getattr(obj, "gradient", "zo"),
-                      options, frozenset(getattr(obj, "can", ())),
-                      lambda cfg: build_user_method(obj, cfg), doc=(obj.__doc__ or "").strip().split("\n")[0], cls=obj)
+    family, server_opt = (getattr(obj, "family", "scalar"), getattr(obj, "server_opt", None)) if builtin else \
+        ("scalar", None)
+    return MethodInfo(name, getattr(obj, "display", obj.__name__), family, getattr(obj, "gradient", "zo"),
+                      frozenset(getattr(obj, "options", ())) | read, frozenset(getattr(obj, "can", ())),
+                      lambda cfg: build_user_method(obj, cfg), server_lr=getattr(obj, "default_server_lr", None),
+                      server_opt=server_opt, doc=(obj.__doc__ or "").strip().split("\n")[0], cls=obj)
 
 
 def contract_method(name: str, module: str, cls_name: str) -> MethodInfo:
-    """A built-in method written on the contract as a user's would be: its class's ``display``,
-    ``gradient``, ``options`` and ``can`` are its registry entry, its fields its options; a
-    built-in class may also declare the registry's other facts (``family``: FedKSeed's
-    ``"seed-pool"``; ``server_lr``, ``server_opt``), which a user's method cannot."""
+    """A built-in method written on the contract as a user's would be: its class's attributes are
+    its registry entry (:func:`class_info`), its fields its options."""
     import importlib
 
-    from .options import build_user_method
-
-    obj = getattr(importlib.import_module(module), cls_name)
-    options = frozenset(getattr(obj, "options", ())) | {"zo_estimate"}
-    return MethodInfo(name, obj.display, getattr(obj, "family", "scalar"), obj.gradient, options, frozenset(obj.can),
-                      lambda cfg: build_user_method(obj, cfg), server_lr=getattr(obj, "server_lr", None),
-                      server_opt=getattr(obj, "server_opt", None), doc=(obj.__doc__ or "").strip().split("\n")[0],
-                      cls=obj)
+    return class_info(name, getattr(importlib.import_module(module), cls_name))
 
 
 REFERENCE = "decomfl"  # the paper's baseline: a comparison's default reference arm
@@ -254,32 +257,13 @@ def _feedsign(cfg):
     return FeedSign()
 
 
-def _ferret(cfg):
-    from .ferret import FerretConfig
-    return FerretConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, grad_clip=cfg.grad_clip)
-
-
-def _fedkrso(cfg):
-    from .fedkrso import FedKRSOConfig
-    return FedKRSOConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, grad_clip=cfg.grad_clip)
-
-
-def _sketch(cfg):
-    from .sketch import SketchConfig
-    return SketchConfig(cfg.local_steps, cfg.resolved_server_lr(), cfg.ferret_blocks, grad_clip=cfg.grad_clip,
-                        bits=cfg.sketch_bits)
-
-
 register_method(contract_method("hiso", "hiso.methods.hiso_method", "HiSo"))
 register_method(contract_method("decomfl", "hiso.methods.decomfl", "DeComFL"))
 register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
                            can=frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",
                                           "structured", "one-seed"}),
                            doc="seeds and one sign bit per client-step, majority vote"))
-register_method(MethodInfo("ferret", "Ferret", gradient="first-order", options=frozenset({"server_lr", "ferret"}),
-                           build=_ferret,
-                           can=frozenset({"faults", "robust", "weighted", "backprop", "lr_decay", "grad_clip"}), server_lr=1.0,
-                           doc="first-order local steps, K projections per block on the wire"))
+register_method(contract_method("ferret", "hiso.methods.ferret", "Ferret"))
 register_method(contract_method("fedkseed", "hiso.methods.fedkseed_method", "FedKSeed"))
 register_method(MethodInfo("fedzo", "FedZO", "full-model", options=_FULL | _ZO, can=frozenset({"weighted"}),
                            server_lr=1.0, server_opt="avg", doc="ZO local steps, the model on the wire"))
@@ -294,17 +278,7 @@ register_method(MethodInfo("fedyogi", "FedYogi", "full-model", "first-order",
 register_method(MethodInfo("fedadagrad", "FedAdagrad", "full-model", "first-order", _FULL | {"server_tau"},
                            frozenset({"weighted"}), server_lr=0.01, server_opt="adagrad"))
 # methods added since the table above was fixed (its order is --help's)
-register_method(MethodInfo("sketch", "Sketch", gradient="first-order",
-                           options=frozenset({"server_lr", "ferret", "sketch"}), build=_sketch,
-                           can=frozenset({"robust", "weighted", "backprop", "int8", "lowbit", "lr_decay", "grad_clip"}),
-                           server_lr=1.0,
-                           doc="first-order local steps, b-bit codes of K projections per block on the wire"))
-register_method(MethodInfo("fedkrso", "FedKRSO", gradient="first-order", options=frozenset({"server_lr", "ferret"}),
-                           build=_fedkrso,
-                           can=frozenset({"faults", "robust", "weighted", "backprop", "int8", "lowbit", "lr_decay",
-                                          "grad_clip"}),
-                           server_lr=1.0,
-                           doc="first-order local steps inside K seeded directions per block, their coefficients on "
-                               "the wire"))
+register_method(contract_method("sketch", "hiso.methods.sketch", "Sketch"))
+register_method(contract_method("fedkrso", "hiso.methods.fedkrso", "FedKRSO"))
 register_method(contract_method("greedy", "hiso.methods.greedy", "Greedy"))
 register_method(contract_method("conmezo", "hiso.methods.conmezo", "ConMeZO"))

@@ -45,7 +45,7 @@ class Deployment:
     snapshot_after: int | None = None  # None: the servers' automatic rule
     seed: int = 0
     difference: str | None = None  # None: each method's own (forward; central for FeedSign, FedKSeed)
-    ferret_k: int | None = None  # None: RunConfig's defaults, as a run's
+    ferret_k: int | None = None  # None: the method's defaults, as a run's
     ferret_blocks: int | None = None
     sketch_bits: int | None = None
     seed_pool: int | None = None

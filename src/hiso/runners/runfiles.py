@@ -250,8 +250,9 @@ def continuation(out: Path, given: dict) -> Continuation:
             raise ValueError(f"{out} cannot be continued to {asked.rounds} rounds: {why}")
     elif changed:
         k = next((k for k in changed if k != "rounds"), changed[0])  # (rounds alone could be fine)
-        raise ValueError(f"--resume continues {out} as configured in its config.json: {k} = {wanted.get(k)!r} would "
-                         f"change its {saved.get(k)!r} (start a new run with --out instead; only a larger "
+        raise ValueError(f"--resume continues {out} as configured in its config.json: {k} = "
+                         f"{_by_option(wanted).get(k)!r} would change its {_by_option(saved).get(k)!r} (start a "
+                         f"new run with --out instead; only a larger "
                          f"--rounds continues it further)")
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
     if summary is None or not (ended_early(summary) or summary["rounds_done"] >= cfg.rounds):

@@ -21,7 +21,7 @@ from torch import nn
 
 from pydantic import ValidationError
 
-from ..compat import HASH_LATER_FIELDS, HASH_ONLY_WHERE, flat_options
+from ..compat import FLAT_DEFAULTS, HASH_LATER_FIELDS, HASH_ONLY_WHERE, flat_options
 from ..config import ConfigError, RunConfig, one_line
 from ..tasks.base import Task
 from ..tasks.device import on_device
@@ -66,7 +66,9 @@ def config_sha256(cfg: RunConfig) -> str:
     and where its inputs are is left out."""
     values = identity_values(flat_options(cfg.model_dump()))
     for name in HASH_LATER_FIELDS:
-        if values.get(name) == type(cfg).model_fields[name].get_default(call_default_factory=True):
+        default = FLAT_DEFAULTS[name] if name in FLAT_DEFAULTS else \
+            type(cfg).model_fields[name].get_default(call_default_factory=True)
+        if values.get(name) == default:
             values.pop(name)
     for name, counts in HASH_ONLY_WHERE.items():
         if not counts(values):
