@@ -182,7 +182,7 @@ def test_hiso_flower_deploys_it_as_hiso_run_runs_it(tmp_path, capsys):
     (["--perturbations", "1"], "greedy chooses among the P = --perturbations candidates a step: needs P >= 2, got 1"),
     (["--aggregate", "median"], "not greedy"),
     (["--dp-clip", "1", "--dp-noise-multiplier", "1"], "differential privacy is for"),
-    (["--method-opt", "k=4"], "greedy has no such option"),
+    (["--method-opt", "k=4"], "greedy has no options of its own"),
 ])
 def test_bad_settings_fail_with_one_line(tmp_path, capsys, flags, msg):
     assert_run_refused(tmp_path, capsys, ["--task", "quadratic", "--algorithm", "greedy", *flags], msg)
