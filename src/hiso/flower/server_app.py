@@ -23,6 +23,7 @@ from ..runners.accounting import privacy_ledger
 from ..atomic import write_atomic
 from ..runners.common import Comm, CommTally, metric_rows
 from ..runners.protocol import ScalarRounds, protocol_server
+from ..runners.runner import Runner
 from ..tasks.base import Task
 
 from .records import REC, Settings, _records, _task_for, earlier_attempts, log, run_lineage
@@ -32,7 +33,7 @@ from .transport import GridTransport
 
 
 @dataclass
-class FlowerFederation:
+class FlowerFederation(Runner):
     """A runner with the simulator's interface (``run``, ``comm``, ``state_dict``) over a Grid."""
 
     grid: object

@@ -39,6 +39,7 @@ from ..core.state import ModelState, trainable_params
 from ..tasks.base import Task
 from .client_cost import ClientCost, Timer, model_bytes
 from .common import Comm, CommTally, metric_rows, start_round
+from .runner import Runner
 
 
 def fedzo_config(cfg: RunConfig) -> ZOConfig:
@@ -47,7 +48,7 @@ def fedzo_config(cfg: RunConfig) -> ZOConfig:
                     difference=cfg.difference)
 
 
-class FullModelSimulation:
+class FullModelSimulation(Runner):
     """Runner with the interface of :class:`~hiso.runners.simulate.Simulation`: ``run``, ``comm``, ``state_dict``."""
 
     def __init__(self, task: Task, cfg: RunConfig):

@@ -25,6 +25,7 @@ from ..methods.fedkseed import PoolRecord, PoolReplica, decode_pool_downlink
 from ..methods.fedkseed_rounds import PoolRounds, pool_answer, pool_replica
 from .client_cost import ClientCost, Timer, model_bytes
 from .common import Comm, CommTally, metric_rows, start_round
+from .runner import Runner
 
 
 class InProcess(PlainTransport):
@@ -37,7 +38,7 @@ class InProcess(PlainTransport):
 
     def exchange(self, plan, downlink, tally) -> list:
         sim = self.runner
-        if getattr(sim, "unreliable", False):
+        if sim.unreliable:
             # late answers arrive once their round has closed. (Not in a re-planned attempt of
             # the same round: an uplink names its round by number only, so an answer to the
             # earlier attempt's seeds would pass for a valid one; Flower matches replies to messages.)
@@ -50,14 +51,14 @@ class InProcess(PlainTransport):
         return out
 
     def unwrap(self, reply: bytes) -> bytes:
-        return self.runner._unseal(reply) if getattr(self.runner, "sealed", False) else reply
+        return self.runner._unseal(reply) if self.runner.sealed else reply
 
 
 def _refused(plan, client, code: str, why: str) -> None:
     raise MessageError(why)  # a reliable run: an answer that cannot be used stops it, as it says
 
 
-class FedKSeedSimulation:
+class FedKSeedSimulation(Runner):
     """FedKSeed's in-process runner (see the module docstring), with
     :class:`~hiso.runners.simulate.Simulation`'s interface (``run``, ``comm``, ``state``,
     ``model``, ``state_dict``, ``resume``)."""

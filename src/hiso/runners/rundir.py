@@ -217,10 +217,9 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         sim = (runner or build_simulation)(dp_secret(out, cfg, resume), task, log if hist else None)
         # the server's state every so often, so that a resume replays only the rounds after it
         ckpt = (Checkpoints(out, cfg, start=len(records))
-                if cfg.scalar_only and hasattr(sim, "state") else None)
-        if hasattr(sim, "measure_client"):  # a client's memory, on one extra answer (hiso.runners.client_cost)
-            sim.measure_client()
-        if getattr(sim, "unreliable", False):  # every rejected message, with its reason
+                if cfg.scalar_only and sim.state is not None else None)
+        sim.measure_client()  # a client's memory, on one extra answer (hiso.runners.client_cost)
+        if sim.unreliable:  # every rejected message, with its reason
             if kept:  # resume: keep the log of the kept rounds ("row N ..." lines, N <= the last kept)
                 cut_rejections(out / "rejections.log", len(kept) - 1)
             handler = logging.FileHandler(out / "rejections.log", mode="a" if kept else "w")
@@ -255,7 +254,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
             for line in kept:
                 row = json.loads(line)
                 diverged = diverged or account(row)
-            args = ((records, [json.loads(line) for line in kept]) if getattr(sim, "unreliable", False)
+            args = ((records, [json.loads(line) for line in kept]) if sim.unreliable
                     else (records,))  # faults and attackers: counts the log lacks are in the rows
             start, why = load_start(out, cfg, len(records)) if ckpt is not None else (None, "")
             if start is not None:
@@ -270,12 +269,12 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                 print(f"hiso: {why}; replaying the log from round 0", file=sys.stderr)
             if start is None:
                 sim.resume(*args)
-            if not getattr(sim, "unreliable", False) and getattr(sim, "privacy", None) is not None:
+            if not sim.unreliable and sim.privacy is not None:
                 for line in kept:  # local DP over Flower: answers released that the log does not list
                     sim.privacy.add_unlogged(json.loads(line))
             if diverged is None:
                 rows = sim.run(cfg.rounds, start=row["round"], wall=row["wall_s"])
-        cost = getattr(sim, "cost", None)
+        cost = sim.cost
         if cost is not None and kept:
             cost.resume_from(row)
         try:
@@ -285,7 +284,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                 mf.write(json.dumps(row) + "\n")
                 mf.flush()
                 if tracker is not None:
-                    tracker.log(row, getattr(getattr(sim, "state", None), "h", None))
+                    tracker.log(row, None if sim.state is None else sim.state.h)
                 diverged = account(row)
                 if ckpt is not None and diverged is None:
                     ckpt.maybe_write(sim.state, row["round"])
@@ -323,15 +322,15 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         "s_per_round": (row.get("wall_s") or 0.0) / max(row.get("round", 0), 1), "peak_rss_mb": peak_rss_mb(),
         "parameters": sum(p.numel() for p in sim.model.parameters() if p.requires_grad),
     }
-    if getattr(sim, "cost", None) is not None:
+    if sim.cost is not None:
         summary["client"] = sim.cost.summary()
     if ckpt is not None:  # (model.pt: the checkpoint of a continuation to more rounds)
         summary["checkpoints"] = {**ckpt.summary(), "resumed_from": resumed_from,
                                   "model_pt": final_marker(out, cfg, state["round"], saved)}
-    if getattr(sim, "unreliable", False):
+    if sim.unreliable:
         summary["reliability"] = sim.reliability()
     if cfg.dp_clip is not None:  # the epsilon of the worst client, against a reader who knows the sample
-        ledger = getattr(sim, "privacy", None) or ledger_of_run(out, cfg, row.get("round", 0))
+        ledger = sim.privacy or ledger_of_run(out, cfg, row.get("round", 0))
         summary["privacy"] = ledger.summary(stopped)
     write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -48,6 +48,7 @@ from .common import Comm, CommTally, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
 from .inprocess import InProcess
 from .protocol import ScalarRounds, protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
+from .runner import Runner
 
 if TYPE_CHECKING:
     from .accounting import PrivacyLedger
@@ -64,7 +65,7 @@ SimMode = Literal["fast", "faithful"]
 
 
 @dataclass
-class Simulation:
+class Simulation(Runner):
     task: Task
     zo: ZOConfig
     clients_per_round: int
