@@ -9,14 +9,16 @@ what a run imports before it loads a model: hiso, the model's transformers code,
 bitsandbytes), then per ``--dtypes`` a ``hiso run`` of ``--rounds`` rounds of SST-2 with LoRA
 (``--clients`` clients, 2 sampled a round, one process: hiso's in-process federation), the same
 command for every dtype but ``--base-dtype``. Beside each run, ``hiso plan``'s predicted peak
-(loading's and the rounds', the larger of the two) and its error. A ``hiso run`` also measures
-a client's transient peak once, on one answer under the torch profiler, whose buffers can set
-the run's peak (docs/llm.md, "A quantized base"). A short name's GGUF is
+(loading's and the rounds', the larger of the two) and its error. A short name's GGUF is
 dequantized once into the cache before the rows (that one-time conversion is not a client's).
 
 ``--drop`` runs every row as if the named packages were not installed (a copy of site-packages
 without them, Python started with ``-S``): what a user who needs none of them saves (torchao and
 bitsandbytes are needed by int8 and int4 bases only; transformers imports whatever it finds).
+``--runtime`` runs the same ``hiso run`` per dtype on a tiny 2-layer LM with a word-level
+vocabulary instead (tests/lm_fixtures.py; its tensors are a few KiB): the process with no model
+to speak of, which ``hiso plan``'s ``RUNTIME_PROCESS`` stands for (plan adds the tokenizer per
+vocabulary entry, the model, the state and one answer's transient on top).
 One JSON line per row; ``--markdown`` also prints the table.
 """
 
@@ -90,6 +92,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--drop", default="", help="packages to run without, comma-separated (e.g. torchao,kernels)")
     ap.add_argument("--no-floor", action="store_true", help="only the runs")
+    ap.add_argument("--runtime", action="store_true",
+                    help="instead of the model's runs, the same runs of a tiny LM: hiso plan's RUNTIME_PROCESS")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
 
@@ -110,12 +114,25 @@ def main() -> None:
             peak, err = _timed([*py, "-c", code], env, str(tmp))
             rows.append({"row": label, "peak_rss_mib": peak, **({"error": err} if err else {})})
             print(json.dumps(rows[-1] | {"drop": drop}), flush=True)
+    def run_cmd(model: str, dtype: str, out: str) -> list[str]:
+        return [*py, "-m", "hiso.cli", "run", "--task", "sst2", "--model", model, "--data-dir", args.data_dir,
+                "--algorithm", args.algorithm, "--lora-r", str(args.lora_r), "--clients", str(args.clients),
+                "--sampled", "2", "--rounds", str(args.rounds), "--lr", "1e-2", "--eval-max", str(args.eval_max),
+                "--threads", str(args.threads), "--base-dtype", dtype, "--out", str(tmp / out), "--quiet"]
+
+    if args.runtime:  # what plan's RUNTIME_PROCESS stands for: the same run, of a model of a few KiB
+        sys.path.insert(0, str(SRC.parent / "tests"))
+        from lm_fixtures import write_tiny_lm
+
+        tiny = write_tiny_lm(tmp / "tiny-lm")
+        for dtype in [d for d in args.dtypes.split(",") if d]:
+            peak, err = _timed(run_cmd(str(tiny), dtype, f"tiny-{dtype}"), env, str(tmp))
+            rows.append({"row": f"runtime: hiso run of a tiny LM (word vocabulary), base {dtype}",
+                         "peak_rss_mib": peak, **({"error": err} if err else {})})
+            print(json.dumps(rows[-1] | {"drop": drop}), flush=True)
+        return
     for dtype in [d for d in args.dtypes.split(",") if d]:
-        cmd = [*py, "-m", "hiso.cli", "run", "--task", "sst2", "--model", args.model, "--data-dir", args.data_dir,
-               "--algorithm", args.algorithm, "--lora-r", str(args.lora_r), "--clients", str(args.clients),
-               "--sampled", "2", "--rounds", str(args.rounds), "--lr", "1e-2", "--eval-max", str(args.eval_max),
-               "--threads", str(args.threads), "--base-dtype", dtype, "--out", str(tmp / f"run-{dtype}"), "--quiet"]
-        peak, err = _timed(cmd, env, str(tmp))
+        peak, err = _timed(run_cmd(args.model, dtype, f"run-{dtype}"), env, str(tmp))
         row = {"row": f"hiso run, base {dtype}", "base_dtype": dtype, "peak_rss_mib": peak, **_predicted(args, dtype)}
         if peak:
             row["plan_error_pct"] = 100 * (row["plan_peak_mib"] - peak) / peak

@@ -85,6 +85,35 @@ def test_transient_peak_measures_what_is_allocated_at_once():
     del keep
 
 
+def test_transient_peak_keeps_allocation_events_only(monkeypatch):
+    """The profiler records no event per op while it measures (a quantized base's many small ops
+    made those events the run's peak), and a profiler after it records ops again."""
+    import torch.autograd.profiler as tap
+    from torch.profiler import ProfilerActivity, profile
+
+    kept = []
+    disable = tap._disable_profiler
+
+    def recording():
+        res = disable()
+        kept.append({e.name() for e in res.events()})
+        return res
+
+    monkeypatch.setattr(tap, "_disable_profiler", recording)
+
+    def many_ops():
+        x = torch.ones(1 << 16)
+        for _ in range(20):
+            x = torch.sin(x) + 1
+
+    peak, _ = transient_peak(many_ops)
+    assert peak >= 2 * 4 * (1 << 16)
+    assert kept[-1] == {"[memory]"}
+    with profile(activities=[ProfilerActivity.CPU]):
+        torch.sin(torch.ones(4))
+    assert "aten::sin" in kept[-1]
+
+
 def test_tensors_bytes_counts_a_storage_once():
     x = torch.zeros(100)
     assert tensors_bytes([x, x[:10], x.view(10, 10)]) == 400

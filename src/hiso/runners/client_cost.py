@@ -108,9 +108,13 @@ def transient_peak(fn: Callable[[], object], device: torch.device | str = "cpu")
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _quiet_stderr():
         prof.__enter__()
+    # only the allocation events: without record functions the profiler keeps no event per op
+    # (a quantized base's many small ops made those buffers the process's peak)
+    torch.autograd._enable_record_function(False)
     try:
         fn()
     finally:
+        torch.autograd._enable_record_function(True)
         with _quiet_stderr():
             prof.__exit__(None, None, None)
     try:
@@ -122,7 +126,7 @@ def transient_peak(fn: Callable[[], object], device: torch.device | str = "cpu")
     finally:
         del prof
         results = None
-        return_freed(collect=True)  # the profiler's events: glibc kept ~190 MiB of them resident after
+        return_freed(collect=True)  # the profiler's events: glibc kept them resident after
     cur = peak = 0
     for _, _, n in sorted(events):
         cur += n

@@ -25,8 +25,9 @@ CPU is modelled apart (:func:`loading_bytes`: a base below float32 is read a ten
 quantized), and a client process's peak is the larger of the two (``bench/quantized_peak.py``
 measures both under ``/usr/bin/time -v``). On CUDA the figure is the allocator's peak (the CUDA
 context and the host process are not in it).
-The per-item figures below were measured on a 2-core AMD EPYC (torch 2.13, transformers 5.24);
-docs/results/language.md compares the whole estimate with measured peaks.
+The per-item figures below were measured on a 2-core AMD EPYC (torch 2.13, transformers 5.24), the
+runtime on a 2-core Intel Xeon; docs/llm.md and docs/results/language.md compare the whole estimate
+with measured peaks.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from pathlib import Path
 MiB = 2**20
 BASE_DTYPES = ("float32", "bfloat16", "int8", "int4")
 # A CPU client process besides its tensors, measured apart from the models it is checked against:
-RUNTIME_PROCESS = 673 * MiB  # the rounds' peak of a client of a tiny LM (tensors < 1 MiB) on SST-2's data:
-# Python with torch, transformers, peft, torchao and bitsandbytes imported (502 MiB alone), the data, the rest
+RUNTIME_PROCESS = 668 * MiB  # a whole hiso run's peak (/usr/bin/time -v) of a tiny LM (a word vocabulary,
+# tensors of a few KiB): 2 rounds of SST-2 with LoRA, 4 clients, 667, 668 and 668 MiB at float32, int8 and
+# int4 (bench/quantized_peak.py --runtime; 2-core Intel Xeon, torch 2.13, transformers 5.25). Python with
+# torch, transformers, peft, torchao and bitsandbytes imported (528 MiB alone), the data, the rest
 TOKENIZER_PER_ENTRY = 1280  # bytes per vocabulary entry of a fast tokenizer (Gemma-3's alone: 320 MiB for 262,144)
 PROMPTS, TOKENS = 16, 512  # one forward: 16 prompts of up to 32 tokens (SST-2 at batch 16)
 CUDA_WORKSPACE = 32 * MiB  # cuBLAS' workspace, taken from the allocator on Hopper
