@@ -72,7 +72,9 @@ def _flat_hash(raw: dict) -> str:
     """The configuration hash hiso computed from a config.json with every option flat."""
     flat = {k: v for k, v in raw.items() if k not in ("schema", "task_info") and not (k == "method_opts" and v == {})}
     for name in compat.HASH_LATER_FIELDS:
-        if name in flat and flat[name] == RunConfig.model_fields[name].get_default(call_default_factory=True):
+        default = compat.FLAT_DEFAULTS[name] if name in compat.FLAT_DEFAULTS else \
+            RunConfig.model_fields[name].get_default(call_default_factory=True)
+        if name in flat and flat[name] == default:
             flat.pop(name)
     for name, counts in compat.HASH_ONLY_WHERE.items():
         if not counts(flat):
