@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import numpy as np
+import torch
 
 from ..core.round import Tally
 from ..tasks.base import Task
@@ -91,3 +92,9 @@ def metric_rows(task: Task, model, comm: Comm, step: Callable[[], float], rounds
         if r % eval_every == 0 or r == rounds:
             row.update(task.evaluate(model))
         yield row
+
+
+def finite(tensors) -> bool:
+    """Whether every value of every tensor is finite (one reduction per tensor; a second pass
+    only when a sum overflows or is NaN)."""
+    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)

@@ -49,8 +49,6 @@ from typing import Callable
 import torch
 
 from ..config import RunConfig
-from ..core.history import HistoryWriter, read_history
-from ..core.state import ModelState
 from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task, higher_is_better
@@ -64,8 +62,10 @@ from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp
 from ..atomic import save_atomic
 from .checkpoint import FILE as CHECKPOINT
 from .checkpoint import Checkpoints, CheckpointUnusable, final_marker, keep_final, load_start
-from .accounting import ledger_of_run, privacy_ledger
-from .simulate import PrivacyBudgetSpent, Simulation
+from .common import finite
+from .drivers import driver_of
+from .accounting import ledger_of_run
+from .simulate import PrivacyBudgetSpent
 
 
 def peak_rss_mb() -> float:
@@ -80,29 +80,7 @@ def build_simulation(cfg: RunConfig, task: Task, on_record: Callable | None = No
     Every runner offers ``run(rounds)`` (metrics rows), ``comm`` (bytes per client) and
     ``state_dict()`` (the final model).
     """
-    if cfg.scalar_only:
-        from .faults import Attackers, Faults
-        faults = Faults(cfg.drop_rate, cfg.late_rate, cfg.duplicate_rate, cfg.corrupt_rate, seed=cfg.seed)
-        attackers = (Attackers(task.num_clients, cfg.byzantine, cfg.attack, cfg.attack_scale, seed=cfg.seed,
-                               per_round=cfg.byzantine_per_round) if cfg.byzantine else None)
-        return Simulation(task, cfg.zo(), clients_per_round=cfg.sampled, seed=cfg.seed,
-                          batch_size=cfg.batch_size, mode=cfg.mode, perturb_mode=cfg.perturb_mode,
-                          weighted=cfg.weighted, eval_every=cfg.eval_every, on_record=on_record,
-                          rule=cfg.aggregate, trim=cfg.trim, faults=faults if faults.active else None,
-                          attackers=attackers, snapshot_after=cfg.snapshot_after, bandwidth=cfg.bandwidth,
-                          batch_memory=cfg.batch_memory_bytes, dp_seed=cfg.dp_noise_seed,
-                          privacy=privacy_ledger(cfg), secagg=cfg.secagg_config)
-    if cfg.method.pool_log:
-        from .inprocess import FedKSeedSimulation
-        return FedKSeedSimulation(task, cfg, on_record)
-    from .fullmodel import FullModelSimulation
-    return FullModelSimulation(task, cfg)
-
-
-def finite(tensors) -> bool:
-    """Whether every value of every tensor is finite (one reduction per tensor; a second pass
-    only when a sum overflows or is NaN)."""
-    return all(bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()) for t in tensors)
+    return driver_of(cfg.method).simulation(cfg, task, on_record)
 
 
 def loss_diverged(loss: float | None, first: float | None, factor: float | None) -> str | None:
@@ -127,7 +105,7 @@ def _extend(out: Path, done: int, cfg: RunConfig, info: dict) -> None:
     why = extend_refusal(cfg, done)
     if why is not None:
         raise ValueError(f"{out} cannot be continued to {cfg.rounds} rounds: {why}")
-    if cfg.scalar_only:  # its model.pt: where the continuation starts
+    if driver_of(cfg.method).checkpointed:  # its model.pt: where the continuation starts
         keep_final(out, cfg)
     write_atomic(out / "config.json", config_text(cfg, info, out))
     (out / "summary.json").unlink(missing_ok=True)
@@ -162,7 +140,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
     older = made_before(out) if resume else {}
     if older:  # options added after the run began keep the values it began with
         cfg, task = cfg.model_copy(update=older), None  # (a task built for the new values is not this run's)
-    if resume and not cfg.method.has_log:
+    if resume and not driver_of(cfg.method).keeps_log:
         raise ValueError(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          f"their state from (start again with --force)")
     if cfg.threads is not None:
@@ -174,11 +152,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
                          f"use a zeroth-order algorithm (hiso, decomfl, feedsign, fedkseed)")
     info = task.describe()
     out.mkdir(parents=True, exist_ok=True)
-    if resume and cfg.method.pool_log:  # its own log (hiso.methods.fedkseed)
-        from .runfiles import pool_resume_point
-        kept, records = pool_resume_point(out, cfg, resume_point(out, None)[0])
-    else:
-        kept, records = resume_point(out, cfg.zo().shape, cfg) if resume else ([], [])
+    kept, records = driver_of(cfg.method).resume_point(out, cfg) if resume else ([], [])
     saved = saved_config(out) if resume and (out / "config.json").exists() else None
     if saved is not None and (method_source(out) or {}).get("sha256") != (source_of(cfg.algorithm) or {}).get("sha256"):
         write_atomic(out / "config.json", config_text(cfg, saved[1], out, len(kept) - 1 if kept else 0))  # accepted
@@ -196,17 +170,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         if resume:  # cut metrics back to the rounds kept, then append
             write_atomic(out / "metrics.jsonl", "".join(line + "\n" for line in kept))
         mf = stack.enter_context(open(out / "metrics.jsonl", "a" if resume else "w"))
-        hist = None
-        if cfg.scalar_only:  # full-model baselines have no seed/scalar log to rebuild from
-            hist = stack.enter_context(HistoryWriter(out / "history.bin", *cfg.zo().shape,
-                                                     keep=len(records) if resume else None, seed=cfg.seed,
-                                                     scalar_dtype=cfg.scalar_dtype, directions=cfg.direction_spec))
-        elif cfg.method.pool_log:  # its own log: each round's (index, scalar) pairs
-            from ..methods.fedkseed import PoolLogWriter
-            from ..methods.fedkseed_method import FedKSeed
-            hist = stack.enter_context(PoolLogWriter(out / "history.bin", cfg.local_steps, FedKSeed.of(cfg).seed_pool,
-                                                     cfg.seed,
-                                                     cfg.scalar_dtype, keep=records))
+        writer = driver_of(cfg.method).log_writer(out, cfg, records, resume)  # (full-model baselines: none)
+        hist = None if writer is None else stack.enter_context(writer)
 
         def log(rec):  # a round that left x or H non-finite is not logged (and not counted)
             st = sim.state
@@ -217,7 +182,7 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         sim = (runner or build_simulation)(dp_secret(out, cfg, resume), task, log if hist else None)
         # the server's state every so often, so that a resume replays only the rounds after it
         ckpt = (Checkpoints(out, cfg, start=len(records))
-                if cfg.scalar_only and sim.state is not None else None)
+                if driver_of(cfg.method).checkpointed and sim.state is not None else None)
         sim.measure_client()  # a client's memory, on one extra answer (hiso.runners.client_cost)
         if sim.unreliable:  # every rejected message, with its reason
             if kept:  # resume: keep the log of the kept rounds ("row N ..." lines, N <= the last kept)
@@ -303,12 +268,8 @@ def run_to_dir(cfg: RunConfig, out: str | Path, progress: Callable | None = None
         if tracker is not None:
             tracker.close(diverged is None)
     state = sim.state_dict()
-    if diverged is not None and cfg.scalar_only and not (finite(sim.state.params) and
-                                                         (sim.state.h is None or finite(sim.state.h))):
-        # x_0 plus the logged rounds: exactly the state before the bad round (as `hiso rebuild`)
-        last = ModelState(task.build_model(), sim.state.cfg, run_seed=cfg.seed)
-        last.replay(read_history(out / "history.bin")[2][:row.get("round", 0)])
-        state = last.state_dict()
+    if diverged is not None:  # a state left non-finite: the last finite one, from the log where there is one
+        state = driver_of(cfg.method).finite_state(sim, task, cfg, out, row.get("round", 0)) or state
     saved = checkpoint(state, info)
     save_atomic(out / "model.pt", saved)
     if ckpt is not None:  # model.pt holds the final state now

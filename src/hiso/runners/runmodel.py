@@ -29,6 +29,7 @@ from ..tasks.registry import build_task
 from .rebuild import logged_rounds, rebuild_pool, start_replica
 from .portable import base_name, identity_values, require_inputs
 from .runfiles import check_run_task, saved_config
+from .drivers import driver_of
 
 
 @dataclass
@@ -112,21 +113,35 @@ def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | N
         task = on_device(task, device)
         if not checked:
             check_run_task(task, info, run_dir, given=True)
+    return _MODEL_FROM[driver_of(cfg.method).model_from](run_dir, cfg, info, task, device, round)
+
+
+def pool_run_model(run_dir: Path, cfg: RunConfig, info: dict, task: Task, device: str, round: int | None) -> RunModel:
+    """A FedKSeed run's x_round: its log folded, then materialised once (at most K draws)."""
+    rep = rebuild_pool(run_dir, cfg, task, round)
+    return RunModel(rep.state.model, task, cfg, info, rep.state.round, run_dir)
+
+
+def saved_run_model(run_dir: Path, cfg: RunConfig, info: dict, task: Task, device: str,
+                    round: int | None) -> RunModel:
+    """A full-model run's model: its model.pt (no log: only its last round exists)."""
     ckpt_path = run_dir / "model.pt"
-    if cfg.method.pool_log:  # its log folded, then x_round materialised (at most K draws)
-        rep = rebuild_pool(run_dir, cfg, task, round)
-        return RunModel(rep.state.model, task, cfg, info, rep.state.round, run_dir)
-    if not cfg.scalar_only:
-        if not ckpt_path.is_file():
-            raise ValueError(f"{run_dir} has no model.pt: an unfinished {cfg.algorithm} run (full-model algorithms "
-                             f"keep no log to rebuild a model from)")
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        if round is not None and round != ckpt["round"]:
-            raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no log, so only its "
-                             f"last round ({ckpt['round']}) exists")
-        model = task.build_model()
-        model.load_state_dict(ckpt["model"])
-        return RunModel(model, task, cfg, info, int(ckpt["round"]), run_dir)
+    if not ckpt_path.is_file():
+        raise ValueError(f"{run_dir} has no model.pt: an unfinished {cfg.algorithm} run (full-model algorithms "
+                         f"keep no log to rebuild a model from)")
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    if round is not None and round != ckpt["round"]:
+        raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no log, so only its "
+                         f"last round ({ckpt['round']}) exists")
+    model = task.build_model()
+    model.load_state_dict(ckpt["model"])
+    return RunModel(model, task, cfg, info, int(ckpt["round"]), run_dir)
+
+
+def replayed_run_model(run_dir: Path, cfg: RunConfig, info: dict, task: Task, device: str,
+                       round: int | None) -> RunModel:
+    """A scalar run's x_round: model.pt where it is that round, else x_0 (or a checkpoint) and the log replayed."""
+    ckpt_path = run_dir / "model.pt"
     state, task, cfg, info, records = start_replica(run_dir, task, device, checked=True)
     upto = logged_rounds(records, round, run_dir)
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True) if ckpt_path.is_file() else None
@@ -143,3 +158,6 @@ def load_run_model(run_dir: str | Path, round: int | None = None, task: Task | N
         state.replay(tqdm(upto, desc=f"replaying {len(upto)} rounds", unit="round", leave=False, disable=None))
     return RunModel(state.model, task, cfg, info, state.round, run_dir)
 
+
+# where a run's model comes from, by what its driver keeps (hiso.runners.drivers.Driver.model_from)
+_MODEL_FROM = {"log": replayed_run_model, "pool-log": pool_run_model, "model.pt": saved_run_model}
