@@ -180,3 +180,19 @@ def forward_digest(name: str, tmp_factory) -> str:
     fixtures.json's ``forward_digests`` (that of the fixture's full run, made where the fixtures
     were): this machine computes the fixture's forwards as that one did."""
     return run_digest(reference(name, 0, tmp_factory))
+
+
+def flat_config_hash(raw: dict) -> str:
+    """The configuration hash hiso computed from a config.json with every option flat (as before
+    schema 3): its schema and task_info, an empty method_opts and a later field at its default left out."""
+    from hiso.config import RunConfig
+    flat = {k: v for k, v in raw.items() if k not in ("schema", "task_info") and not (k == "method_opts" and v == {})}
+    for name in compat.HASH_LATER_FIELDS:
+        default = compat.FLAT_DEFAULTS[name] if name in compat.FLAT_DEFAULTS else \
+            RunConfig.model_fields[name].get_default(call_default_factory=True)
+        if name in flat and flat[name] == default:
+            flat.pop(name)
+    for name, counts in compat.HASH_ONLY_WHERE.items():
+        if not counts(flat):
+            flat.pop(name, None)
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()

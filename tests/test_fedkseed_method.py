@@ -3,7 +3,6 @@ keys, --method-opt and a [method] table alike); older configurations with them f
 with the hash they had."""
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from hiso.core.method import Method
 from hiso.methods.fedkseed_method import FedKSeed
 from hiso.methods.registry import method_info
 from hiso.runners.runmodel import config_sha256
+from legacy_helpers import flat_config_hash
 
 POOL = ("seed_pool", "seed_sampling")
 TINY = ["--task", "quadratic", "--dim", "12", "--clients", "4", "--sampled", "2", "--rounds", "3", "--quiet"]
@@ -68,20 +68,6 @@ def test_the_pool_options_on_another_method_are_named_and_not_kept(tmp_path, cap
         "seed_sampling": "fedkseed's"}
 
 
-def _flat_hash(raw: dict) -> str:
-    """The configuration hash hiso computed from a config.json with every option flat."""
-    flat = {k: v for k, v in raw.items() if k not in ("schema", "task_info") and not (k == "method_opts" and v == {})}
-    for name in compat.HASH_LATER_FIELDS:
-        default = compat.FLAT_DEFAULTS[name] if name in compat.FLAT_DEFAULTS else \
-            RunConfig.model_fields[name].get_default(call_default_factory=True)
-        if name in flat and flat[name] == default:
-            flat.pop(name)
-    for name, counts in compat.HASH_ONLY_WHERE.items():
-        if not counts(flat):
-            flat.pop(name, None)
-    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
-
-
 @pytest.mark.parametrize("kw", [dict(algorithm="fedkseed", seed_pool=32, seed_sampling="uniform"),
                                 dict(algorithm="fedkseed"), dict(algorithm="decomfl"), dict(algorithm="hiso", nu=0.2)])
 def test_a_schema_3_configuration_with_the_flat_pool_options_reads_as_today_with_the_same_hash(kw):
@@ -94,7 +80,7 @@ def test_a_schema_3_configuration_with_the_flat_pool_options_reads_as_today_with
     assert RunConfig(**raw).model_dump() == cfg.model_dump() and not set(POOL) & set(raw)
     # the hash is the one of the configuration with every built-in method's options flat, as before
     every = {k: opts.pop(k, d) for owner in compat.FLAT_OPTIONS.values() for k, d in owner.items()}
-    assert config_sha256(cfg) == _flat_hash({**values, **every, **flat, "method_opts": opts})
+    assert config_sha256(cfg) == flat_config_hash({**values, **every, **flat, "method_opts": opts})
 
 
 def test_the_legacy_fixtures_flat_pool_reads_into_the_method():

@@ -3,7 +3,6 @@ sketch_bits) are their classes' fields (flags, TOML keys, --method-opt and a [me
 and older runs' flat options, configuration hash and fingerprint still read."""
 
 import dataclasses
-import hashlib
 import json
 
 import pytest
@@ -20,6 +19,7 @@ from hiso.methods.options import fields_of
 from hiso.methods.registry import method_info
 from hiso.methods.sketch import Sketch
 from hiso.runners.runmodel import config_sha256
+from legacy_helpers import flat_config_hash
 
 MOVED = ("ferret_k", "ferret_blocks", "sketch_bits")
 TINY = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2", "--rounds", "3", "--quiet"]
@@ -90,15 +90,7 @@ def test_a_schema_3_configuration_with_the_flat_keys_reads_as_today_with_the_sam
     flat.update({k: opts.pop(k) if k in own else d for k, d in compat.FLAT_OPTIONS["hiso"].items()})
     if opts:
         flat["method_opts"] = opts
-    for name in compat.HASH_LATER_FIELDS:
-        default = compat.FLAT_DEFAULTS[name] if name in compat.FLAT_DEFAULTS else \
-            RunConfig.model_fields[name].get_default(call_default_factory=True)
-        if flat.get(name, object()) == default:
-            flat.pop(name)
-    for name, counts in compat.HASH_ONLY_WHERE.items():
-        if not counts(flat):
-            flat.pop(name, None)
-    assert config_sha256(cfg) == hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    assert config_sha256(cfg) == flat_config_hash(flat)
 
 
 def test_the_fingerprint_keeps_the_old_class_and_field_names():

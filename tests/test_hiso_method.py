@@ -2,7 +2,6 @@
 --method-opt and a [method] table alike), H is its stage, and older runs' flat options still read."""
 
 import dataclasses
-import hashlib
 import json
 
 import pytest
@@ -15,6 +14,7 @@ from hiso.core.chain import Precondition, stages_for
 from hiso.core.join import config_blob
 from hiso.core.method import Method
 from hiso.runners.runmodel import config_sha256
+from legacy_helpers import flat_config_hash
 
 H_OPTIONS = ("nu", "eps", "h_min", "h_max", "h_source", "h_stat", "h_granularity", "h_bias_correction")
 TINY = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2", "--rounds", "4",
@@ -102,16 +102,7 @@ def test_a_schema_2_configuration_reads_as_today_with_the_same_hash(kw):
     raw, _ = compat.migrate(old)
     assert RunConfig(**raw).model_dump() == cfg.model_dump() and not set(H_OPTIONS) & set(raw)
     # the hash exports carry is the one the flat configuration had (method_opts {}: left out, as before)
-    flat = {k: v for k, v in old.items() if k != "schema" and not (k == "method_opts" and v == {})}
-    for name in compat.HASH_LATER_FIELDS:
-        default = compat.FLAT_DEFAULTS[name] if name in compat.FLAT_DEFAULTS else \
-            RunConfig.model_fields[name].get_default(call_default_factory=True)
-        if name in flat and flat[name] == default:
-            flat.pop(name)
-    for name, counts in compat.HASH_ONLY_WHERE.items():
-        if not counts(flat):
-            flat.pop(name, None)
-    assert config_sha256(cfg) == hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    assert config_sha256(cfg) == flat_config_hash(old)
 
 
 def test_hisos_fingerprint_blob_is_the_one_of_zoconfig_precond():
