@@ -21,11 +21,11 @@ Nothing is imported here until asked (``hiso.methods.HiSo``), so importing one m
 that method.
 """
 
-_FULL = "hiso.methods.fullmodel"
 _EXPORTS = {"HiSo": "hiso.methods.hiso_method", "DeComFL": "hiso.methods.decomfl", "FeedSign": "hiso.methods.feedsign",
             "Ferret": "hiso.methods.ferret", "FedKSeed": "hiso.methods.fedkseed_method", "Sketch": "hiso.methods.sketch",
             "FedKRSO": "hiso.methods.fedkrso", "Greedy": "hiso.methods.greedy", "ConMeZO": "hiso.methods.conmezo",
-            "FedZO": _FULL, "FedAvg": _FULL, "FedAdam": _FULL, "FedYogi": _FULL, "FedAdagrad": _FULL}
+            "FedZO": "hiso.methods.fullmodel", "FedAvg": "hiso.methods.fullmodel", "FedAdam": "hiso.methods.fullmodel",
+            "FedYogi": "hiso.methods.fullmodel", "FedAdagrad": "hiso.methods.fullmodel"}
 
 
 def __getattr__(name: str):
