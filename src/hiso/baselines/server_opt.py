@@ -91,8 +91,8 @@ def make_server_opt(cfg) -> ServerOpt:
     opt = cfg.method.server_opt  # the method's registry entry names it
     if opt is None:
         raise ValueError(f"{cfg.algorithm!r} has no server optimiser (not a full-model algorithm)")
-    from ..methods.fullmodel import of
-    method = of(cfg)
+    from ..methods.fullmodel import method_of
+    method = method_of(cfg)
     lr = method.resolved_server_lr
     if opt == "avg":
         return fedavg(lr)

@@ -44,7 +44,7 @@ from ..config import RunConfig
 from ..core.messages import MessageError
 from ..core.perturb import Perturber
 from ..core.state import ModelState, trainable_params
-from ..methods.fullmodel import of
+from ..methods.fullmodel import method_of
 from ..runners.fullmodel import FullModelSimulation, FullRounds, fedzo_config
 from .records import REC, Settings, _task_for
 from .server_app import FlowerFederation
@@ -265,7 +265,7 @@ def train_full(cfg: RunConfig, pid: int, arrays, rnd: int, cfg_json: str | None 
     model = task.build_model()
     named = trainable_params(model)
     params = [p for _, p in named]
-    wire = of(cfg).wire_dtype
+    wire = method_of(cfg).wire_dtype
     received = from_arrays(arrays, named, wire, f"round {rnd}: the model sent to partition {pid}")
     with torch.no_grad():
         for p, v in zip(params, received):

@@ -154,7 +154,7 @@ class FedAdagrad(FullModel):
     server_opt: ClassVar[str] = "adagrad"
 
 
-def of(cfg) -> FullModel:
+def method_of(cfg) -> FullModel:
     """The method of the run ``cfg`` (a :class:`~hiso.config.RunConfig` of a full-model baseline)."""
     method = cfg.method.build(cfg)
     if not isinstance(method, FullModel):
