@@ -300,7 +300,7 @@ def test_cli_runs_a_baseline_and_refuses_to_rebuild_it(tmp_path, capsys):
     assert code == 0
     assert {p.name for p in out.iterdir()} == {"config.json", "metrics.jsonl", "summary.json", "model.pt"}
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["algorithm"] == "fedadam" and cfg["wire_dtype"] == "bfloat16"
+    assert cfg["algorithm"] == "fedadam" and cfg["method_opts"]["wire_dtype"] == "bfloat16"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows if "gap" in r] == [0, 5, 10, 12]
     summary = json.loads((out / "summary.json").read_text())

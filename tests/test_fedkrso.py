@@ -41,7 +41,7 @@ def test_a_round_of_two_subspace_steps_worked_by_hand():
     v = [direction(int(s), [torch.Size([1, 2])])[0].flatten().tolist() for s in round_seeds(0, 0, 0, 1, 2)[0]]
     assert v == [[-1.0, -1.0], [-1.0, -1.0]]
     zo = _zo(clients=2, sampled=2, lr=0.25, local_steps=2, ferret_k=2, ferret_blocks=1)
-    assert zo.shape == (1, 2) and zo.method.steps == 2 and zo.method.server_lr == 1.0
+    assert zo.shape == (1, 2) and zo.method.steps == 2 and zo.method.resolved_server_lr == 1.0
     task = QuadTask(_C)
     seeds = round_seeds(0, 0, 0, 1, 2)
     # client 0, c = (1, 0): g_0 = (-1, 0), <g_0, v> = 1, a = 0.25 (each k); x = -(1/2) 2 (0.25) v =

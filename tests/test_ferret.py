@@ -26,7 +26,7 @@ def test_two_rounds_worked_by_hand():
          for r in range(2)]
     assert v == [[[-1.0, -1.0], [-1.0, -1.0]], [[1.0, -1.0], [1.0, 1.0]]]
     zo = _zo(clients=2, sampled=2, lr=0.5, ferret_k=2, ferret_blocks=1)
-    assert zo.shape == (1, 2) and zo.method.steps == 1 and zo.method.server_lr == 1.0
+    assert zo.shape == (1, 2) and zo.method.steps == 1 and zo.method.resolved_server_lr == 1.0
     sim = Simulation(LinearTask(_C), zo, clients_per_round=2, seed=0, mode="faithful", eval_every=100)
     # Delta_0 = 0.5 (1, 0), Delta_1 = 0.5 (-1, -2); round 0: projections on (-1, -1): -0.5 and 1.5,
     # mean 0.5 (both k); x_1 = 0 - (1/2)(0.5 v + 0.5 v) = (0.5, 0.5)

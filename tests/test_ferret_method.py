@@ -31,15 +31,16 @@ def test_each_is_one_method_class_whose_fields_are_its_options(name):
     cls = CLASSES[name]
     info = method_info(name)
     assert issubclass(cls, Method) and info.cls is cls and getattr(hiso.methods, cls.__name__) is cls
-    own = ("ferret_k", "ferret_blocks", "sketch_bits") if cls is Sketch else ("ferret_k", "ferret_blocks")
-    assert tuple(fields_of(cls)) == own  # the run's steps, server step and clip are not options
+    own = ("ferret_k", "ferret_blocks", "server_lr", *(("sketch_bits",) if cls is Sketch else ()))
+    assert tuple(fields_of(cls)) == own  # the run's steps and clip are not options; its server step is
     assert not set(MOVED) & set(RunConfig.model_fields)
     # the registry's facts are the class's
     assert (info.gradient, info.server_lr, info.can, info.display) == ("first-order", 1.0, cls.can, cls.display)
     cfg = load_config(None, algorithm=name, ferret_k=3, ferret_blocks=2, local_steps=2, grad_clip=0.5)
     zo = cfg.zo()
     assert type(zo.method) is cls and zo.shape == (2, 3)
-    assert (zo.method.steps, zo.method.server_lr, zo.method.grad_clip) == (2, 1.0, 0.5)
+    assert (zo.method.steps, zo.method.server_lr, zo.method.resolved_server_lr, zo.method.grad_clip) == \
+        (2, None, 1.0, 0.5)
     assert cfg.method_opts == {f: getattr(zo.method, f) for f in own}
 
 
@@ -59,7 +60,8 @@ def test_flag_method_opt_toml_key_and_method_table_run_the_same_bits(tmp_path, c
     assert all(files[name] == files["flags"] for name in ways if name != "default")
     assert files["default"][0] != files["flags"][0]  # the options did act
     saved = json.loads((tmp_path / "method-opt" / "config.json").read_text())
-    assert saved["schema"] == compat.SCHEMA and not set(MOVED) & set(saved) and saved["method_opts"] == opts
+    assert saved["schema"] == compat.SCHEMA and not set(MOVED) & set(saved)
+    assert saved["method_opts"] == {**opts, "server_lr": None}  # (the server step not given: the class's)
 
 
 def _schema3(cfg: RunConfig) -> dict:

@@ -103,6 +103,22 @@ def test_every_builtin_method_is_registered_with_what_it_declares():
                                                                          "fedadagrad"]
 
 
+def test_every_name_of_the_algorithm_list_is_built_from_one_method_class_in_hiso_methods():
+    """What ``hiso run --algorithm`` lists: each built-in name is one Method subclass of a module
+    of hiso.methods, named by hiso.methods, whose instance the run builds."""
+    import hiso.methods
+    from hiso.cli_flags import field_choices
+    from hiso.core.method import Method
+    names = [n for n in field_choices("algorithm") if ":" not in n]
+    assert names == list(method_names()) and len(names) == 14
+    for name in names:
+        cls = method_info(name).cls
+        assert isinstance(cls, type) and issubclass(cls, Method), name
+        assert cls.__module__.startswith("hiso.methods.") and getattr(hiso.methods, cls.__name__) is cls, name
+        assert type(method_info(name).build(load_config(None, algorithm=name))) is cls, name
+    assert len({method_info(n).cls for n in names}) == len(names)  # one class each
+
+
 def test_a_method_declaring_an_unknown_capability_is_refused():
     with pytest.raises(ValueError, match="unknown capabilities"):
         MethodInfo("x", "X", can=frozenset({"teleport"}))

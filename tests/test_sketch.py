@@ -45,7 +45,7 @@ def test_two_rounds_worked_by_hand(bits, dtype, r1, x2):
     # run seed 0, B = 1, K = 2 (tests/test_ferret.py): round 0's directions are (-1, -1) twice,
     # round 1's (1, -1) and (1, 1)
     zo = _zo(clients=2, sampled=2, lr=0.5, ferret_k=2, ferret_blocks=1, sketch_bits=bits, scalar_dtype=dtype)
-    assert zo.shape == (1, 2) and zo.uplink == Codes(bits) and zo.method.server_lr == 1.0
+    assert zo.shape == (1, 2) and zo.uplink == Codes(bits) and zo.method.resolved_server_lr == 1.0
     sim = Simulation(LinearTask(_C), zo, clients_per_round=2, seed=0, mode="faithful", eval_every=100)
     # round 0: client 0's projections are (-0.5, -0.5), client 1's (1.5, 1.5): equal values are
     # on the 1- and 2-bit grids, so the round is Ferret's: mean 0.5, x_1 = (0.5, 0.5)

@@ -11,7 +11,7 @@ layer may read these tables.
 
 from __future__ import annotations
 
-SCHEMA = 4  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
+SCHEMA = 5  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
 # built-in method's options in its method_opts (FLAT_OPTIONS), paths relative to the run directory
 # (hiso.runners.portable); 4: more built-in methods' options there (FLAT_OPTIONS: FedKSeed's,
 # Ferret's, the sketch's and FedKRSO's)
@@ -22,11 +22,18 @@ SCHEMA = 4  # config.json's "schema"; a file without one was written before sche
 # Reading an older file moves them into that method's method_opts and drops them from the other
 # methods' (they did nothing there); the configuration's hash puts them back where they were
 # (flat_options). Methods may share an option (Ferret's ferret_k is the sketch's and FedKRSO's too).
-_FERRET = {"ferret_k": 200, "ferret_blocks": 8}
+# Schema 5: the full-model baselines' options and the server step, Ferret's family's too (server_lr
+# None: the method's default, as the flat field's None was).
+_SERVER_LR = {"server_lr": None}
+_FULL = {**_SERVER_LR, "wire_dtype": "float32"}
+_ADAPTIVE = {**_SERVER_LR, "beta1": 0.9, "beta2": 0.99, "server_tau": 1e-3, "wire_dtype": "float32"}
+_FERRET = {"ferret_k": 200, "ferret_blocks": 8, **_SERVER_LR}
 FLAT_OPTIONS = {"hiso": {"nu": 0.05, "eps": 1e-8, "h_min": None, "h_max": None, "h_source": "last",
                          "h_stat": "ghat2", "h_granularity": "coordinate", "h_bias_correction": False},
                 "fedkseed": {"seed_pool": 4096, "seed_sampling": "weighted"},
-                "ferret": _FERRET, "sketch": {**_FERRET, "sketch_bits": 1}, "fedkrso": _FERRET}
+                "ferret": _FERRET, "sketch": {**_FERRET, "sketch_bits": 1}, "fedkrso": _FERRET,
+                "fedzo": _FULL, "fedavg": _FULL, "fedadam": _ADAPTIVE, "fedyogi": _ADAPTIVE,
+                "fedadagrad": {**_SERVER_LR, "server_tau": 1e-3, "wire_dtype": "float32"}}
 FLAT_DEFAULTS = {name: default for owner in FLAT_OPTIONS.values() for name, default in owner.items()}
 
 # options added later whose default computes differently: option -> (the tasks it applies to, None
@@ -93,6 +100,9 @@ def fingerprint_method(method, fields: dict | None, uplink) -> dict:
     or reshaped since by the names its runs' blobs have: :data:`FINGERPRINT_AS`)."""
     out = {"signs": getattr(uplink, "name", None) == "signs", "ferret": None}
     key = class_key(method)
+    if fields is not None and "server_lr" in fields and fields["server_lr"] is None:
+        # the server step was a run's value, resolved before the method was built (Ferret's 1.0)
+        fields = {**fields, "server_lr": getattr(method, "default_server_lr", None)}
     named, renamed = FINGERPRINT_AS.get(key, (key, {}))
     if fields is not None:
         fields = {renamed.get(k, k): v for k, v in fields.items() if renamed.get(k, k) is not None}
@@ -127,13 +137,13 @@ def migrate(raw: dict) -> tuple[dict, dict]:
     if schema > SCHEMA:
         raise ValueError(f"written by a newer hiso (config.json schema {schema}, this hiso reads up to {SCHEMA}): "
                          "upgrade hiso to read it")
-    if schema < 4:
+    if schema < 5:
         raw = unflatten(raw)
     return raw, predates(raw)
 
 
 def unflatten(raw: dict) -> dict:
-    """A schema 1, 2 or 3 configuration with its methods' flat options (:data:`FLAT_OPTIONS`) in the
+    """A schema 1 to 4 configuration with its methods' flat options (:data:`FLAT_OPTIONS`) in the
     ``method_opts`` of the method they belong to, and dropped from any other's."""
     raw = dict(raw)
     flat = {k: raw.pop(k) for owner in FLAT_OPTIONS.values() for k in owner if k in raw}

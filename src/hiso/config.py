@@ -58,8 +58,8 @@ class RunConfig(BaseModel, MethodRules):
     method_opts: dict[str, Any] = Field(default_factory=dict, description=(
         "the method's own options, the fields of its Method subclass (yours, or hiso's nu and h_*, conmezo's "
         "theta and beta): --method-opt KEY=VALUE (repeatable), a [method] table in TOML; the built-ins' "
-        "(hiso's, fedkseed's, ferret's, sketch's, fedkrso's) are also flags (--nu, --seed-pool, --ferret-k) and "
-        "TOML keys (nu = ...)"))
+        "(hiso's, fedkseed's, ferret's, sketch's, fedkrso's, the full-model baselines') are also flags (--nu, "
+        "--seed-pool, --ferret-k, --server-lr) and TOML keys (nu = ...)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -171,15 +171,6 @@ class RunConfig(BaseModel, MethodRules):
         "(hiso.methods.stepnorm; hiso, decomfl, local_steps 1; default: none)"))
     step_norm_beta: float = Field(0.9, ge=0, lt=1, description=(
         "step_norm: weight of the old value in the moving average of the scalars' mean square (0: this round's)"))
-    # full-model baselines: server optimiser (Reddi et al. 2021) and the wire's number format
-    server_lr: float | None = Field(None, gt=0, description=(
-        "server learning rate of full-model baselines (default: 1.0 for fedavg and fedzo, 0.01 for fedadam, "
-        "fedyogi, fedadagrad)"))
-    beta1: float = Field(0.9, ge=0, lt=1, description="server first-moment decay (fedadam, fedyogi)")
-    beta2: float = Field(0.99, ge=0, lt=1, description="server second-moment decay (fedadam, fedyogi)")
-    server_tau: float = Field(1e-3, gt=0, description="adaptivity (epsilon) of fedadam, fedyogi, fedadagrad")
-    wire_dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description=(
-        "number format of full-model baselines' messages"))
     threads: int | None = Field(None, gt=0, description="torch CPU threads (default: torch's own)")
     checkpoint_every: str | int = Field("5m", description=(
         "write the server's state (model, H) to DIR/checkpoint.pt every this many rounds (an integer) or this much "

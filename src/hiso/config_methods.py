@@ -28,17 +28,12 @@ class MethodRules:
         uplink = getattr(self.method.build(self), "uplink", None) if self.method.scalar_only else None
         return getattr(uplink, "name", None) == "signs"
 
-    def resolved_server_lr(self) -> float:
-        if self.server_lr is not None:
-            return self.server_lr
-        return self.method.server_lr if self.method.server_lr is not None else 0.01
-
     def _method_opts_checks(self) -> None:
-        """Type a method's options by its Method class's fields (a user's method, or a built-in one
-        written on the contract: hiso, ferret, sketch, fedkrso, conmezo, greedy); the other built-in
-        methods have none of their own. A built-in class whose fields are flags too (HiSo's,
-        Ferret's) has all of them recorded, at their defaults where not given (config.json names
-        the values its run used), and checked here."""
+        """Type a method's options by its Method class's fields (a user's method, or a built-in one:
+        each is a class on the contract; DeComFL, FeedSign, greedy have no options of their own). A
+        built-in class whose fields are flags too (HiSo's, Ferret's, the full-model baselines') has
+        all of them recorded, at their defaults where not given (config.json names the values its
+        run used; a server_lr not given as None, the method's default), and checked here."""
         from .methods.options import check_options, fields_of
         from .methods.registry import is_user_method
         cls = self.method.option_class

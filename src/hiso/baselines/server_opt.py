@@ -86,15 +86,20 @@ def fedyogi(lr: float = 0.01, beta1: float = 0.9, beta2: float = 0.99, tau: floa
 
 
 def make_server_opt(cfg) -> ServerOpt:
-    """The server optimiser a :class:`~hiso.config.RunConfig` asks for."""
-    lr = cfg.resolved_server_lr()
+    """The server optimiser a :class:`~hiso.config.RunConfig` asks for: its method's
+    (:mod:`hiso.methods.fullmodel`: ``server_opt`` names it, its fields are its options)."""
     opt = cfg.method.server_opt  # the method's registry entry names it
+    if opt is None:
+        raise ValueError(f"{cfg.algorithm!r} has no server optimiser (not a full-model algorithm)")
+    from ..methods.fullmodel import method_of
+    method = method_of(cfg)
+    lr = method.resolved_server_lr
     if opt == "avg":
         return fedavg(lr)
-    if opt == "adagrad":
-        return fedadagrad(lr, cfg.beta1, cfg.server_tau)
+    if opt == "adagrad":  # (its first moment's decay is not an option: 0.9, the default of fedadam's beta1)
+        return fedadagrad(lr, tau=method.server_tau)
     if opt == "adam":
-        return fedadam(lr, cfg.beta1, cfg.beta2, cfg.server_tau)
+        return fedadam(lr, method.beta1, method.beta2, method.server_tau)
     if opt == "yogi":
-        return fedyogi(lr, cfg.beta1, cfg.beta2, cfg.server_tau)
-    raise ValueError(f"{cfg.algorithm!r} has no server optimiser (not a full-model algorithm)")
+        return fedyogi(lr, method.beta1, method.beta2, method.server_tau)
+    raise ValueError(f"{cfg.algorithm!r}: unknown server optimiser {opt!r}")

@@ -76,8 +76,7 @@ SHARED_FORBIDDEN = {"algorithm": "set [compare] algorithms (or --algorithms)",
 # every other field, so a new field is assumed to matter until listed here)
 NOT_TASK_FIELDS = {"algorithm", "rounds", "sampled", "local_steps", "perturbations", "lr", "mu",
                    "difference", "batch_size", "eval_every", "weighted", "mode", "perturb_mode", "batch_memory",
-                   "method_opts", "server_lr", "beta1", "beta2",
-                   "server_tau", "wire_dtype", "threads", "diverge_factor", "checkpoint_every"}
+                   "method_opts", "threads", "diverge_factor", "checkpoint_every"}
 # RunConfig fields that may differ between a finished run and the one asked for now
 RESUME_IGNORED = {"threads", "checkpoint_every"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")

@@ -44,6 +44,7 @@ from ..config import RunConfig
 from ..core.messages import MessageError
 from ..core.perturb import Perturber
 from ..core.state import ModelState, trainable_params
+from ..methods.fullmodel import method_of
 from ..runners.fullmodel import FullModelSimulation, FullRounds, fedzo_config
 from .records import REC, Settings, _task_for
 from .server_app import FlowerFederation
@@ -264,7 +265,8 @@ def train_full(cfg: RunConfig, pid: int, arrays, rnd: int, cfg_json: str | None 
     model = task.build_model()
     named = trainable_params(model)
     params = [p for _, p in named]
-    received = from_arrays(arrays, named, cfg.wire_dtype, f"round {rnd}: the model sent to partition {pid}")
+    wire = method_of(cfg).wire_dtype
+    received = from_arrays(arrays, named, wire, f"round {rnd}: the model sent to partition {pid}")
     with torch.no_grad():
         for p, v in zip(params, received):
             p.copy_(v)
@@ -274,7 +276,7 @@ def train_full(cfg: RunConfig, pid: int, arrays, rnd: int, cfg_json: str | None 
                                cfg.seed, cfg.batch_size)
     else:
         delta, loss = sgd_local(model, params, task, pid, rnd, cfg.lr, cfg.local_steps, cfg.batch_size)
-    out = to_arrays([(n, t) for (n, _), t in zip(named, delta)], cfg.wire_dtype)
+    out = to_arrays([(n, t) for (n, _), t in zip(named, delta)], wire)
     return out, {"round": rnd, "client": pid, "loss": float(loss)}
 
 

@@ -10,17 +10,22 @@ core's fold, estimator, server or client calls its rule. A method with its own r
 and log is built on the core here too: FedKSeed's seed pool (``fedkseed.py``; its server and
 client sides of a round, ``fedkseed_rounds.py``).
 
-HiSo itself is a method on the contract (``hiso_method.py``: :class:`HiSo`, whose stage keeps H),
-as are DeComFL (``decomfl.py``), FedKSeed's options (``fedkseed_method.py``), and Ferret, the
-low-bit sketch and FedKRSO (:class:`Ferret`, :class:`Sketch`, :class:`FedKRSO`: their options
-``ferret_k``, ``ferret_blocks`` and ``sketch_bits`` their fields).
+Every built-in method is one class on the contract, named here (``hiso.methods.FedAvg``): HiSo
+(``hiso_method.py``: :class:`HiSo`, whose stage keeps H), DeComFL (``decomfl.py``), FeedSign,
+FedKSeed's options (``fedkseed_method.py``), Ferret, the low-bit sketch and FedKRSO (their
+options ``ferret_k``, ``ferret_blocks``, ``server_lr`` and ``sketch_bits`` their fields), greedy,
+ConMeZO, and the full-model baselines (``fullmodel.py``: FedZO, FedAvg, FedAdam, FedYogi,
+FedAdagrad, their server step, moments and wire format their fields).
 
 Nothing is imported here until asked (``hiso.methods.HiSo``), so importing one method costs only
 that method.
 """
 
-_EXPORTS = {"HiSo": "hiso.methods.hiso_method", "Ferret": "hiso.methods.ferret", "Sketch": "hiso.methods.sketch",
-            "FedKRSO": "hiso.methods.fedkrso"}
+_EXPORTS = {"HiSo": "hiso.methods.hiso_method", "DeComFL": "hiso.methods.decomfl", "FeedSign": "hiso.methods.feedsign",
+            "Ferret": "hiso.methods.ferret", "FedKSeed": "hiso.methods.fedkseed_method", "Sketch": "hiso.methods.sketch",
+            "FedKRSO": "hiso.methods.fedkrso", "Greedy": "hiso.methods.greedy", "ConMeZO": "hiso.methods.conmezo",
+            "FedZO": "hiso.methods.fullmodel", "FedAvg": "hiso.methods.fullmodel", "FedAdam": "hiso.methods.fullmodel",
+            "FedYogi": "hiso.methods.fullmodel", "FedAdagrad": "hiso.methods.fullmodel"}
 
 
 def __getattr__(name: str):

@@ -80,10 +80,18 @@ SIGNS = Signs()
 
 @dataclass(frozen=True)
 class FeedSign(Method):
-    """FeedSign's hooks: a client keeps the signs of its scalars, uploads them as bits, and the
-    server logs the (weighted) majority vote; the fold is DeComFL's with the vote as scalar."""
+    """Seeds and one sign bit per client-step, majority vote.
+
+    A client keeps the signs of its scalars and uploads them as bits, the server logs the
+    (weighted) majority vote; the fold is DeComFL's with the vote as scalar."""
 
     uplink = SIGNS
+
+    display: ClassVar[str] = "FeedSign"
+    gradient: ClassVar[str] = "zo"
+    options: ClassVar[frozenset] = frozenset({"zo_estimate"})
+    can: ClassVar[frozenset] = frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",
+                                          "structured", "one-seed"})
 
     def step_scalars(self, g):
         return signs(g)

@@ -44,7 +44,8 @@ import torch
 
 from ..core.method import Method
 from ..core.work import Work
-from .options import RUN
+from .fullmodel import check_server_lr
+from .options import RUN, SHARED
 
 DEFAULT_K = 200  # the authors' script (scripts/ferret.sh: --K 200)
 DEFAULT_BLOCKS = 8
@@ -57,9 +58,10 @@ def _help(text: str) -> dict:
 @dataclass(frozen=True)
 class Ferret(Method):
     """First-order local steps, K projections per block on the wire. Its options are ``ferret_k``
-    (K) and ``ferret_blocks`` (B: the record's (tau, P) is (B, K)); ``steps``, ``server_lr`` and
-    ``grad_clip`` are the run's local steps, server step and gradient clip (``RUN`` fields, set
-    by :meth:`from_config`, not options)."""
+    (K), ``ferret_blocks`` (B: the record's (tau, P) is (B, K)) and ``server_lr`` (the global
+    step's scale, ``--server-lr``; None: ``default_server_lr``); ``steps`` and ``grad_clip`` are
+    the run's local steps and gradient clip (``RUN`` fields, set by :meth:`from_config`, not
+    options)."""
 
     ferret_k: int = field(default=DEFAULT_K, metadata=_help(
         "ferret, sketch, fedkrso: K, the random directions per parameter block the local update is projected on "
@@ -70,12 +72,12 @@ class Ferret(Method):
         "directions (a tensor is never split: with fewer or very unequal tensors some blocks stay empty and send K "
         "zeros)"))
     steps: int = field(default=1, metadata=RUN)  # local SGD steps (the run's local_steps)
-    server_lr: float = field(default=1.0, metadata=RUN)  # the global step's scale
+    server_lr: float | None = field(default=None, metadata=SHARED)  # the global step's scale (--server-lr)
     grad_clip: float | None = field(default=None, metadata=RUN)  # each local step's gradient norm clip (None: none)
 
     display: ClassVar[str] = "Ferret"
     gradient: ClassVar[str] = "first-order"
-    options: ClassVar[frozenset] = frozenset({"server_lr"})
+    options: ClassVar[frozenset] = frozenset()
     can: ClassVar[frozenset] = frozenset({"faults", "robust", "weighted", "backprop", "lr_decay", "grad_clip"})
     default_server_lr: ClassVar[float] = 1.0
     flags: ClassVar[str] = "ferret's, sketch's and fedkrso's"  # its fields are top-level flags too; whose they are
@@ -94,16 +96,20 @@ class Ferret(Method):
         if self.ferret_k * self.ferret_blocks > MAX_PER_ROUND:
             raise ValueError(f"ferret_k x ferret_blocks = {self.ferret_k * self.ferret_blocks} seeds a round, more "
                              f"than the format allows ({MAX_PER_ROUND})")
-        if not self.server_lr > 0:
-            raise ValueError(f"server_lr must be > 0, got {self.server_lr!r}")
+        check_server_lr(self.server_lr)
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0, got {self.grad_clip!r}")
 
     @classmethod
     def from_config(cls, cfg) -> "Ferret":
-        """The method of a run (a :class:`~hiso.config.RunConfig`): its local steps, server step
-        and clip (its own options are set after, from ``method_opts``)."""
-        return cls(steps=cfg.local_steps, server_lr=cfg.resolved_server_lr(), grad_clip=cfg.grad_clip)
+        """The method of a run (a :class:`~hiso.config.RunConfig`): its local steps and clip (its
+        own options are set after, from ``method_opts``)."""
+        return cls(steps=cfg.local_steps, grad_clip=cfg.grad_clip)
+
+    @property
+    def resolved_server_lr(self) -> float:
+        """The global step's scale this run takes: ``server_lr``, or the class's default."""
+        return self.default_server_lr if self.server_lr is None else self.server_lr
 
     def record_shape(self) -> tuple[int, int]:
         """(B, K): a round's seeds and scalars are K per block."""
@@ -140,7 +146,7 @@ def apply_(state, record) -> None:
     cfg = state.cfg
     for i, (p, b) in enumerate(zip(state.params, blocks_of(state.params, cfg.method.ferret_blocks))):
         ghat = state.gen.combine(i, p.shape, record.seeds[b], record.scalars[b], None, p.device)
-        exact.axpy_(p, -cfg.method.server_lr, ghat)
+        exact.axpy_(p, -cfg.method.resolved_server_lr, ghat)
     state.round += 1
 
 

@@ -20,6 +20,10 @@ _CASTS = {int: int, float: float, str: str}
 # a method field's metadata marking it the run's value the method carries (Ferret's local steps,
 # server step and clip, set by its ``from_config``), not one of its options
 RUN = {"run": True}
+# a built-in method field's metadata marking it an option whose flag another built-in class
+# declares (Ferret's server_lr is --server-lr, the full-model baselines'): the flag reaches it
+# when the run is its method's, the help and place of the flag are the other class's
+SHARED = {"shared": True}
 
 
 def parse_pairs(items) -> dict[str, str]:

@@ -12,9 +12,9 @@ with), ``hiso compare``, the reports, the runners, rebuild, export, resume and t
   read, set to another value than its default, is refused or reported as unused;
 * ``can``: its capabilities (:data:`CAPABILITIES`); an option that needs one it lacks is refused;
 * ``build(cfg)``: the :class:`~hiso.core.method.Method` whose hooks the core calls;
-* ``cls``: for a method written on the contract (HiSo, DeComFL, Ferret, FedKSeed, sketch, FedKRSO,
-  ConMeZO, greedy), its Method class: its dataclass fields are its options (``--method-opt
-  KEY=VALUE``, as a user's method's; a field marked :data:`hiso.methods.options.RUN` carries a
+* ``cls``: its Method class (every built-in is one: HiSo, DeComFL, FeedSign, Ferret, FedKSeed,
+  the full-model baselines, sketch, FedKRSO, greedy, ConMeZO): its dataclass fields are its
+  options (``--method-opt KEY=VALUE``, as a user's method's; a field marked :data:`hiso.methods.options.RUN` carries a
   run's value instead), and it is built as a user's method is (``from_config``, then the
   options). A built-in class with a ``flags`` attribute (HiSo's: ``"HiSo's preconditioner"``,
   whose they are) also has its fields as top-level flags and TOML keys (``--nu``, ``nu = 0.1``;
@@ -22,8 +22,8 @@ with), ``hiso compare``, the reports, the runners, rebuild, export, resume and t
 
 Such a class declares its entry in class attributes (:func:`contract_method`): ``display``,
 ``gradient``, ``can``, ``options``, ``default_server_lr`` (``server_lr`` above), and a built-in's
-``family`` and ``server_opt`` too (:func:`class_info`). A user's
-method needs no registration: ``--algorithm module:Class`` (or ``path/to/file.py:Class``) names
+``family`` (FedKSeed's ``"seed-pool"``, the full-model baselines' ``"full-model"``) and
+``server_opt`` too (:func:`class_info`). A user's method needs no registration: ``--algorithm module:Class`` (or ``path/to/file.py:Class``) names
 a :class:`hiso.core.method.Method` subclass whose attributes are read the same way (family
 ``scalar``), and ``from_config(cfg)`` builds it (default: ``Class()``).
 """
@@ -53,15 +53,9 @@ CAPABILITIES = frozenset({
 
 # options that only some methods read (the rest of RunConfig is every method's)
 METHOD_OPTIONS = {
-    "server_lr": ("server_lr",),
-    "server_moments": ("beta1", "beta2"),
-    "server_tau": ("server_tau",),
-    "wire_dtype": ("wire_dtype",),
     "zo_estimate": ("perturbations", "mu", "difference"),
 }
-_WHOSE = {"server_lr": "the full-model baselines' and ferret's server step",
-          "server_moments": "fedadam's and fedyogi's server moments", "server_tau": "the adaptive server optimisers'",
-          "wire_dtype": "the full-model baselines' messages", "zo_estimate": "the zeroth-order estimate's"}
+_WHOSE = {"zo_estimate": "the zeroth-order estimate's"}
 
 
 @dataclass(frozen=True)
@@ -224,15 +218,30 @@ def builtin_name(cls: type) -> str | None:
 
 def flag_options() -> dict[str, tuple[type, str]]:
     """The built-in methods' own options that are also top-level flags and TOML keys (HiSo's
-    ``nu``, ...): name -> (the Method class whose field it is, whose they are, for notes)."""
+    ``nu``, ...): name -> (the Method class whose field it is, whose they are, for notes: the
+    field's ``whose`` metadata, else its class's ``flags``). A field several classes share (the
+    full-model baselines' ``server_lr``) is the first class's flag; a field marked
+    :data:`hiso.methods.options.SHARED` is another class's flag (Ferret's ``server_lr`` is
+    ``--server-lr``, the full-model baselines'). Flags keep each class's field order (FedAdam's
+    ``beta1`` sits between ``server_lr`` and ``wire_dtype``, which FedZO has too)."""
+    import dataclasses
+
     from .options import fields_of
+    order: list[str] = []
     out: dict[str, tuple[type, str]] = {}
     for info in _REGISTRY.values():
         whose = getattr(info.cls, "flags", None) if info.cls is not None else None
-        if whose:
-            for name in fields_of(info.cls):
-                out.setdefault(name, (info.cls, whose))
-    return out
+        if not whose:
+            continue
+        meta = {f.name: f.metadata for f in dataclasses.fields(info.cls)}
+        names = [n for n in fields_of(info.cls) if not meta[n].get("shared")]
+        for i, name in enumerate(names):
+            if name in out:
+                continue
+            out[name] = (info.cls, meta[name].get("whose", whose))
+            later = next((order.index(n) for n in names[i + 1:] if n in order), len(order))
+            order.insert(later, name)
+    return {name: out[name] for name in order}
 
 
 def in_words(names) -> str:
@@ -248,35 +257,16 @@ def option_groups() -> list[tuple[tuple[str, ...], tuple[str, ...], str]]:
 
 
 # the built-in methods, in the order --help and errors list them
-_ZO = frozenset({"zo_estimate"})
-_FULL = frozenset({"server_lr", "wire_dtype"})
-
-
-def _feedsign(cfg):
-    from .feedsign import FeedSign
-    return FeedSign()
-
-
 register_method(contract_method("hiso", "hiso.methods.hiso_method", "HiSo"))
 register_method(contract_method("decomfl", "hiso.methods.decomfl", "DeComFL"))
-register_method(MethodInfo("feedsign", "FeedSign", options=_ZO, build=_feedsign,
-                           can=frozenset({"faults", "robust", "weighted", "lr_decay", "step_norm", "refresh",
-                                          "structured", "one-seed"}),
-                           doc="seeds and one sign bit per client-step, majority vote"))
+register_method(contract_method("feedsign", "hiso.methods.feedsign", "FeedSign"))
 register_method(contract_method("ferret", "hiso.methods.ferret", "Ferret"))
 register_method(contract_method("fedkseed", "hiso.methods.fedkseed_method", "FedKSeed"))
-register_method(MethodInfo("fedzo", "FedZO", "full-model", options=_FULL | _ZO, can=frozenset({"weighted"}),
-                           server_lr=1.0, server_opt="avg", doc="ZO local steps, the model on the wire"))
-register_method(MethodInfo("fedavg", "FedAvg", "full-model", "first-order", _FULL, frozenset({"weighted"}),
-                           server_lr=1.0, server_opt="avg"))
-register_method(MethodInfo("fedadam", "FedAdam", "full-model", "first-order",
-                           _FULL | {"server_moments", "server_tau"}, frozenset({"weighted"}), server_lr=0.01,
-                           server_opt="adam"))
-register_method(MethodInfo("fedyogi", "FedYogi", "full-model", "first-order",
-                           _FULL | {"server_moments", "server_tau"}, frozenset({"weighted"}), server_lr=0.01,
-                           server_opt="yogi"))
-register_method(MethodInfo("fedadagrad", "FedAdagrad", "full-model", "first-order", _FULL | {"server_tau"},
-                           frozenset({"weighted"}), server_lr=0.01, server_opt="adagrad"))
+register_method(contract_method("fedzo", "hiso.methods.fullmodel", "FedZO"))
+register_method(contract_method("fedavg", "hiso.methods.fullmodel", "FedAvg"))
+register_method(contract_method("fedadam", "hiso.methods.fullmodel", "FedAdam"))
+register_method(contract_method("fedyogi", "hiso.methods.fullmodel", "FedYogi"))
+register_method(contract_method("fedadagrad", "hiso.methods.fullmodel", "FedAdagrad"))
 # methods added since the table above was fixed (its order is --help's)
 register_method(contract_method("sketch", "hiso.methods.sketch", "Sketch"))
 register_method(contract_method("fedkrso", "hiso.methods.fedkrso", "FedKRSO"))

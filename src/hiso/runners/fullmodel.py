@@ -29,6 +29,7 @@ from ..baselines.local import local_work, sgd_local, zo_local
 from ..baselines.messages import (FullDownlink, FullUplink, decode_downlink, decode_uplink,
                                   encode_downlink, encode_uplink, flatten, unflatten)
 from ..baselines.server_opt import make_server_opt
+from ..methods.fullmodel import method_of
 from ..config import RunConfig
 from ..core.config import ZOConfig
 from ..core.messages import MessageError
@@ -58,7 +59,7 @@ class FullModelSimulation(Runner):
         if not 1 <= cfg.sampled <= M:
             raise ValueError(f"sampled must be in [1, {M}], got {cfg.sampled}")
         self.task, self.cfg = task, cfg
-        self.dtype = cfg.wire_dtype
+        self.dtype = method_of(cfg).wire_dtype
         self.model = task.build_model()
         self.params = [p for _, p in trainable_params(self.model)]
         self.d = sum(p.numel() for p in self.params)
