@@ -37,15 +37,54 @@ def test_no_code_probes_a_runner_for_an_attribute():
     assert probes == []
 
 
-# what a method's family decides is asked of its driver (hiso.runners.drivers) or its registry
-# entry; the places that still ask the family by name, outside the registry, may only go down
-FAMILY_QUESTIONS_LEFT = 31  # 42 before the drivers
+# what a method's family decides is asked of its driver (hiso.runners.drivers) by what it needs, or,
+# below the drivers, of its registry entry by what it needs: never by the family's old names
+FAMILY_QUESTIONS_LEFT = 0  # 42 before the drivers, 31 after
 
 
-def test_the_family_is_asked_by_name_in_fewer_places_only():
+def _attribute_reads(names, skip=("methods/registry.py",)) -> list[str]:
     src = Path(hiso.__file__).parent
-    asked = [f"{path.relative_to(src)}:{node.lineno}"
-             for path in sorted(src.rglob("*.py")) if path.relative_to(src).as_posix() != "methods/registry.py"
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Attribute) and node.attr in ("scalar_only", "pool_log", "has_log")]
-    assert len(asked) <= FAMILY_QUESTIONS_LEFT, asked
+    return [f"{path.relative_to(src).as_posix()}:{node.lineno}"
+            for path in sorted(src.rglob("*.py")) if path.relative_to(src).as_posix() not in skip
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr in names]
+
+
+def test_the_family_is_not_asked_by_name_outside_the_registry():
+    asked = _attribute_reads(("scalar_only", "pool_log", "has_log"))
+    assert len(asked) == FAMILY_QUESTIONS_LEFT, asked
+
+
+def _family_properties() -> set[str]:
+    """MethodInfo's properties whose answer is read off its family."""
+    from hiso.methods import registry
+    tree = ast.parse(Path(registry.__file__).read_text())
+    info = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MethodInfo")
+    return {f.name for f in info.body if isinstance(f, ast.FunctionDef)
+            and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
+            and any(isinstance(n, ast.Attribute) and n.attr == "family" for n in ast.walk(f))}
+
+
+# the modules that cannot ask a driver (config is below the runners; the drivers read runfiles)
+ASK_THE_ENTRY = {"config_methods.py", "runners/runfiles.py"}
+
+
+def test_only_modules_below_the_drivers_ask_the_registry_entry_what_the_family_decides():
+    props = _family_properties()
+    assert props >= {"core_log", "plays_pool", "rebuildable"}, props
+    where = {read.split(":")[0] for read in _attribute_reads(props)}
+    assert where <= ASK_THE_ENTRY, sorted(where - ASK_THE_ENTRY)
+
+
+def test_each_drivers_answers_agree_with_its_methods_registry_entry():
+    from hiso.config import RunConfig
+    from hiso.methods.registry import method_info, method_names
+    from hiso.runners.drivers import driver_of
+
+    for name in method_names():
+        info, driver = method_info(name), driver_of(method_info(name))
+        assert driver.keeps_log == info.rebuildable and driver.pool_rounds == info.plays_pool, name
+        assert driver.replica_catches_up == driver.checkpointed == info.core_log, name
+        assert (driver.model_from == "log") == info.core_log, name
+        shape = driver.record_shape(RunConfig(task="quadratic", algorithm=name, rounds=2))
+        assert (shape is not None) == info.core_log, name

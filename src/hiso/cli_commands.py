@@ -198,10 +198,12 @@ def _ending_note(cfg: RunConfig, out: Path) -> None:
     """Say so when a run ended well below its best evaluation (see report.table.run_ending_note)."""
     from .report.runs import read_rows
     from .report.table import higher_is_better, run_ending_note
+    from .runners.drivers import driver_of
     from .tasks.registry import task_info
 
     metric = next(iter(task_info(cfg.task).metrics))
-    note = run_ending_note(read_rows(out), metric, higher_is_better(metric, cfg.task), out if cfg.scalar_only else None)
+    note = run_ending_note(read_rows(out), metric, higher_is_better(metric, cfg.task),
+                            out if driver_of(cfg.method).model_from == "log" else None)
     if note:
         print(note)
 

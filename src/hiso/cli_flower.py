@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .cli_commands import _ending_note, _fail, _new_run_refusal, _with
 from .config import RunConfig, load_config, option_fields
+from .runners.drivers import driver_of
 
 
 def _record_accepted_method(out: Path, cfg: RunConfig) -> None:
@@ -49,7 +50,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
         if (out / "summary.json").exists():
             print(f"{out} is a finished run: nothing to resume")
             return 0
-        if not cfg.scalar_only:
+        if not driver_of(cfg.method).replica_catches_up:  # (a resumed ServerApp finds the nodes' replicas)
             return _fail(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
                          "their state from (start again with --out DIR --force)")
         _record_accepted_method(out, cfg)
@@ -101,7 +102,7 @@ def cmd_flower(args: argparse.Namespace) -> int:
             from .flower.launch import default_worker
             follow = MetricsFollower(out, cfg.rounds)
             worker = default_worker(cfg) if args.worker is None else args.worker
-            if args.worker is None and not worker and cfg.scalar_only and not cfg.secagg:
+            if args.worker is None and not worker and driver_of(cfg.method).replica_catches_up and not cfg.secagg:
                 print("hiso flower: --worker keeps each node's task and replica loaded between messages: faster "
                       "rounds where starting a ClientApp costs more than a round's work", flush=True)
             print(f"hiso flower: {nodes} SuperNodes serving {cfg.clients} partitions"

@@ -18,14 +18,9 @@ class MethodRules:
         return method_info(self.algorithm)
 
     @property
-    def scalar_only(self) -> bool:
-        """Whether the algorithm runs the seed-and-scalar protocol (and can be rebuilt from its log)."""
-        return self.method.scalar_only
-
-    @property
     def sends_signs(self) -> bool:
         """Whether the method's clients upload one sign bit per scalar (FeedSign's wire)."""
-        uplink = getattr(self.method.build(self), "uplink", None) if self.method.scalar_only else None
+        uplink = getattr(self.method.build(self), "uplink", None) if self.method.core_log else None
         return getattr(uplink, "name", None) == "signs"
 
     def _method_opts_checks(self) -> None:
@@ -114,7 +109,7 @@ class MethodRules:
                               f"not {self.algorithm}")
         if self.step_norm is not None and self.local_steps > 1:
             raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
-        if self.momentum is not None and "momentum" not in can and info.scalar_only:
+        if self.momentum is not None and "momentum" not in can and info.core_log:
             raise self._lacks("momentum", "momentum", f"momentum is for {in_words(with_capability('momentum'))}, "
                               f"not {self.algorithm}")
         if self.scalar_dtype == "int8" and "int8" not in can:
@@ -131,12 +126,12 @@ class MethodRules:
                               f"per round: not for {self.algorithm}")
         if "one-seed" in can:
             self._one_seed_defaults()
-        if info.pool_log:
+        if info.plays_pool:
             if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
                 raise ValueError(f"{self.algorithm} runs with the plain mean only (no faults, attackers, robust or "
                                  "weighted aggregation, lr decay)")
         if self.directions in ("sparse", "lowrank") and "structured" not in can:
-            what = "draws its pool's directions from a dense family" if info.pool_log else \
+            what = "draws its pool's directions from a dense family" if info.plays_pool else \
                 "projects on a dense direction family"
             raise self._lacks("structured", f"directions {self.directions}", f"{self.algorithm} {what}, not "
                               f"{self.directions}")
@@ -147,7 +142,7 @@ class MethodRules:
     def _honour_checks(self) -> None:
         """Refuse an option whose capability the method declares but whose construction drops
         (:mod:`hiso.methods.honour`): the run would compute as without it while its files say otherwise."""
-        if not self.method.scalar_only:
+        if not self.method.core_log:
             return
         from .methods.honour import unhonoured
         if (bad := unhonoured(self, self.zo())) is not None:

@@ -130,6 +130,7 @@ def _config_state(spec: RunSpec, fix: str = "use --force to rerun, or another --
     continued, or a partial run of another configuration). A finished run of another
     configuration is an error (:class:`ConfigError`) whose message ends with ``fix`` (``{option}``
     in it: the option that differs)."""
+    from ..runners.drivers import driver_of
     from ..runners.runfiles import ended_early, extend_refusal, resume_point
 
     try:
@@ -183,7 +184,7 @@ def _config_state(spec: RunSpec, fix: str = "use --force to rerun, or another --
     if not can_continue:
         return "start"
     try:  # a log that cannot be continued (damaged before its end, an old format): run it again
-        resume_point(spec.dir, spec.cfg.zo().shape if spec.cfg.scalar_only else None, spec.cfg)
+        resume_point(spec.dir, driver_of(spec.cfg.method).record_shape(spec.cfg), spec.cfg)
     except (OSError, ValueError):
         return "start"
     return "continue"

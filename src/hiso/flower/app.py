@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 
 from ..config import RunConfig
+from ..runners.drivers import driver_of
 from .client_app import (_trajectory, accept_welcome, attacked, handle_query, handle_train,  # noqa: F401
                          open_replica, query_fields, train_fields)
 from .records import DEFAULT_STATE_DIR, REC, Settings  # noqa: F401
@@ -44,12 +45,10 @@ from .server_app import FlowerFederation, serve_zo  # noqa: F401
 def serve(grid, cfg: RunConfig, settings: Settings) -> dict:
     """The ServerApp's body: run ``cfg`` over the grid into ``settings.out_dir`` (the full-model
     baselines with models and updates in ArrayRecords, :mod:`hiso.flower.fullmodel`)."""
-    if cfg.method.pool_log:  # FedKSeed's pool server (FlowerFederation._init_pool)
-        return serve_zo(grid, cfg, settings)
-    if not cfg.scalar_only:
+    if not driver_of(cfg.method).keeps_log:  # the model on the wire, no log
         from .fullmodel import serve_full
         return serve_full(grid, cfg, settings)
-    if cfg.secagg:  # rounds close with a secure sum (Flower's SecAgg+)
+    if cfg.secagg:  # rounds close with a secure sum (Flower's SecAgg+; not FedKSeed's pool, which lacks it)
         from .secagg import SecAggFederation
         return serve_zo(grid, cfg, settings, SecAggFederation)
     return serve_zo(grid, cfg, settings)
@@ -97,7 +96,7 @@ def make_apps(cfg: RunConfig | None = None, settings: Settings | None = None):
         if c.threads is not None:
             import torch
             torch.set_num_threads(c.threads)
-        if not c.method.has_log:
+        if not driver_of(c.method).keeps_log:
             from .fullmodel import handle_train_full
             return handle_train_full(msg, context, c)
         if is_secagg(msg):  # --secagg: the answer goes into the secure sum (hiso.flower.secagg)

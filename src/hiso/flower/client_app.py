@@ -27,6 +27,7 @@ from ..core.perturb import Perturber
 from ..core.state import ModelState
 from ..atomic import write_atomic
 from ..methods.privacy import reports_loss
+from ..runners.drivers import driver_of
 
 from .records import REC, _cfg_json, _records, _state_dir, _task_for, log
 
@@ -71,9 +72,9 @@ def query_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, cfg_json: str
     welcome is kept beside the replica: it gives the run's seed to every later message.
     Full-model clients keep no replica: they answer their partition and round 0; FedKSeed's
     answer their partition and the round of their pool state (:func:`pool_query_fields`)."""
-    if cfg.method.pool_log:
+    if driver_of(cfg.method).pool_rounds:
         return pool_query_fields(cfg, run_id, pid, state_dir, cfg_json)
-    if not cfg.scalar_only:
+    if not driver_of(cfg.method).replica_catches_up:
         return {"partition": pid, "round": 0}
     task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)
     held = rep.state.round
@@ -140,7 +141,7 @@ def answer_open(cfg: RunConfig, task, rep, pid: int, down: bytes) -> bytes | Non
 
 def train_fields(cfg: RunConfig, run_id, pid: int, state_dir: str, down: bytes, cfg_json: str | None = None) -> dict:
     """A node's answer to ``train``: ``up`` (the encoded uplink) or ``behind`` (its round)."""
-    if cfg.method.pool_log:
+    if driver_of(cfg.method).pool_rounds:
         return pool_train_fields(cfg, run_id, pid, state_dir, down, cfg_json)
     t0, c0 = time.perf_counter(), time.process_time()
     task, rep = open_replica(cfg, run_id, pid, state_dir, cfg_json)

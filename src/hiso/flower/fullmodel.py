@@ -45,6 +45,7 @@ from ..core.messages import MessageError
 from ..core.perturb import Perturber
 from ..core.state import ModelState, trainable_params
 from ..methods.fullmodel import method_of
+from ..runners.drivers import driver_of
 from ..runners.fullmodel import FullModelSimulation, FullRounds, fedzo_config
 from .records import REC, Settings, _task_for
 from .server_app import FlowerFederation
@@ -231,7 +232,7 @@ def serve_full(grid, cfg: RunConfig, settings: Settings) -> dict:
     """The ServerApp's body for a full-model algorithm: run ``cfg`` over the grid into
     ``settings.out_dir`` (the in-process runner's run directory: no ``history.bin``)."""
     from ..runners.rundir import run_to_dir
-    if cfg.scalar_only:
+    if driver_of(cfg.method).keeps_log:
         raise ValueError(f"{cfg.algorithm} is scalar-only: use hiso.flower.app.serve")
     t0 = time.perf_counter()
     task = _task_for(cfg.model_dump_json())

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..config import RunConfig
+from ..runners.drivers import driver_of
 from .certs import HOST, make_node_key, make_tls  # noqa: F401
 from .federation import (PROJECT, PROJECT_WORKER, QUIET_ENV, FlowerRunError, LocalFederation,  # noqa: F401
                          free_port, rounds_logged)
@@ -25,7 +26,7 @@ def default_worker(cfg: RunConfig) -> bool:
         lm = task_info(cfg.task).build.__module__ == "hiso.tasks.language"
     except (KeyError, ValueError):
         return False
-    return lm and cfg.scalar_only and not cfg.secagg
+    return lm and driver_of(cfg.method).replica_catches_up and not cfg.secagg
 
 
 def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False, auth: bool = False,
@@ -43,12 +44,12 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
     from .records import noise_seed_refusal
     if why := noise_seed_refusal(cfg):
         raise ValueError(why)
-    if nodes < cfg.clients and (cfg.secagg or not (cfg.scalar_only or cfg.method.pool_log)):
+    if nodes < cfg.clients and (cfg.secagg or not driver_of(cfg.method).keeps_log):
         raise ValueError(f"{'--secagg' if cfg.secagg else cfg.algorithm}: each node serves one partition "
                          f"(--nodes {cfg.clients}, as --clients); several partitions per node are for hiso, "
                          "decomfl and fedkseed")
     worker = default_worker(cfg) if worker is None else worker
-    if worker and not cfg.scalar_only:
+    if worker and not driver_of(cfg.method).replica_catches_up:
         raise ValueError(f"{cfg.algorithm}: per-node workers serve the scalar-only algorithms (hiso, decomfl)")
     with LocalFederation(nodes=nodes, workdir=Path(workdir) if workdir else None, tls=tls, auth=auth,
                          verbose=verbose, worker=worker, clients=cfg.clients) as fed:
@@ -58,7 +59,7 @@ def run_local(cfg: RunConfig, out: str | Path, nodes: int, *, tls: bool = False,
                 print(f"run {run_id}; logs in {fed.logs}", file=sys.stderr)
             return fed.wait(run_id, timeout, on_poll=progress)
         except BaseException:  # the work directory stays (logs, replicas): say where, and how to go on
-            resumable = cfg.scalar_only and (Path(out) / "config.json").exists() \
+            resumable = driver_of(cfg.method).replica_catches_up and (Path(out) / "config.json").exists() \
                 and not (Path(out) / "summary.json").exists()
             print(f"hiso flower: Flower's logs and the nodes' replicas are kept in {fed.workdir}"
                   + (f"; to continue: hiso flower --resume {out}"

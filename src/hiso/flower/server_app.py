@@ -22,6 +22,7 @@ from ..methods.privacy import reports_loss
 from ..runners.accounting import privacy_ledger
 from ..atomic import write_atomic
 from ..runners.common import Comm, CommTally, metric_rows
+from ..runners.drivers import driver_of
 from ..runners.protocol import ScalarRounds, protocol_server
 from ..runners.runner import Runner
 from ..tasks.base import Task
@@ -48,7 +49,7 @@ class FlowerFederation(Runner):
     lineage: str = ""  # the run directory's trajectory id: nodes key their replicas by it (resume)
 
     def __post_init__(self) -> None:
-        if self.cfg.method.pool_log:
+        if driver_of(self.cfg.method).pool_rounds:
             return self._init_pool()
         self.zo = self.cfg.zo()
         M = self.task.num_clients

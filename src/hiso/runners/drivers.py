@@ -1,10 +1,12 @@
-"""Each method family's in-process pieces behind one interface a run directory asks (:func:`driver_of`
-a method's registry entry): its simulator, the log it keeps and
-resumes from, and whether its server state is checkpointed.
+"""Each method family's in-process pieces behind one interface (:func:`driver_of` a method's
+registry entry): its simulator, the log it keeps and resumes from, whether its server state is
+checkpointed, and what the rest asks of a run by what it needs (where its model comes from, whether
+its clients' replicas catch up on a log, whether a seed pool plays its rounds, its records' shape):
+the run directory, rebuild, ``hiso plan``, ``hiso compare``, the Flower apps and the command line.
 
 * :class:`ScalarDriver`: seeds and scalars, one log every replica folds (HiSo, DeComFL, ...);
 * :class:`PoolDriver`: FedKSeed, its pool's own log;
-* :class:`FullModelDriver`: the full-model baselines, no log (the defaults of :class:`Driver`).
+* :class:`Driver` itself: the full-model baselines, no log.
 """
 
 from __future__ import annotations
@@ -19,6 +21,16 @@ class Driver:
     keeps_log = False  # a log its model is rebuilt and resumed from
     model_from = "model.pt"  # where a run's model is read (hiso.runners.runmodel): its model.pt only
     checkpointed = False  # the server state saved every so often (checkpoint.pt; model.pt starts a continuation)
+    # its clients keep a replica that catches up on the one log (the core's client: join handshake,
+    # snapshots); on Flower the node's replica on disk, kept loaded by a per-node worker and found
+    # in place by a resumed ServerApp
+    replica_catches_up = False
+    pool_rounds = False  # a seed pool plays its rounds (PoolRounds): its server, its clients' pool states
+
+    def record_shape(self, cfg) -> tuple[int, int] | None:
+        """The shape of its log's records, (local steps, perturbations), that a resume checks (None:
+        no core log)."""
+        return None
 
     def simulation(self, cfg, task, on_record: Callable | None = None):
         from .fullmodel import FullModelSimulation
@@ -27,7 +39,7 @@ class Driver:
     def resume_point(self, out: Path, cfg) -> tuple[list[str], list]:
         """The metrics rows kept and the logged records a resume of the run in ``out`` starts from."""
         from .runfiles import resume_point
-        return resume_point(out, None, cfg)
+        return resume_point(out, self.record_shape(cfg), cfg)
 
     def log_writer(self, out: Path, cfg, records: list, resume: bool):
         """The context manager writing the run's log (None: it keeps none)."""
@@ -40,8 +52,11 @@ class Driver:
 
 
 class ScalarDriver(Driver):
-    keeps_log = checkpointed = True
+    keeps_log = checkpointed = replica_catches_up = True
     model_from = "log"  # x_0 and the log replayed (or model.pt where it is that round)
+
+    def record_shape(self, cfg) -> tuple[int, int] | None:
+        return cfg.zo().shape
 
     def finite_state(self, sim, task, cfg, out: Path, rounds: int) -> dict | None:
         from ..core.history import read_history
@@ -70,18 +85,14 @@ class ScalarDriver(Driver):
                           batch_memory=cfg.batch_memory_bytes, dp_seed=cfg.dp_noise_seed,
                           privacy=privacy_ledger(cfg), secagg=cfg.secagg_config)
 
-    def resume_point(self, out: Path, cfg) -> tuple[list[str], list]:
-        from .runfiles import resume_point
-        return resume_point(out, cfg.zo().shape, cfg)
-
     def log_writer(self, out: Path, cfg, records: list, resume: bool):
         from ..core.history import HistoryWriter
-        return HistoryWriter(out / "history.bin", *cfg.zo().shape, keep=len(records) if resume else None,
+        return HistoryWriter(out / "history.bin", *self.record_shape(cfg), keep=len(records) if resume else None,
                              seed=cfg.seed, scalar_dtype=cfg.scalar_dtype, directions=cfg.direction_spec)
 
 
 class PoolDriver(Driver):
-    keeps_log = True
+    keeps_log = pool_rounds = True
     model_from = "pool-log"  # x_0, the pool's log folded and materialised once
 
     def simulation(self, cfg, task, on_record: Callable | None = None):

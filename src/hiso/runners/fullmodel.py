@@ -53,7 +53,7 @@ class FullModelSimulation(Runner):
     """Runner with the interface of :class:`~hiso.runners.simulate.Simulation`: ``run``, ``comm``, ``state_dict``."""
 
     def __init__(self, task: Task, cfg: RunConfig):
-        if cfg.scalar_only:
+        if cfg.method.server_opt is None:  # (a full-model run steps the server optimiser its entry names)
             raise ValueError(f"{cfg.algorithm} is a scalar-only algorithm: use hiso.runners.simulate.Simulation")
         M = task.num_clients
         if not 1 <= cfg.sampled <= M:

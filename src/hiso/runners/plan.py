@@ -26,6 +26,7 @@ from ..core.server import REPLAY_RATE, client_sampler, sample_clients
 from ..core.wire import Wire
 from ..methods.options import fields_of
 from ..methods.registry import method_info
+from .drivers import driver_of
 from .protocol import pool_traffic, protocol_traffic
 
 
@@ -179,9 +180,10 @@ def plan_method(name: str, dep: Deployment, times: np.ndarray | None = None) -> 
     """One method's figures, per client (means over the population) and for the server."""
     info = method_info(name)
     cfg = run_config(name, dep)
-    if not info.has_log:
+    driver = driver_of(info)  # what a round moves: the model, a pool's pairs, or seeds and scalars
+    if not driver.keeps_log:
         row = _full_model(info, cfg, dep, participation(dep) if times is None else times)
-    elif info.pool_log:
+    elif driver.pool_rounds:
         row = _seed_pool(cfg, dep)
     else:
         row = _scalar(info, cfg, dep)

@@ -10,6 +10,7 @@ from ..core.state import ModelState
 from ..tasks.base import Task
 from ..tasks.device import on_device
 from ..tasks.registry import build_task
+from .drivers import driver_of
 from .portable import require_inputs
 from .runfiles import check_run_task, checkpoint, read_pool_run_log, read_run_history, saved_config
 
@@ -22,10 +23,11 @@ def start_replica(run_dir: str | Path, task: Task | None = None, device: str = "
     describes itself otherwise than the run's is warned of (``checked``: the caller did both)."""
     run_dir = Path(run_dir)
     cfg, info = saved_config(run_dir)
-    if cfg.method.pool_log:
+    model_from = driver_of(cfg.method).model_from
+    if model_from == "pool-log":
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: its log is read by `hiso rebuild`, `eval` and `export` (its model.pt holds "
                          f"the final model)")
-    if not cfg.scalar_only:
+    if model_from != "log":
         raise ValueError(f"{run_dir} is a {cfg.algorithm} run: full-model algorithms keep no seed/scalar log to rebuild from")
     records = read_run_history(run_dir, cfg).records
     task = _run_task_on(run_dir, cfg, info, task, device, checked)
@@ -60,7 +62,7 @@ def rebuild(run_dir: str | Path, task: Task | None = None, device: str = "cpu",
     device the run used): every one (the final model) or the first ``round`` (x_round, the model a
     run stopped at that round saves). Returns the replica and its ``model.pt`` checkpoint."""
     cfg, info = saved_config(run_dir)
-    if cfg.method.pool_log:  # fold the log, then one materialisation (at most K draws)
+    if driver_of(cfg.method).model_from == "pool-log":  # fold the log, then one materialisation (at most K draws)
         rep = rebuild_pool(run_dir, cfg, _run_task_on(run_dir, cfg, info, task, device), round)
         return rep.state, checkpoint(rep.state_dict(), info)  # the pool state too, as the run's model.pt
     state, _, _, info, records = start_replica(run_dir, task, device)

@@ -200,7 +200,7 @@ def extend_refusal(cfg: RunConfig, rounds: int | None = None) -> str | None:
     (the horizon it was started with) why it cannot be continued from there to ``cfg.rounds``.
     Extending is resuming with a later horizon: the rounds done are kept and the run goes on
     exactly as a run started with the larger ``rounds`` would have."""
-    if not cfg.method.has_log:
+    if not cfg.method.rebuildable:
         return f"{cfg.algorithm} runs keep no log to rebuild their state from"
     if rounds is not None and rounds != cfg.rounds and cfg.dp_epsilon is not None:
         return (f"its DP noise was solved for epsilon {cfg.dp_epsilon:g} over {rounds} rounds: more rounds "
@@ -257,7 +257,7 @@ def continuation(out: Path, given: dict) -> Continuation:
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
     if summary is None or not (ended_early(summary) or summary["rounds_done"] >= cfg.rounds):
         return Continuation(asked if longer else cfg)  # cut short (or killed while being extended)
-    if cfg.scalar_only and (out / "history.bin").is_file() and not ended_early(summary):
+    if cfg.method.core_log and (out / "history.bin").is_file() and not ended_early(summary):
         from ..core.history import parse_history
         logged = len(parse_history(out / "history.bin").records)
         if (why := short_log(out, logged)) is not None:  # finished, then its log cut: continue from the log
