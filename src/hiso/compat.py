@@ -11,10 +11,10 @@ layer may read these tables.
 
 from __future__ import annotations
 
-SCHEMA = 4  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
+SCHEMA = 5  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
 # built-in method's options in its method_opts (FLAT_OPTIONS), paths relative to the run directory
 # (hiso.runners.portable); 4: more built-in methods' options there (FLAT_OPTIONS: FedKSeed's,
-# Ferret's, the sketch's and FedKRSO's)
+# Ferret's, the sketch's and FedKRSO's); 5: the built-in tasks' options in task_opts (TASK_FLAT_OPTIONS)
 
 # a built-in method's options that were flat RunConfig fields before schema 3 (HiSo's) or 4 (the
 # others': every run's config.json had them, at these defaults unless given) and are its Method
@@ -28,6 +28,14 @@ FLAT_OPTIONS = {"hiso": {"nu": 0.05, "eps": 1e-8, "h_min": None, "h_max": None, 
                 "fedkseed": {"seed_pool": 4096, "seed_sampling": "weighted"},
                 "ferret": _FERRET, "sketch": {**_FERRET, "sketch_bits": 1}, "fedkrso": _FERRET}
 FLAT_DEFAULTS = {name: default for owner in FLAT_OPTIONS.values() for name, default in owner.items()}
+
+# the built-in tasks' options that were flat RunConfig fields before schema 5 (every run's
+# config.json had them, at these defaults unless given) and are task options since
+# (hiso.tasks.options), recorded in task_opts: option -> the default it had. Reading an older file
+# moves them into task_opts; the configuration's hash puts them back flat (flat_options).
+TASK_FLAT_OPTIONS = {"dim": 1000, "sigma": 1.0, "heterogeneity": 1.0, "noise": 0.0,
+                     "text_column": "text", "label_column": "label", "prompt_column": "prompt",
+                     "response_column": "response"}
 
 # options added later whose default computes differently: option -> (the tasks it applies to, None
 # for every task; the value runs made before it had). A config.json without `directions` predates
@@ -129,7 +137,20 @@ def migrate(raw: dict) -> tuple[dict, dict]:
                          "upgrade hiso to read it")
     if schema < 4:
         raw = unflatten(raw)
+    if schema < 5:
+        raw = nest_task_options(raw)
     return raw, predates(raw)
+
+
+def nest_task_options(raw: dict) -> dict:
+    """A schema 1 to 4 configuration with the task options of :data:`TASK_FLAT_OPTIONS` in its
+    ``task_opts`` (RunConfig drops those its task does not read, at their defaults)."""
+    flat = {k: raw[k] for k in TASK_FLAT_OPTIONS if k in raw}
+    if not flat:
+        return raw
+    opts = raw.get("task_opts")
+    return {**{k: v for k, v in raw.items() if k not in flat},
+            "task_opts": {**flat, **(opts if isinstance(opts, dict) else {})}}
 
 
 def unflatten(raw: dict) -> dict:
@@ -146,10 +167,19 @@ def unflatten(raw: dict) -> dict:
 
 def flat_options(values: dict) -> dict:
     """A configuration's values (``RunConfig.model_dump()``) as before schema 3, for its hash: the
-    options of :data:`FLAT_OPTIONS` flat again, at their defaults where the method has none."""
+    options of :data:`FLAT_OPTIONS` flat again, at their defaults where the method has none, and
+    those of :data:`TASK_FLAT_OPTIONS` (``task_opts``, gone) at their defaults where the task has none."""
     values = {**dict(values), **FLAT_DEFAULTS}
     opts = dict(values.get("method_opts") or {})
     for name in FLAT_OPTIONS.get(values.get("algorithm"), {}):
         values[name] = opts.pop(name, FLAT_DEFAULTS[name])
     values["method_opts"] = opts
-    return values
+    return flat_task_options(values)
+
+
+def flat_task_options(values: dict) -> dict:
+    """A configuration's values with its ``task_opts`` flat again, as before schema 5: each option of
+    :data:`TASK_FLAT_OPTIONS` at its value, or its default where the task has none."""
+    values = dict(values)
+    task = values.pop("task_opts", None)
+    return {**values, **TASK_FLAT_OPTIONS, **(task if isinstance(task, dict) else {})}

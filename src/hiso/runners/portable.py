@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
+from ..tasks.options import defaults as task_defaults
+
 # config.json's list of the configuration fields it stores relative to the run directory
 MARK = "relative_to_run"
 # what the user says a moved run's inputs are now: {"data_dir", "method_file", "model"} -> path
@@ -148,9 +150,12 @@ def require_inputs(cfg, run_dir: str | Path, given: dict | None = None) -> None:
 
 def comparable(values: dict, run_dir: str | Path | None = None) -> dict:
     """``values`` (config.json's object with ``run_dir``, or a configuration's dump) with its
-    paths absolute, so two records of one run compare equal wherever each was written from."""
+    paths absolute and its task options flat (``task_opts``' and the others' defaults), so two
+    records of one run compare equal wherever and by whichever hiso each was written."""
     out = resolve(dict(values), run_dir) if run_dir is not None else dict(values)
     out.pop(MARK, None)
+    opts = out.pop("task_opts", None)  # the task's options flat, as the flags name them, defaults filled
+    out = {**task_defaults(), **(opts if isinstance(opts, dict) else {}), **out}
     for key in ("data_dir",):
         if isinstance(out.get(key), str):
             out[key] = os.path.normpath(Path(out[key]).expanduser().absolute())

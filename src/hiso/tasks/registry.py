@@ -84,9 +84,12 @@ TASK_OPTIONS = frozenset({
 
 def register_task(name: str, *, metrics: dict[str, str], default_lr: dict[str, float] | None = None,
                   default_partition: str | None = None, validation: bool = False, doc: str = "",
-                  options: set[str] | frozenset[str] | None = None):
+                  options: set[str] | frozenset[str] | type | None = None):
     """Decorator registering ``build(cfg) -> Task`` under ``name`` (see :class:`TaskInfo`);
-    ``options``: the names in :data:`TASK_OPTIONS` the task reads (None: all of them)."""
+    ``options``: the names in :data:`TASK_OPTIONS` the task reads, or its options class
+    (:mod:`hiso.tasks.options`: its fields; None: all of them)."""
+    if isinstance(options, type):
+        options = set(options.model_fields)
     if options is not None and not set(options) <= TASK_OPTIONS:
         raise ValueError(f"task {name}: {sorted(set(options) - TASK_OPTIONS)} are not task options")
 
