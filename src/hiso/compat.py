@@ -34,6 +34,10 @@ FLAT_DEFAULTS = {name: default for owner in FLAT_OPTIONS.values() for name, defa
 # (hiso.tasks.options), recorded in task_opts: option -> the default it had. Reading an older file
 # moves them into task_opts; the configuration's hash puts them back flat (flat_options).
 TASK_FLAT_OPTIONS = {"dim": 1000, "sigma": 1.0, "heterogeneity": 1.0, "noise": 0.0,
+                     "model": "smollm2-135m", "max_length": None, "template": None, "label_words": None,
+                     "lora_r": None, "lora_alpha": 16.0, "lora_targets": "q_proj,v_proj", "base_dtype": "float32",
+                     "quantize_embedding": True, "autocast": "auto", "eval_batch_size": 16, "max_new_tokens": 16,
+                     "pack_sequences": True, "strip_text": True,
                      "text_column": "text", "label_column": "label", "prompt_column": "prompt",
                      "response_column": "response"}
 
@@ -117,10 +121,12 @@ def predates(raw: dict) -> dict:
     task = raw.get("task", "quadratic")
     if not isinstance(task, str):  # (damaged: RunConfig refuses it)
         return {}
-    out = {k: v for k, (tasks, v) in MADE_BEFORE.items() if k not in raw and (tasks is None or task in tasks)}
+    opts = raw.get("task_opts")
+    given = {**(opts if isinstance(opts, dict) else {}), **raw}  # (a task option in task_opts since schema 5)
+    out = {k: v for k, (tasks, v) in MADE_BEFORE.items() if k not in given and (tasks is None or task in tasks)}
     if task in DEFAULT_BEFORE:
         name, old = DEFAULT_BEFORE[task]
-        if raw.get(name) is None and (raw.get("task_info") or {}).get(name) == old:
+        if given.get(name) is None and (raw.get("task_info") or {}).get(name) == old:
             out[name] = old
     return out
 
@@ -182,4 +188,4 @@ def flat_task_options(values: dict) -> dict:
     :data:`TASK_FLAT_OPTIONS` at its value, or its default where the task has none."""
     values = dict(values)
     task = values.pop("task_opts", None)
-    return {**values, **TASK_FLAT_OPTIONS, **(task if isinstance(task, dict) else {})}
+    return {**TASK_FLAT_OPTIONS, **values, **(task if isinstance(task, dict) else {})}

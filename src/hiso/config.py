@@ -234,36 +234,6 @@ class RunConfig(TaskRules, BaseModel, MethodRules):
         "test)"))
     train_max: int | None = Field(None, gt=0, description=(
         "train on a seeded subset of this many examples (default: all)"))
-    # language tasks (sst2, qqp, squad): a causal LM by short name, local directory or hub name
-    model: str = Field("smollm2-135m", description=(
-        "language tasks: causal LM by short name, local directory or hub name"))
-    max_length: int | None = Field(None, gt=0, description=(
-        "language tasks: tokens per example (default: the task's: sst2 32, qqp 128, squad 640, text 128, instruct 256)"))
-    template: str | None = Field(None, description=(
-        "language tasks: prompt template (default: the task's, see hiso.tasks.language)"))
-    label_words: str | None = Field(None, description=(
-        "language tasks: comma-separated answer words, verbatim (mind the leading space: \" terrible, great\"; "
-        "default: the task's; text: also LABEL=WORD pairs, default ' LABEL')"))
-    lora_r: int | None = Field(None, gt=0, description="LoRA rank (default: none, full-parameter fine-tuning)")
-    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha")
-    lora_targets: str = Field("q_proj,v_proj", description="comma-separated module names LoRA adapts")
-    base_dtype: Literal["float32", "bfloat16", "int8", "int4"] = Field("float32", description=(
-        "language tasks with LoRA: the frozen base's precision (int8 weight-only, int4 NF4); adapters float32"))
-    quantize_embedding: bool = Field(True, description=(
-        "under an int8 or int4 base, hold the input embedding and output head int8 per row (ignored otherwise; "
-        "runs made before this option: false, a float32 embedding and head)"))
-    autocast: Literal["auto", "bf16", "none"] = Field("auto", description=(
-        "language tasks' precision: bf16 autocast; auto: bf16 only where bf16 matrix units exist"))
-    eval_batch_size: int = Field(16, gt=0, description="language tasks: examples per evaluation batch")
-    max_new_tokens: int = Field(16, gt=0, description="squad, instruct: longest generated answer in tokens")
-    pack_sequences: bool = Field(True, description=(
-        "language tasks: run a batch's prompts as one packed row without padding where that is cheaper "
-        "(~2x faster forwards on SST-2; logits equal up to float rounding)"))
-    strip_text: bool = Field(True, description=(
-        "language tasks: strip each text field before the template (GLUE's SST-2 sentences end with a space) "
-        "and a generated answer before its first line is taken, as the authors' code does; runs made "
-        "before this option: false"))
-
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
         from .tasks.registry import absolute_task_name, task_info

@@ -49,11 +49,30 @@ def _local_model(value) -> bool:
     return isinstance(value, str) and value not in SHORT_NAMES and Path(value).expanduser().is_dir()
 
 
+def _lifted(values: dict) -> tuple[dict, list[str]]:
+    """``values`` with the :data:`WHERE_FIELDS` its ``task_opts`` holds (schema 5) at the top, as
+    before, and their names (for :func:`_lowered`)."""
+    opts = values.get("task_opts")
+    if not isinstance(opts, dict):
+        return dict(values), []
+    moved = [k for k in WHERE_FIELDS if k in opts]
+    return {**values, **{k: opts[k] for k in moved}, "task_opts": opts}, moved
+
+
+def _lowered(values: dict, moved: list[str]) -> dict:
+    """What :func:`_lifted` lifted back in ``task_opts``, in its place."""
+    if not moved:
+        return values
+    out = {k: v for k, v in values.items() if k not in moved}
+    out["task_opts"] = {k: values[k] if k in moved else v for k, v in values["task_opts"].items()}
+    return out
+
+
 def store(values: dict, run_dir: str | Path) -> dict:
     """config.json's object with its paths relative to ``run_dir`` (the fields in :data:`MARK`),
     and its task description and method record likewise."""
     run_dir = Path(run_dir)
-    out = dict(values)
+    out, moved = _lifted(values)
     marked = [k for k in ("data_dir", "model", "algorithm", "task") if out.get(k) and
               (k == "data_dir" or (_local_model(out[k]) if k == "model" else _file_spec(out[k])))]
     for key in marked:
@@ -71,7 +90,7 @@ def store(values: dict, run_dir: str | Path) -> dict:
         out["method_source"] = {**out["method_source"], "file": relative(out["method_source"]["file"], run_dir)}
     if marked:
         out[MARK] = marked
-    return out
+    return _lowered(out, moved)
 
 
 def portable_name(value, run_dir: str | Path):
@@ -88,7 +107,8 @@ def resolve(raw: dict, run_dir: str | Path) -> dict:
     method or task file not found is refused (ValueError, one line naming ``--method-file``);
     data and a base model are checked when a task is built (:func:`require_inputs`)."""
     run_dir = Path(run_dir)
-    raw = absolute(raw, run_dir)
+    raw, moved = _lifted(raw)
+    raw = _absolute(raw, run_dir)
     given = RELOCATED.get()
     for key in WHERE_FIELDS:
         if given.get(key):  # (a model given as a hub id or short name stays a name)
@@ -105,12 +125,17 @@ def resolve(raw: dict, run_dir: str | Path) -> dict:
                 raise ValueError(f"--method-file {given['method_file']}: file not found")
             how = f"give {flag} FILE" if flag else "put it there, or keep it where it was beside the run"
             raise ValueError(f"{run_dir}: the run's {what} file {Path(spec[0]).name} is not at {spec[0]}: {how}")
-    return raw
+    return _lowered(raw, moved)
 
 
 def absolute(raw: dict, run_dir: str | Path) -> dict:
     """config.json's object with the paths it stores relative to ``run_dir`` made absolute
     (:data:`MARK` popped); nothing is checked."""
+    raw, moved = _lifted(raw)
+    return _lowered(_absolute(raw, run_dir), moved)
+
+
+def _absolute(raw: dict, run_dir: str | Path) -> dict:
     raw, here = dict(raw), lambda p: os.path.normpath(Path(run_dir).absolute() / Path(p).expanduser())  # noqa: E731
     for key in raw.pop(MARK, None) or []:
         if key in ("data_dir", "model") and isinstance(raw.get(key), str):
