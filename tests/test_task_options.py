@@ -38,7 +38,9 @@ def test_toml_keys_flat_or_in_a_table_and_flags_over_them(tmp_path):
 def test_an_option_the_task_does_not_read_is_refused_unless_at_its_default():
     with pytest.raises(ValueError, match="dim = 5: task mnist does not use it .it is for quadratic."):
         RunConfig(task="mnist", dim=5)
-    assert "dim" not in RunConfig(task="mnist", dim=1000).task_opts  # (at its default: as if not given)
+    cfg = RunConfig(task="mnist", dim=1000, alpha=0.5)
+    assert "dim" not in cfg.task_opts and cfg.task_opts["alpha"] == 0.5  # (dim at its default: as if not given)
+    assert cfg.task_options.lora_r is None and cfg.task_options.dim == 1000  # not read: its default
 
 
 def test_the_ledger_holds_the_defaults_the_flat_fields_had():
@@ -66,3 +68,23 @@ def test_a_run_records_its_task_options_and_resumes_refusing_another(tmp_path, c
     assert raw["schema"] == compat.SCHEMA and raw["task_opts"]["dim"] == 8 and "dim" not in raw
     code, _, err = run_cli(["run", "--quiet", "--rounds", "2", "--dim", "9", "--out", str(out), "--resume"], capsys)
     assert code == 2 and "(dim = 8 there, 9 here)" in err
+
+
+def test_a_task_of_your_own_reads_the_options_it_declares_by_name(tmp_path):
+    f = tmp_path / "sized.py"
+    f.write_text("import torch\nimport hiso\n\nclass Sized(hiso.Task):\n"
+                 "    metrics = {'eval_loss': 'min'}\n    options = frozenset({'dim', 'data_dir'})\n"
+                 "    @classmethod\n    def from_config(cls, cfg):\n"
+                 "        task = cls(cfg.clients, seed=cfg.seed)\n        task.dim, task.where = cfg.dim, cfg.data_dir\n"
+                 "        return task\n"
+                 "    def build_model(self):\n        return torch.nn.Linear(self.dim, 1)\n"
+                 "    def batch(self, c, r, k, n):\n        return torch.ones(n, self.dim)\n"
+                 "    def loss(self, model, b):\n        return model(b).square().mean()\n"
+                 "    def evaluate(self, model):\n        return {'eval_loss': 0.0}\n")
+    from hiso.tasks.registry import build_task
+    cfg = RunConfig(task=f"{f}:Sized", dim=7, data_dir=str(tmp_path), lr=0.1)
+    assert cfg.task_opts == {"dim": 7, "data_dir": str(tmp_path)} and cfg.task_options.dim == 7
+    task = build_task(cfg)
+    assert (task.dim, task.where) == (7, str(tmp_path))
+    with pytest.raises(ValueError, match="lora_r = 2: task .* does not use it"):
+        RunConfig(task=f"{f}:Sized", lora_r=2, lr=0.1)

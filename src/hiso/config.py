@@ -1,7 +1,8 @@
-"""A run's configuration: one flat, validated record (TOML file < command-line flags).
+"""A run's configuration: one validated record (TOML file < command-line flags).
 
-Flat on purpose (like nanoGPT's config): every knob is one name, the same in the TOML file,
-on the command line (``--local-steps`` for ``local_steps``) and in ``config.json``.
+Flat on purpose (like nanoGPT's config): every knob is one name, the same in the TOML file and
+on the command line (``--local-steps`` for ``local_steps``); in ``config.json`` a method's own
+options sit in ``method_opts`` and the task's in ``task_opts`` (their classes' fields).
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ class RunConfig(TaskRules, BaseModel, MethodRules):
         "(hiso's, fedkseed's, ferret's, sketch's, fedkrso's) are also flags (--nu, --seed-pool, --ferret-k) and "
         "TOML keys (nu = ...)"))
     task_opts: dict[str, Any] = Field(default_factory=dict, description=(
-        "the built-in task's own options, the fields of its options class (hiso.tasks.options: the quadratic's "
-        "dim, sigma, ...; the text and instruct tasks' columns), read as cfg.task_options; each is also a flag "
-        "(--dim) and a TOML key (dim = ...)"))
+        "the task's own options, the fields of its options class (hiso.tasks.options: the quadratic's dim, "
+        "sigma, ...; the data's data_dir, partition, ...; the language model's model, lora_r, ...; the text and "
+        "instruct tasks' columns), read as cfg.task_options; each is also a flag (--dim) and a TOML key "
+        "(dim = ...), and a [task_opts] table in TOML sets them too"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -328,10 +330,8 @@ def option_fields() -> dict[str, FieldInfo]:
 
     from .methods.options import fields_of
     from .methods.registry import flag_options
-    from .tasks.options import GROUPS
-    flags: dict[str | None, dict[str, FieldInfo]] = {}  # by the option (RunConfig's or a flag) they sit before
-    for group, at in GROUPS:  # the built-in tasks' options (dim, ...: their task_opts)
-        flags.setdefault(at, {}).update(group.model_fields)
+    from .tasks.options import option_fields as task_fields
+    flags: dict[str, dict[str, FieldInfo]] = {}  # by the option (RunConfig's or a flag) they sit before
     for name, (cls, _) in flag_options().items():
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
         flags.setdefault(getattr(cls, "flags_at", FLAGS_BEFORE), {})[name] = FieldInfo(
@@ -345,9 +345,7 @@ def option_fields() -> dict[str, FieldInfo]:
     for name, field in RunConfig.model_fields.items():
         if name != "task_opts":  # (a flag per task option instead)
             put(name, field)
-    for flag, info in flags.get(None, {}).items():
-        put(flag, info)
-    return out
+    return {**out, **task_fields()}  # the task's options (dim, ...: its task_opts), after the run's
 
 
 def one_line(err: ValidationError, prefix: str | None = None) -> str:

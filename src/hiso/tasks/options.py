@@ -104,15 +104,14 @@ class ColumnOptions(TaskOptions):
     response_column: str = Field("response", min_length=1, description="instruct task: the reference answer's column")
 
 
-# the groups in --help's order, each with the run option its flags sit before (None: at the end)
-GROUPS: tuple[tuple[type[TaskOptions], str | None], ...] = (
-    (QuadraticOptions, None), (DataOptions, None), (LanguageModelOptions, None), (ColumnOptions, None))
+# the groups in --help's order (after the run's own options)
+GROUPS: tuple[type[TaskOptions], ...] = (QuadraticOptions, DataOptions, LanguageModelOptions, ColumnOptions)
 
 
 @cache
 def option_fields() -> dict[str, FieldInfo]:
-    """Every moved task option by name (the groups' fields, in --help's order)."""
-    return {name: f for cls, _ in GROUPS for name, f in cls.model_fields.items()}
+    """Every task option by name (the groups' fields, in --help's order)."""
+    return {name: f for cls in GROUPS for name, f in cls.model_fields.items()}
 
 
 def defaults() -> dict:
@@ -126,7 +125,7 @@ def options_class(names: frozenset[str] | None) -> type[TaskOptions]:
     groups' fields among them, one pydantic model."""
     fields = option_fields()
     chosen = fields if names is None else {n: f for n, f in fields.items() if n in names}
-    for cls, _ in GROUPS:  # a task reading a whole group: that group's class
+    for cls in GROUPS:  # a task reading a whole group: that group's class
         if set(chosen) == set(cls.model_fields):
             return cls
     return create_model("TaskOptionsOf", __base__=TaskOptions,

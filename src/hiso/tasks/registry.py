@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .options import option_fields as task_option_fields
+
 if TYPE_CHECKING:
     from .base import Task
 
@@ -71,15 +73,9 @@ def _check_metrics(where: str, metrics: Any) -> dict[str, str]:
     return dict(metrics)
 
 
-# the RunConfig options that belong to some task rather than to the federation or the algorithm
-TASK_OPTIONS = frozenset({
-    "dim", "sigma", "heterogeneity", "noise",  # quadratic
-    "data_dir", "partition", "alpha", "min_size", "eval_max", "val_fraction", "train_max",  # data
-    "model", "max_length", "template", "label_words", "lora_r", "lora_alpha", "lora_targets", "autocast",
-    "eval_batch_size", "max_new_tokens", "pack_sequences", "strip_text", "base_dtype",  # language models
-    "quantize_embedding",
-    "text_column", "label_column", "prompt_column", "response_column",  # your own files (text, instruct)
-})
+# the options that belong to some task rather than to the federation or the algorithm: the fields
+# of hiso.tasks.options' groups (quadratic, data, language model, your own files' columns)
+TASK_OPTIONS = frozenset(task_option_fields())
 
 
 def register_task(name: str, *, metrics: dict[str, str], default_lr: dict[str, float] | None = None,
