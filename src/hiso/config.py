@@ -231,7 +231,8 @@ class RunConfig(TaskRules, BaseModel, MethodRules):
         task = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
         self._task_option_checks(task)
         self._task_opts_checks(task)
-        if self.val_fraction > 0 and not task.validation:
+        opts = self.task_options
+        if opts.val_fraction > 0 and not task.validation:
             raise ValueError(f"task {self.task} has no validation split: val_fraction must be 0")
         if self.sampled > self.clients:
             raise ValueError(f"sampled ({self.sampled}) cannot exceed clients ({self.clients})")
@@ -258,8 +259,8 @@ class RunConfig(TaskRules, BaseModel, MethodRules):
         if self.direction_mask is not None and self.directions != "sparse":
             raise ValueError("direction_mask is for directions sparse")
         if self.lr is None:
-            self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None,
-                                 model=self.model if task.options is None or "model" in task.options else None)
+            self.lr = default_lr(self.task, self.algorithm, lora=opts.lora_r is not None,
+                                 model=opts.model if task.options is None or "model" in task.options else None)
             self._lr_defaulted = True  # (a RunConfig reused for another task takes that task's default)
         self._honour_checks()
         return self

@@ -149,10 +149,11 @@ def paths_from_here(cfg):
     """``cfg`` with its data and local model directories absolute, for processes that run in other
     working directories (Flower's ServerApp and ClientApps), where a relative path means another place."""
     update = {}
-    if cfg.data_dir:
-        update["data_dir"] = str(Path(cfg.data_dir).expanduser().absolute())
-    if _local_model(cfg.model):
-        update["model"] = str(Path(cfg.model).expanduser().absolute())
+    opts = cfg.task_options
+    if opts.data_dir:
+        update["data_dir"] = str(Path(opts.data_dir).expanduser().absolute())
+    if _local_model(opts.model):
+        update["model"] = str(Path(opts.model).expanduser().absolute())
     return cfg.model_copy(update=update) if update else cfg
 
 

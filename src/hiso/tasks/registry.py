@@ -245,8 +245,9 @@ def run_default_lr(cfg: _RunConfig) -> float | None:
     """The lr ``cfg``'s task and algorithm give a run without --lr (None: none), for messages."""
     try:
         info = task_info(cfg.task)
-        model = cfg.model if info.options is None or "model" in info.options else None
-        return default_lr(cfg.task, cfg.algorithm, cfg.lora_r is not None, model)
+        opts = cfg.task_options
+        model = opts.model if info.options is None or "model" in info.options else None
+        return default_lr(cfg.task, cfg.algorithm, opts.lora_r is not None, model)
     except (ValueError, ImportError):
         return None
 
