@@ -171,7 +171,7 @@ def test_a_runconfig_without_an_lr_takes_the_tasks_default(user_module):
 
 def test_run_takes_a_built_in_tasks_name_and_rejects_a_class(tmp_path):
     run = hiso.run("quadratic", tmp_path / "q", rounds=3, dim=10, clients=4, sampled=2, eval_every=3)
-    assert run.config["task"] == "quadratic" and run.config["dim"] == 10 and run.summary["rounds_done"] == 3
+    assert run.config["task"] == "quadratic" and run.config["task_opts"]["dim"] == 10 and run.summary["rounds_done"] == 3
     with pytest.raises(TypeError, match=r"TinyTask\(num_clients=8, seed=0\)"):
         hiso.run(TinyTask, tmp_path / "c", rounds=2)
     with pytest.raises(TypeError, match="not int"):

@@ -69,7 +69,7 @@ def test_a_quantized_base_run_rebuilds_bit_for_bit_and_resumes_byte_for_byte(fil
     assert _same(_state(tmp_path / "x.pt"), _state(whole / "model.pt"))
     saved = _state(whole / "model.pt")["model"]
     assert all(v.dtype == torch.float32 for v in saved.values())  # the adapters: float32, and only they
-    assert json.loads((whole / "config.json").read_text())["base_dtype"] == dtype
+    assert json.loads((whole / "config.json").read_text())["task_opts"]["base_dtype"] == dtype
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -266,14 +266,14 @@ def test_a_run_made_before_the_int8_embedding_rebuilds_and_exports_as_made(files
     """An int8 or int4 run written by a hiso that held the embedding and head float32 (its
     config.json has no ``quantize_embedding``) reads as made: it rebuilds bit for bit, exports, and
     keeps the configuration hash it had; a run with the default (int8 embedding) rebuilds too."""
-    from hiso.compat import FLAT_DEFAULTS, HASH_LATER_FIELDS
+    from hiso.compat import FLAT_DEFAULTS, HASH_LATER_FIELDS, TASK_FLAT_OPTIONS
     from hiso.config import RunConfig
     from hiso.runners.runfiles import saved_config
     old, new = tmp_path / "old", tmp_path / "new"
     _ok(capsys, _args(files, old, dtype, "--no-quantize-embedding", rounds=2))
     raw = json.loads((old / "config.json").read_text())
-    assert raw.pop("quantize_embedding") is False
-    (old / "config.json").write_text(json.dumps(raw))  # as an older hiso wrote it
+    assert raw["task_opts"].pop("quantize_embedding") is False
+    (old / "config.json").write_text(json.dumps(raw))  # as an older hiso wrote it (a task option since schema 5)
     assert saved_config(old)[0].quantize_embedding is False
     _ok(capsys, ["rebuild", str(old), "--out", str(tmp_path / "old.pt")])
     assert _same(_state(tmp_path / "old.pt"), _state(old / "model.pt"))
@@ -283,8 +283,8 @@ def test_a_run_made_before_the_int8_embedding_rebuilds_and_exports_as_made(files
     before = {k: v for k, v in identity_values(flat_options(saved_config(old)[0].model_dump())).items()
               if k != "quantize_embedding"}
     for name in HASH_LATER_FIELDS:  # the hash an older hiso computed, without the field
-        default = FLAT_DEFAULTS[name] if name in FLAT_DEFAULTS else \
-            RunConfig.model_fields[name].get_default(call_default_factory=True)  # (flat before schema 4)
+        default = FLAT_DEFAULTS[name] if name in FLAT_DEFAULTS else TASK_FLAT_OPTIONS[name] \
+            if name in TASK_FLAT_OPTIONS else RunConfig.model_fields[name].get_default(call_default_factory=True)
         if before.get(name) == default:
             before.pop(name)
     import hashlib
@@ -292,7 +292,7 @@ def test_a_run_made_before_the_int8_embedding_rebuilds_and_exports_as_made(files
     exported = json.loads((tmp_path / "peft" / "hiso.json").read_text())["config_sha256"]
     assert exported == sha
     _ok(capsys, _args(files, new, dtype, rounds=2))
-    assert json.loads((new / "config.json").read_text())["quantize_embedding"] is True
+    assert json.loads((new / "config.json").read_text())["task_opts"]["quantize_embedding"] is True
     _ok(capsys, ["rebuild", str(new), "--out", str(tmp_path / "new.pt")])
     assert _same(_state(tmp_path / "new.pt"), _state(new / "model.pt"))
     _ok(capsys, ["export", str(new), "--out", str(tmp_path / "peft-new"), "--format", "peft"])

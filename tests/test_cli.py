@@ -20,7 +20,7 @@ def test_run_writes_the_run_directory_and_rebuild_is_bit_identical(tmp_path, cap
     code, stdout, _ = _run(["run", "--out", str(out), "--algorithm", algorithm, "--local-steps", "2", *TINY], capsys)
     assert code == 0 and "results in" in stdout
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["algorithm"] == algorithm and cfg["local_steps"] == 2 and cfg["dim"] == 50
+    assert cfg["algorithm"] == algorithm and cfg["local_steps"] == 2 and cfg["task_opts"]["dim"] == 50
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == list(range(31))
     assert all({"train_loss", "bytes_up", "bytes_down", "wall_s"} <= r.keys() for r in rows)
@@ -52,7 +52,7 @@ def test_config_file_and_flags_compose(tmp_path, capsys):
     code, _, _ = _run(["run", "--config", str(conf), "--out", str(out), "--rounds", "7", "--quiet"], capsys)
     assert code == 0
     cfg = json.loads((out / "config.json").read_text())
-    assert (cfg["algorithm"], cfg["lr"], cfg["rounds"], cfg["dim"]) == ("decomfl", 0.02, 7, 20)
+    assert (cfg["algorithm"], cfg["lr"], cfg["rounds"], cfg["task_opts"]["dim"]) == ("decomfl", 0.02, 7, 20)
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -151,9 +151,15 @@ def _option_line(text, flag):
     return found[0]
 
 
+def _run_options(run_config) -> dict:
+    """RunConfig's fields with the built-in tasks' options by their own names (flags), not task_opts."""
+    from hiso.tasks.options import option_fields
+    return {**{k: f for k, f in run_config.model_fields.items() if k != "task_opts"}, **option_fields()}
+
+
 def test_every_run_option_has_a_description():
     from hiso.config import RunConfig
-    missing = [name for name, f in RunConfig.model_fields.items() if not (f.description or "").strip()]
+    missing = [name for name, f in _run_options(RunConfig).items() if not (f.description or "").strip()]
     assert not missing, f"RunConfig fields without Field(description=...): {missing}"
 
 
@@ -163,7 +169,7 @@ def test_run_help_shows_choices_and_a_meaning_for_every_option(capsys, monkeypat
     from hiso.cli import shown_default
     from hiso.config import ALGORITHMS, RunConfig, task_names
     text = _help(["run", "--help"], capsys, monkeypatch)
-    for name, field in RunConfig.model_fields.items():
+    for name, field in _run_options(RunConfig).items():
         flag = "--method-opt" if name == "method_opts" else "--" + name.replace("_", "-")  # KEY=VALUE, repeated
         line = _option_line(text, flag)
         assert field.description in line, (name, line)
@@ -188,7 +194,7 @@ def test_run_help_shows_choices_and_a_meaning_for_every_option(capsys, monkeypat
 def test_compare_help_shows_the_shared_run_options(capsys, monkeypatch):
     from hiso.config import RunConfig
     text = _help(["compare", "--help"], capsys, monkeypatch)
-    for name, field in RunConfig.model_fields.items():
+    for name, field in _run_options(RunConfig).items():
         flag = "--method-opt" if name == "method_opts" else "--" + name.replace("_", "-")
         if name in ("algorithm", "seed"):  # per run: --algorithms, --seeds
             assert not any(line.strip().startswith(flag + " ") for line in text.splitlines())

@@ -32,7 +32,7 @@ def test_relative_data_and_model_directories_reach_the_serverapp_and_the_nodes(t
     out = tmp_path / "runs" / "fl"
     assert json.loads((out / "summary.json").read_text())["rounds_done"] == 1
     stored = json.loads((out / "config.json").read_text())
-    assert stored["data_dir"] == "../../files/sst2" and stored["model"] == "../../files/lm"
+    assert stored["task_opts"]["data_dir"] == "../../files/sst2" and stored["task_opts"]["model"] == "../../files/lm"
 
 
 def test_a_missing_data_directory_is_refused_before_the_federation_starts(tmp_path, capsys, monkeypatch):

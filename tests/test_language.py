@@ -67,8 +67,8 @@ def test_text_fields_are_stripped_before_the_template_as_the_authors_do(files, t
                             "--rounds", "1", "--batch-size", "4", "--lora-r", "2", "--out", str(out), "--quiet"], capsys)
     assert code == 0, err
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["strip_text"] is True
-    del cfg["strip_text"]  # as a run made before the option recorded it: it read the fields as they are
+    assert cfg["task_opts"]["strip_text"] is True
+    del cfg["task_opts"]["strip_text"]  # as a run made before the option recorded it: it read the fields as they are
     (out / "config.json").write_text(json.dumps(cfg))
     assert saved_config(out)[0].strip_text is False
 
@@ -452,7 +452,7 @@ def test_a_squad_run_made_at_the_old_default_length_keeps_it(files, tmp_path, ca
                             "--max-new-tokens", "2", "--lora-r", "2", "--out", str(out), "--quiet"], capsys)
     assert code == 0, err
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["max_length"] is None and cfg["task_info"]["max_length"] == 640  # today's default
+    assert cfg["task_opts"]["max_length"] is None and cfg["task_info"]["max_length"] == 640  # today's default
     assert saved_config(out)[0].max_length is None and made_before(out) == {}
     cfg["task_info"]["max_length"] = 256  # as a run made at the old default recorded it
     (out / "config.json").write_text(json.dumps(cfg))

@@ -76,7 +76,7 @@ def test_run_reads_the_shared_options_of_a_comparison_config(tmp_path, capsys):
     code, _, err = run_cli(["run", "--config", str(conf), "--out", str(out), "--quiet"], capsys)
     assert code == 0, err
     saved = json.loads((out / "config.json").read_text())
-    assert (saved["dim"], saved["clients"], saved["rounds"]) == (30, 4, 3)
+    assert (saved["task_opts"]["dim"], saved["clients"], saved["rounds"]) == (30, 4, 3)
     conf.write_text('dim = 30\n[compar]\nseeds = [0]\n')  # a misspelled table is still an unknown key
     code, _, err = run_cli(["run", "--config", str(conf), "--out", str(tmp_path / "y"), "--quiet"], capsys)
     assert code == 2 and "compar" in err

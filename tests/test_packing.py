@@ -146,12 +146,12 @@ def test_runs_record_packing_and_old_runs_resume_padded(files, tmp_path, capsys)
             "--rounds", "2", "--batch-size", "8", "--lr", "1e-2", "--lora-r", "2"]
     assert run_cli(base + ["--out", str(tmp_path / "p")], capsys)[0] == 0
     cfg = json.loads((tmp_path / "p" / "config.json").read_text())
-    assert cfg["pack_sequences"] is True and cfg["task_info"]["packed_forwards"] is True
+    assert cfg["task_opts"]["pack_sequences"] is True and cfg["task_info"]["packed_forwards"] is True
     assert run_cli(base + ["--no-pack-sequences", "--out", str(tmp_path / "u")], capsys)[0] == 0
     cfg = json.loads((tmp_path / "u" / "config.json").read_text())
-    assert cfg["pack_sequences"] is False and cfg["task_info"]["packed_forwards"] is False
+    assert cfg["task_opts"]["pack_sequences"] is False and cfg["task_info"]["packed_forwards"] is False
     # a run made before the option existed (no key in config.json) was padded: it resumes padded
-    del cfg["pack_sequences"]
+    del cfg["task_opts"]["pack_sequences"]
     (tmp_path / "u" / "config.json").write_text(json.dumps(cfg))
     assert saved_config(tmp_path / "u")[0].pack_sequences is False
 
@@ -172,12 +172,12 @@ def test_a_run_made_before_packing_continues_padded(files, tmp_path, capsys, mon
             "--batch-size", "8", "--lr", "1e-2", "--lora-r", "2", "--eval-every", "100", "--quiet"]
     assert run_cli(base + ["--rounds", "1", "--no-pack-sequences", "--out", str(out)], capsys)[0] == 0
     cfg = json.loads((out / "config.json").read_text())
-    del cfg["pack_sequences"]  # as written before the option existed
+    del cfg["task_opts"]["pack_sequences"]  # as written before the option existed (a task option since schema 5)
     (out / "config.json").write_text(json.dumps(cfg))
     seen.clear()
     assert run_cli(base + ["--rounds", "2", "--out", str(out), "--resume"], capsys)[0] == 0
     assert seen and not any(seen)  # every forward of the continued round was padded
-    assert json.loads((out / "config.json").read_text())["pack_sequences"] is False
+    assert json.loads((out / "config.json").read_text())["task_opts"]["pack_sequences"] is False
     # the same through run_to_dir given today's default (hiso compare continues runs this way)
     from hiso.runners.rundir import run_to_dir
     (out / "config.json").write_text(json.dumps(cfg))
@@ -185,4 +185,4 @@ def test_a_run_made_before_packing_continues_padded(files, tmp_path, capsys, mon
     given = saved_config(out)[0].model_copy(update={"pack_sequences": True, "rounds": 3})
     run_to_dir(given, out, resume=True)
     assert seen and not any(seen)
-    assert json.loads((out / "config.json").read_text())["pack_sequences"] is False
+    assert json.loads((out / "config.json").read_text())["task_opts"]["pack_sequences"] is False

@@ -132,7 +132,7 @@ def test_a_run_moved_alone_is_pointed_at_its_inputs_and_refused_in_one_line_with
     assert code == 0, err
     assert json.loads((run / "summary.json").read_text())["rounds_done"] == 4
     stored = json.loads((run / "config.json").read_text())
-    assert stored["data_dir"] == os.path.relpath(files / "sst2", run)
+    assert stored["task_opts"]["data_dir"] == os.path.relpath(files / "sst2", run)
 
 
 def _machine_paths(d: Path, *paths: Path) -> list[str]:

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from cli_helpers import run_cli
-from hiso.config import RunConfig
+from hiso.config import option_fields
 from hiso.report.table import build_table, csv_columns, selected_row, selected_value, val_metric
 from hiso.experiments import compare as cmp
 
@@ -51,13 +51,13 @@ def _rows(val, test, seed, with_val=True):
 def write_runs(out, argv, with_val=True):
     """Finished runs of the plan ``argv`` asks for, with CURVES as their metrics."""
     args = _parse(argv)
-    plan = cmp.build_plan(None, {k: v for k, v in vars(args).items() if k in RunConfig.model_fields},
+    plan = cmp.build_plan(None, {k: v for k, v in vars(args).items() if k in option_fields()},
                           cmp.parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric,
                                         args.select_on))
     for spec in plan.runs(out):
         spec.dir.mkdir(parents=True)
         cfg = spec.cfg.model_dump()
-        n_val = 500 if cfg["val_fraction"] > 0 else 0
+        n_val = 500 if spec.cfg.val_fraction > 0 else 0
         (spec.dir / "config.json").write_text(json.dumps({**cfg, "task_info": {"n_eval": 1000 - n_val, "n_val": n_val}}))
         val, test = CURVES[(spec.arm.name, spec.lr)]
         rows = _rows(val, test, spec.seed, with_val)
@@ -189,7 +189,7 @@ def test_default_is_val_with_a_validation_split_else_test_with_a_note(tmp_path, 
 
 def _flags(argv):
     args = _parse(argv)
-    return ({k: v for k, v in vars(args).items() if k in RunConfig.model_fields},
+    return ({k: v for k, v in vars(args).items() if k in option_fields()},
             cmp.parse_cli(args.algorithms, args.seeds, args.lr_grid, args.reference, args.metric, args.select_on))
 
 

@@ -51,6 +51,7 @@ def _config(task: Task | str, config: RunConfig | str | Path | None, options: di
     from .config_parse import merge_options
     from .methods.options import method_spec
     from .methods.registry import builtin_name
+    from .tasks.options import option_fields as task_option_fields
     from .tasks.registry import TASK_OPTIONS, use_instance
 
     if "algorithm" in options and not isinstance(options["algorithm"], str):  # a Method class or instance
@@ -80,7 +81,7 @@ def _config(task: Task | str, config: RunConfig | str | Path | None, options: di
         if name in given and given[name] != own:
             raise ValueError(f"{name}={given[name]!r}: the task object was built with {name} {own} (its data and "
                              f"x_0 come from it): build it with that {name} instead")
-    fields = RunConfig.model_fields
+    fields = {**RunConfig.model_fields, **task_option_fields()}
     built = sorted(k for k in TASK_OPTIONS & given.keys() if given[k] != fields[k].default)
     if built:
         raise ValueError(f"{built[0]}={given[built[0]]!r}: a task object is built already and does not read "

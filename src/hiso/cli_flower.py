@@ -59,8 +59,9 @@ def cmd_flower(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if why := _new_run_refusal(cfg, out, args.force):
             return _fail(why)
-        if cfg.data_dir and not Path(cfg.data_dir).expanduser().exists():  # before a federation is started
-            return _fail(f"--data-dir {cfg.data_dir}: directory not found")
+        data_dir = cfg.task_options.data_dir
+        if data_dir and not Path(data_dir).expanduser().exists():  # before a federation is started
+            return _fail(f"--data-dir {data_dir}: directory not found")
         from .runners.portable import paths_from_here
         cfg = paths_from_here(cfg)  # the ServerApp and nodes run in other working directories
     if args.resume is not None and args.simulation:

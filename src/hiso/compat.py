@@ -14,7 +14,7 @@ from __future__ import annotations
 SCHEMA = 5  # config.json's "schema"; a file without one was written before schema versions (1); 3: a
 # built-in method's options in its method_opts (FLAT_OPTIONS), paths relative to the run directory
 # (hiso.runners.portable); 4: more built-in methods' options there (FLAT_OPTIONS: FedKSeed's,
-# Ferret's, the sketch's and FedKRSO's)
+# Ferret's, the sketch's and FedKRSO's); 5: the built-in tasks' options in task_opts (TASK_FLAT_OPTIONS)
 
 # a built-in method's options that were flat RunConfig fields before schema 3 (HiSo's) or 4 (the
 # others': every run's config.json had them, at these defaults unless given) and are its Method
@@ -35,6 +35,20 @@ FLAT_OPTIONS = {"hiso": {"nu": 0.05, "eps": 1e-8, "h_min": None, "h_max": None, 
                 "fedzo": _FULL, "fedavg": _FULL, "fedadam": _ADAPTIVE, "fedyogi": _ADAPTIVE,
                 "fedadagrad": {**_SERVER_LR, "server_tau": 1e-3, "wire_dtype": "float32"}}
 FLAT_DEFAULTS = {name: default for owner in FLAT_OPTIONS.values() for name, default in owner.items()}
+
+# the built-in tasks' options that were flat RunConfig fields before schema 5 (every run's
+# config.json had them, at these defaults unless given) and are task options since
+# (hiso.tasks.options), recorded in task_opts: option -> the default it had. Reading an older file
+# moves them into task_opts; the configuration's hash puts them back flat (flat_options).
+TASK_FLAT_OPTIONS = {"dim": 1000, "sigma": 1.0, "heterogeneity": 1.0, "noise": 0.0,
+                     "data_dir": None, "partition": None, "alpha": 1.0, "min_size": 10, "eval_max": None,
+                     "val_fraction": 0.0, "train_max": None,
+                     "model": "smollm2-135m", "max_length": None, "template": None, "label_words": None,
+                     "lora_r": None, "lora_alpha": 16.0, "lora_targets": "q_proj,v_proj", "base_dtype": "float32",
+                     "quantize_embedding": True, "autocast": "auto", "eval_batch_size": 16, "max_new_tokens": 16,
+                     "pack_sequences": True, "strip_text": True,
+                     "text_column": "text", "label_column": "label", "prompt_column": "prompt",
+                     "response_column": "response"}
 
 # options added later whose default computes differently: option -> (the tasks it applies to, None
 # for every task; the value runs made before it had). A config.json without `directions` predates
@@ -119,10 +133,12 @@ def predates(raw: dict) -> dict:
     task = raw.get("task", "quadratic")
     if not isinstance(task, str):  # (damaged: RunConfig refuses it)
         return {}
-    out = {k: v for k, (tasks, v) in MADE_BEFORE.items() if k not in raw and (tasks is None or task in tasks)}
+    opts = raw.get("task_opts")
+    given = {**(opts if isinstance(opts, dict) else {}), **raw}  # (a task option in task_opts since schema 5)
+    out = {k: v for k, (tasks, v) in MADE_BEFORE.items() if k not in given and (tasks is None or task in tasks)}
     if task in DEFAULT_BEFORE:
         name, old = DEFAULT_BEFORE[task]
-        if raw.get(name) is None and (raw.get("task_info") or {}).get(name) == old:
+        if given.get(name) is None and (raw.get("task_info") or {}).get(name) == old:
             out[name] = old
     return out
 
@@ -137,9 +153,20 @@ def migrate(raw: dict) -> tuple[dict, dict]:
     if schema > SCHEMA:
         raise ValueError(f"written by a newer hiso (config.json schema {schema}, this hiso reads up to {SCHEMA}): "
                          "upgrade hiso to read it")
-    if schema < 5:
-        raw = unflatten(raw)
+    if schema < 5:  # methods' flat options into method_opts, tasks' into task_opts
+        raw = nest_task_options(unflatten(raw))
     return raw, predates(raw)
+
+
+def nest_task_options(raw: dict) -> dict:
+    """A schema 1 to 4 configuration with the task options of :data:`TASK_FLAT_OPTIONS` in its
+    ``task_opts`` (RunConfig drops those its task does not read, at their defaults)."""
+    flat = {k: raw[k] for k in TASK_FLAT_OPTIONS if k in raw}
+    if not flat:
+        return raw
+    opts = raw.get("task_opts")
+    return {**{k: v for k, v in raw.items() if k not in flat},
+            "task_opts": {**flat, **(opts if isinstance(opts, dict) else {})}}
 
 
 def unflatten(raw: dict) -> dict:
@@ -156,10 +183,19 @@ def unflatten(raw: dict) -> dict:
 
 def flat_options(values: dict) -> dict:
     """A configuration's values (``RunConfig.model_dump()``) as before schema 3, for its hash: the
-    options of :data:`FLAT_OPTIONS` flat again, at their defaults where the method has none."""
+    options of :data:`FLAT_OPTIONS` flat again, at their defaults where the method has none, and
+    those of :data:`TASK_FLAT_OPTIONS` (``task_opts``, gone) at their defaults where the task has none."""
     values = {**dict(values), **FLAT_DEFAULTS}
     opts = dict(values.get("method_opts") or {})
     for name in FLAT_OPTIONS.get(values.get("algorithm"), {}):
         values[name] = opts.pop(name, FLAT_DEFAULTS[name])
     values["method_opts"] = opts
-    return values
+    return flat_task_options(values)
+
+
+def flat_task_options(values: dict) -> dict:
+    """A configuration's values with its ``task_opts`` flat again, as before schema 5: each option of
+    :data:`TASK_FLAT_OPTIONS` at its value, or its default where the task has none."""
+    values = dict(values)
+    task = values.pop("task_opts", None)
+    return {**TASK_FLAT_OPTIONS, **values, **(task if isinstance(task, dict) else {})}

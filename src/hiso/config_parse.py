@@ -137,3 +137,15 @@ def split_flags(values: dict) -> tuple[dict, dict]:
         values = {**values, "method_opts": parse_pairs(values["method_opts"])}
     values, flags = route_flags(values), flag_options()
     return {k: v for k, v in values.items() if k not in flags}, {k: v for k, v in values.items() if k in flags}
+
+
+def route_task_options(values: dict, names) -> dict:
+    """``values`` with the task options among ``names`` given by their own names (``dim = 500``, a
+    flag) moved into ``task_opts``, over the values it holds."""
+    mine = {k: v for k, v in values.items() if k in names}
+    if not mine:
+        return values
+    opts = values.get("task_opts")
+    if opts is not None and not isinstance(opts, dict):
+        raise ValueError(f"task_opts must be a table of task options, got {opts!r}")
+    return {**{k: v for k, v in values.items() if k not in mine}, "task_opts": {**(opts or {}), **mine}}

@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..compat import flat_task_options
+
 
 @dataclass
 class RunResult:
@@ -78,7 +80,7 @@ def load_run_result(run_dir: str | Path, seed: int | None = None, at_round: int 
     summary_path = d / "summary.json"
     if at_round is None and not summary_path.is_file():
         raise FileNotFoundError(f"{d}/summary.json not found: the run did not finish")
-    config = json.loads((d / "config.json").read_text())
+    config = flat_task_options(json.loads((d / "config.json").read_text()))  # (schema 5's task_opts flat)
     rows = read_rows(d, going=at_round is not None)
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     seed = config.get("seed", seed) if seed is None else seed

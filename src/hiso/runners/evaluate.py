@@ -41,7 +41,7 @@ def evaluate_run(run_dir: str | Path, round: int | None = None, data_dir: str | 
     cfg, _ = saved_config(run_dir)
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be dev or test, got {split!r}")
-    if split == "dev" and cfg.val_fraction == 0:
+    if split == "dev" and cfg.task_options.val_fraction == 0:
         raise ValueError(f"{run_dir} has no validation split (val_fraction 0): its held-out examples are "
                          f"reported as eval_* (--split test)")
     built = task is None
@@ -62,7 +62,8 @@ def evaluate_run(run_dir: str | Path, round: int | None = None, data_dir: str | 
     if split is not None:
         metrics = {k: v for k, v in metrics.items() if k.startswith(_PREFIX[split])}
     return {"metrics": metrics, "round": rm.round, "split": split or "all", **scored,
-            "data_dir": relative_to(data_dir or cfg.data_dir, run_dir), "eval_max": eval_max or cfg.eval_max,
+            "data_dir": relative_to(data_dir or cfg.task_options.data_dir, run_dir),
+            "eval_max": eval_max or cfg.task_options.eval_max,
             "seconds": seconds, **{k: v for k, v in rm.identity().items() if k != "round"}}
 
 

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 
+from ..tasks.options import defaults as task_defaults
+
 # config.json's list of the configuration fields it stores relative to the run directory
 MARK = "relative_to_run"
 # what the user says a moved run's inputs are now: {"data_dir", "method_file", "model"} -> path
@@ -47,11 +49,30 @@ def _local_model(value) -> bool:
     return isinstance(value, str) and value not in SHORT_NAMES and Path(value).expanduser().is_dir()
 
 
+def _lifted(values: dict) -> tuple[dict, list[str]]:
+    """``values`` with the :data:`WHERE_FIELDS` its ``task_opts`` holds (schema 5) at the top, as
+    before, and their names (for :func:`_lowered`)."""
+    opts = values.get("task_opts")
+    if not isinstance(opts, dict):
+        return dict(values), []
+    moved = [k for k in WHERE_FIELDS if k in opts]
+    return {**values, **{k: opts[k] for k in moved}, "task_opts": opts}, moved
+
+
+def _lowered(values: dict, moved: list[str]) -> dict:
+    """What :func:`_lifted` lifted back in ``task_opts``, in its place."""
+    if not moved:
+        return values
+    out = {k: v for k, v in values.items() if k not in moved}
+    out["task_opts"] = {k: values[k] if k in moved else v for k, v in values["task_opts"].items()}
+    return out
+
+
 def store(values: dict, run_dir: str | Path) -> dict:
     """config.json's object with its paths relative to ``run_dir`` (the fields in :data:`MARK`),
     and its task description and method record likewise."""
     run_dir = Path(run_dir)
-    out = dict(values)
+    out, moved = _lifted(values)
     marked = [k for k in ("data_dir", "model", "algorithm", "task") if out.get(k) and
               (k == "data_dir" or (_local_model(out[k]) if k == "model" else _file_spec(out[k])))]
     for key in marked:
@@ -69,7 +90,7 @@ def store(values: dict, run_dir: str | Path) -> dict:
         out["method_source"] = {**out["method_source"], "file": relative(out["method_source"]["file"], run_dir)}
     if marked:
         out[MARK] = marked
-    return out
+    return _lowered(out, moved)
 
 
 def portable_name(value, run_dir: str | Path):
@@ -86,7 +107,8 @@ def resolve(raw: dict, run_dir: str | Path) -> dict:
     method or task file not found is refused (ValueError, one line naming ``--method-file``);
     data and a base model are checked when a task is built (:func:`require_inputs`)."""
     run_dir = Path(run_dir)
-    raw = absolute(raw, run_dir)
+    raw, moved = _lifted(raw)
+    raw = _absolute(raw, run_dir)
     given = RELOCATED.get()
     for key in WHERE_FIELDS:
         if given.get(key):  # (a model given as a hub id or short name stays a name)
@@ -103,12 +125,17 @@ def resolve(raw: dict, run_dir: str | Path) -> dict:
                 raise ValueError(f"--method-file {given['method_file']}: file not found")
             how = f"give {flag} FILE" if flag else "put it there, or keep it where it was beside the run"
             raise ValueError(f"{run_dir}: the run's {what} file {Path(spec[0]).name} is not at {spec[0]}: {how}")
-    return raw
+    return _lowered(raw, moved)
 
 
 def absolute(raw: dict, run_dir: str | Path) -> dict:
     """config.json's object with the paths it stores relative to ``run_dir`` made absolute
     (:data:`MARK` popped); nothing is checked."""
+    raw, moved = _lifted(raw)
+    return _lowered(_absolute(raw, run_dir), moved)
+
+
+def _absolute(raw: dict, run_dir: str | Path) -> dict:
     raw, here = dict(raw), lambda p: os.path.normpath(Path(run_dir).absolute() / Path(p).expanduser())  # noqa: E731
     for key in raw.pop(MARK, None) or []:
         if key in ("data_dir", "model") and isinstance(raw.get(key), str):
@@ -122,10 +149,11 @@ def paths_from_here(cfg):
     """``cfg`` with its data and local model directories absolute, for processes that run in other
     working directories (Flower's ServerApp and ClientApps), where a relative path means another place."""
     update = {}
-    if cfg.data_dir:
-        update["data_dir"] = str(Path(cfg.data_dir).expanduser().absolute())
-    if _local_model(cfg.model):
-        update["model"] = str(Path(cfg.model).expanduser().absolute())
+    opts = cfg.task_options
+    if opts.data_dir:
+        update["data_dir"] = str(Path(opts.data_dir).expanduser().absolute())
+    if _local_model(opts.model):
+        update["model"] = str(Path(opts.model).expanduser().absolute())
     return cfg.model_copy(update=update) if update else cfg
 
 
@@ -148,9 +176,12 @@ def require_inputs(cfg, run_dir: str | Path, given: dict | None = None) -> None:
 
 def comparable(values: dict, run_dir: str | Path | None = None) -> dict:
     """``values`` (config.json's object with ``run_dir``, or a configuration's dump) with its
-    paths absolute, so two records of one run compare equal wherever each was written from."""
+    paths absolute and its task options flat (``task_opts``' and the others' defaults), so two
+    records of one run compare equal wherever and by whichever hiso each was written."""
     out = resolve(dict(values), run_dir) if run_dir is not None else dict(values)
     out.pop(MARK, None)
+    opts = out.pop("task_opts", None)  # the task's options flat, as the flags name them, defaults filled
+    out = {**task_defaults(), **(opts if isinstance(opts, dict) else {}), **out}
     for key in ("data_dir",):
         if isinstance(out.get(key), str):
             out[key] = os.path.normpath(Path(out[key]).expanduser().absolute())

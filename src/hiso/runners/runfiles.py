@@ -163,9 +163,12 @@ def _as_it_ran(raw: dict, info: dict) -> dict:
         read = task_info(raw.get("task", "quadratic")).options
     except (ValueError, ImportError):
         return {}
-    fields = RunConfig.model_fields
-    out = {} if read is None else {k: fields[k].default for k in TASK_OPTIONS - read if k in raw}
-    tm, n = raw.get("train_max"), info.get("n_train", 0)
+    from ..tasks.options import option_fields as task_fields
+    fields, opts = {**RunConfig.model_fields, **task_fields()}, raw.get("task_opts")
+    given = {*raw, *(opts if isinstance(opts, dict) else ())}
+    out = {} if read is None else {k: fields[k].default for k in TASK_OPTIONS - read if k in given}
+    tm = raw["train_max"] if "train_max" in raw else (opts if isinstance(opts, dict) else {}).get("train_max")
+    n = info.get("n_train", 0)  # (a flat key over task_opts, as RunConfig reads them)
     if type(tm) is int and type(n) is int and n > tm:  # (a damaged file's other types: pydantic refuses them)
         out["train_max"] = None
     return out

@@ -21,7 +21,7 @@ from torch import nn
 
 from pydantic import ValidationError
 
-from ..compat import FLAT_DEFAULTS, HASH_LATER_FIELDS, HASH_ONLY_WHERE, flat_options
+from ..compat import FLAT_DEFAULTS, HASH_LATER_FIELDS, HASH_ONLY_WHERE, TASK_FLAT_OPTIONS, flat_options
 from ..config import ConfigError, RunConfig, one_line
 from ..tasks.base import Task
 from ..tasks.device import on_device
@@ -67,8 +67,8 @@ def config_sha256(cfg: RunConfig) -> str:
     and where its inputs are is left out."""
     values = identity_values(flat_options(cfg.model_dump()))
     for name in HASH_LATER_FIELDS:
-        default = FLAT_DEFAULTS[name] if name in FLAT_DEFAULTS else \
-            type(cfg).model_fields[name].get_default(call_default_factory=True)
+        default = FLAT_DEFAULTS[name] if name in FLAT_DEFAULTS else TASK_FLAT_OPTIONS[name] \
+            if name in TASK_FLAT_OPTIONS else type(cfg).model_fields[name].get_default(call_default_factory=True)
         if values.get(name) == default:
             values.pop(name)
     for name, counts in HASH_ONLY_WHERE.items():

@@ -392,19 +392,18 @@ def _builder(name: str, cls: type = LanguageTask, extra=lambda cfg: {}):
     """``build(cfg)`` of task ``name``: a ``cls`` with the run's language options (and ``extra(cfg)``'s)."""
     def build(cfg) -> LanguageTask:
         split = lambda s: [w for w in s.split(",") if w.strip()]  # noqa: E731
-        return cls(name, cfg.clients, seed=cfg.seed, model=cfg.model, data_dir=cfg.data_dir,
-                            partition=cfg.partition, alpha=cfg.alpha, min_size=cfg.min_size,
-                            train_max=cfg.train_max, eval_max=cfg.eval_max, max_length=cfg.max_length,
-                            template=cfg.template,
-                            label_words=split(cfg.label_words) if cfg.label_words else None,
-                            lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                            lora_targets=[t.strip() for t in split(cfg.lora_targets)],
-                            autocast=cfg.autocast, eval_batch_size=cfg.eval_batch_size,
-                            max_new_tokens=cfg.max_new_tokens, pack=cfg.pack_sequences,
-                            val_fraction=cfg.val_fraction, strip_text=cfg.strip_text,
-                            device=cfg.device, perturb_mode=cfg.perturb_mode, base_dtype=cfg.base_dtype,
-                            quantize_embedding=cfg.quantize_embedding,
-                            **extra(cfg))
+        o = cfg.task_options  # (hiso.tasks.options: the data's and the language model's)
+        return cls(name, cfg.clients, seed=cfg.seed, model=o.model, data_dir=o.data_dir,
+                   partition=o.partition, alpha=o.alpha, min_size=o.min_size,
+                   train_max=o.train_max, eval_max=o.eval_max, max_length=o.max_length, template=o.template,
+                   label_words=split(o.label_words) if o.label_words else None,
+                   lora_r=o.lora_r, lora_alpha=o.lora_alpha, lora_targets=[t.strip() for t in split(o.lora_targets)],
+                   autocast=o.autocast, eval_batch_size=o.eval_batch_size,
+                   max_new_tokens=o.max_new_tokens, pack=o.pack_sequences,
+                   val_fraction=o.val_fraction, strip_text=o.strip_text,
+                   device=cfg.device, perturb_mode=cfg.perturb_mode, base_dtype=o.base_dtype,
+                   quantize_embedding=o.quantize_embedding,
+                   **extra(cfg))
     return build
 
 

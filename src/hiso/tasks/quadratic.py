@@ -19,6 +19,7 @@ from torch import nn
 
 from . import draws
 from .base import Task
+from .options import QuadraticOptions
 from .registry import register_task
 
 
@@ -96,7 +97,8 @@ class QuadraticTask(Task):
 @register_task("quadratic", metrics={"gap": "min", "eval_loss": "min"},
                default_lr={"zo": 0.05, "first-order": 0.05},
                doc="synthetic ill-conditioned federated quadratic with known optimum (seconds)",
-               options={"dim", "sigma", "heterogeneity", "noise"})
+               options=QuadraticOptions)
 def _build(cfg) -> QuadraticTask:
-    return QuadraticTask(cfg.clients, seed=cfg.seed, dim=cfg.dim, sigma=cfg.sigma,
-                         heterogeneity=cfg.heterogeneity, noise=cfg.noise)
+    opts = cfg.task_options
+    return QuadraticTask(cfg.clients, seed=cfg.seed, dim=opts.dim, sigma=opts.sigma,
+                         heterogeneity=opts.heterogeneity, noise=opts.noise)

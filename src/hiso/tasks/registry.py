@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from .options import option_fields as task_option_fields
+
 if TYPE_CHECKING:
     from .base import Task
 
@@ -71,22 +73,19 @@ def _check_metrics(where: str, metrics: Any) -> dict[str, str]:
     return dict(metrics)
 
 
-# the RunConfig options that belong to some task rather than to the federation or the algorithm
-TASK_OPTIONS = frozenset({
-    "dim", "sigma", "heterogeneity", "noise",  # quadratic
-    "data_dir", "partition", "alpha", "min_size", "eval_max", "val_fraction", "train_max",  # data
-    "model", "max_length", "template", "label_words", "lora_r", "lora_alpha", "lora_targets", "autocast",
-    "eval_batch_size", "max_new_tokens", "pack_sequences", "strip_text", "base_dtype",  # language models
-    "quantize_embedding",
-    "text_column", "label_column", "prompt_column", "response_column",  # your own files (text, instruct)
-})
+# the options that belong to some task rather than to the federation or the algorithm: the fields
+# of hiso.tasks.options' groups (quadratic, data, language model, your own files' columns)
+TASK_OPTIONS = frozenset(task_option_fields())
 
 
 def register_task(name: str, *, metrics: dict[str, str], default_lr: dict[str, float] | None = None,
                   default_partition: str | None = None, validation: bool = False, doc: str = "",
-                  options: set[str] | frozenset[str] | None = None):
+                  options: set[str] | frozenset[str] | type | None = None):
     """Decorator registering ``build(cfg) -> Task`` under ``name`` (see :class:`TaskInfo`);
-    ``options``: the names in :data:`TASK_OPTIONS` the task reads (None: all of them)."""
+    ``options``: the names in :data:`TASK_OPTIONS` the task reads, or its options class
+    (:mod:`hiso.tasks.options`: its fields; None: all of them)."""
+    if isinstance(options, type):
+        options = set(options.model_fields)
     if options is not None and not set(options) <= TASK_OPTIONS:
         raise ValueError(f"task {name}: {sorted(set(options) - TASK_OPTIONS)} are not task options")
 
@@ -246,8 +245,9 @@ def run_default_lr(cfg: _RunConfig) -> float | None:
     """The lr ``cfg``'s task and algorithm give a run without --lr (None: none), for messages."""
     try:
         info = task_info(cfg.task)
-        model = cfg.model if info.options is None or "model" in info.options else None
-        return default_lr(cfg.task, cfg.algorithm, cfg.lora_r is not None, model)
+        opts = cfg.task_options
+        model = opts.model if info.options is None or "model" in info.options else None
+        return default_lr(cfg.task, cfg.algorithm, opts.lora_r is not None, model)
     except (ValueError, ImportError):
         return None
 

@@ -124,13 +124,19 @@ class FileTask(LanguageTask):
         return info
 
 
+def _columns(cfg, *names: str) -> tuple[str, ...]:
+    """The run's column names (its task options ``names``)."""
+    opts = cfg.task_options
+    return tuple(getattr(opts, name) for name in names)
+
+
 register_task("text", metrics={"eval_acc": "max", "eval_loss": "min"}, default_lr=_LM_LR,
               default_partition="dirichlet", validation=True,
               doc="your own classification files (CSV, TSV, JSON lines, Parquet): a text and a label column",
               options=_LM_OPTIONS | {"label_words", "text_column", "label_column"})(
-    _builder("text", FileTask, lambda cfg: {"columns": (cfg.text_column, cfg.label_column)}))
+    _builder("text", FileTask, lambda cfg: {"columns": _columns(cfg, "text_column", "label_column")}))
 register_task("instruct", metrics={"eval_f1": "max", "eval_em": "max", "eval_loss": "min"}, default_lr=_LM_LR,
               default_partition="iid", validation=True,
               doc="your own prompt/response files: loss on the response, greedy answers by exact match and F1",
               options=_LM_OPTIONS | {"max_new_tokens", "prompt_column", "response_column"})(
-    _builder("instruct", FileTask, lambda cfg: {"columns": (cfg.prompt_column, cfg.response_column)}))
+    _builder("instruct", FileTask, lambda cfg: {"columns": _columns(cfg, "prompt_column", "response_column")}))

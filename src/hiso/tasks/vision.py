@@ -260,9 +260,10 @@ class VisionTask(Task):
 
 def _builder(name: str):
     def build(cfg) -> VisionTask:
-        return VisionTask(name, cfg.clients, seed=cfg.seed, data_dir=cfg.data_dir,
-                          partition=cfg.partition or "dirichlet", alpha=cfg.alpha, min_size=cfg.min_size,
-                          eval_max=cfg.eval_max, val_fraction=cfg.val_fraction, train_max=cfg.train_max)
+        o = cfg.task_options  # (hiso.tasks.options.DataOptions)
+        return VisionTask(name, cfg.clients, seed=cfg.seed, data_dir=o.data_dir,
+                          partition=o.partition or "dirichlet", alpha=o.alpha, min_size=o.min_size,
+                          eval_max=o.eval_max, val_fraction=o.val_fraction, train_max=o.train_max)
     return build
 
 
