@@ -191,6 +191,7 @@ def flat_config_hash(raw: dict) -> str:
     flat = {k: v for k, v in raw.items() if k not in ("schema", "task_info") and not (k == "method_opts" and v == {})}
     for name in compat.HASH_LATER_FIELDS:
         default = compat.FLAT_DEFAULTS[name] if name in compat.FLAT_DEFAULTS else \
+            compat.TASK_FLAT_OPTIONS[name] if name in compat.TASK_FLAT_OPTIONS else \
             RunConfig.model_fields[name].get_default(call_default_factory=True)
         if name in flat and flat[name] == default:
             flat.pop(name)

@@ -125,7 +125,8 @@ def _schema4(cfg: RunConfig) -> dict:
     values = cfg.model_dump()
     opts = dict(values.pop("method_opts"))
     flat = {k: opts.pop(k) if k in opts else d for k, d in compat.FLAT_OPTIONS["fedadam"].items()}
-    return {"schema": 4, **values, **flat, "method_opts": opts}
+    task = {**compat.TASK_FLAT_OPTIONS, **values.pop("task_opts")}  # every task option flat, as at schema 4
+    return {"schema": 4, **values, **task, **flat, "method_opts": opts}
 
 
 @pytest.mark.parametrize("kw", [dict(algorithm="fedavg", server_lr=0.5), dict(algorithm="fedadam", beta1=0.8,
