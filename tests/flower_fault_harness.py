@@ -209,6 +209,19 @@ def figures(out: Path, logs: Path, proxies=(), t0: float | None = None) -> dict:
 # ------------------------------------------------------------- the scenarios
 
 
+def _wait_for_traffic(proxy, settle_s: float = 2.0, within_s: float = 300.0) -> None:
+    """Until ``proxy`` forwards bytes from its node that the node sent after the link came back
+    (what the link held is flushed within ``settle_s``; a connected node polls every 3 s). A
+    node's reconnection backs off for a while after a long cut: the round after the cut waits
+    for it instead of closing without it on a loaded machine."""
+    time.sleep(settle_s)
+    sent, clock = proxy.stats["bytes_up"], Patience(within_s)
+    while proxy.stats["bytes_up"] == sent:
+        if clock.spent():
+            raise TimeoutError(f"the cut-off node sent nothing within {within_s} s of the link's return")
+        time.sleep(0.2)
+
+
 def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s: float, after: int = 1,
                      how: str = "blackhole", worker: bool = False, **faults) -> dict:
     """Scenario 1 (and 2, with ``faults`` on every link): node ``nodes-1`` cut off for ``cut_s``
@@ -219,7 +232,8 @@ def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s:
     The cut lands on a round boundary: the run directory's HOLD file (hiso.flower.transport.hold)
     keeps the ServerApp from sending round ``after``'s first message until the link is down, and
     the link comes back only once that round is logged (at least ``cut_s`` later), so the round
-    is planned, sent and closed while the node is unreachable, however slow the machine."""
+    is planned, sent and closed while the node is unreachable, however slow the machine; the
+    next round waits (HOLD again) until the node has sent something through its healed link."""
     out, t0 = work / "flower", time.monotonic()
     with ExitStack() as stack:
         netns = stack.enter_context(veth_namespaces(cfg.clients)) if how == "link" else None
@@ -239,13 +253,15 @@ def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s:
                 _ip("link", "set", netns[-1][1], "down")
             else:
                 proxies[-1].cut(how)
-            (out / "HOLD").unlink()
+            (out / "HOLD").write_text(f"{after + 1}\n")  # round `after` goes on; the one after waits
             time.sleep(cut_s)
             wait_rounds(out, after + 1)  # the link comes back once a round closed without the node
             if netns:
                 _ip("link", "set", netns[-1][1], "up")
             else:
                 proxies[-1].heal()
+            _wait_for_traffic(proxies[-1])  # the node talks to the SuperLink again: the next round may go
+            (out / "HOLD").unlink()
         try:
             fed.wait(run_id, timeout=300)
         finally:  # the ServerApp's log lives in the SuperLink: keep it
