@@ -184,6 +184,14 @@ def forward_digest(name: str, tmp_factory) -> str:
     return run_digest(reference(name, 0, tmp_factory))
 
 
+def dumped_flat(cfg) -> dict:
+    """``cfg.model_dump()`` as a config.json before schema 5 held it: every task option a flat key
+    (its default where the task does not read it), no ``task_opts``."""
+    values = cfg.model_dump()
+    task = values.pop("task_opts")
+    return {**values, **compat.TASK_FLAT_OPTIONS, **task}
+
+
 def flat_config_hash(raw: dict) -> str:
     """The configuration hash hiso computed from a config.json with every option flat (as before
     schema 3): its schema and task_info, an empty method_opts and a later field at its default left out."""

@@ -15,7 +15,7 @@ from hiso.core.method import Method
 from hiso.methods.fedkseed_method import FedKSeed
 from hiso.methods.registry import method_info
 from hiso.runners.runmodel import config_sha256
-from legacy_helpers import flat_config_hash
+from legacy_helpers import dumped_flat, flat_config_hash
 
 POOL = ("seed_pool", "seed_sampling")
 TINY = ["--task", "quadratic", "--dim", "12", "--clients", "4", "--sampled", "2", "--rounds", "3", "--quiet"]
@@ -72,7 +72,7 @@ def test_the_pool_options_on_another_method_are_named_and_not_kept(tmp_path, cap
                                 dict(algorithm="fedkseed"), dict(algorithm="decomfl"), dict(algorithm="hiso", nu=0.2)])
 def test_a_schema_3_configuration_with_the_flat_pool_options_reads_as_today_with_the_same_hash(kw):
     cfg = load_config(None, **kw)
-    values = cfg.model_dump()
+    values = dumped_flat(cfg)  # the task options flat too, as then
     opts = dict(values.pop("method_opts"))
     flat = {k: opts.pop(k, d) for k, d in compat.FLAT_OPTIONS["fedkseed"].items()}
     old = {"schema": 3, **values, **flat, "method_opts": opts}  # what hiso wrote before schema 4

@@ -19,7 +19,7 @@ from hiso.methods.options import fields_of
 from hiso.methods.registry import method_info
 from hiso.methods.sketch import Sketch
 from hiso.runners.runmodel import config_sha256
-from legacy_helpers import flat_config_hash
+from legacy_helpers import dumped_flat, flat_config_hash
 
 MOVED = ("ferret_k", "ferret_blocks", "sketch_bits")
 TINY = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2", "--rounds", "3", "--quiet"]
@@ -68,7 +68,7 @@ def _schema3(cfg: RunConfig) -> dict:
     """``cfg`` as hiso wrote it at schema 3: HiSo's options in method_opts, the other methods' of
     compat.FLAT_OPTIONS (Ferret's, sketch's, FedKRSO's, ...) flat in every run, at their defaults
     but in the run's method's."""
-    values = cfg.model_dump()
+    values = dumped_flat(cfg)  # the task options flat too, as then
     opts = dict(values.pop("method_opts"))
     own = compat.FLAT_OPTIONS.get(cfg.algorithm, {})
     flat = {k: opts.pop(k) if k in own else d for k, d in compat.FLAT_DEFAULTS.items()

@@ -16,7 +16,7 @@ from hiso.methods.fullmodel import FedAdagrad, FedAdam, FedAvg, FedYogi, FedZO
 from hiso.methods.options import fields_of
 from hiso.methods.registry import method_info
 from hiso.runners.runmodel import config_sha256
-from legacy_helpers import flat_config_hash
+from legacy_helpers import dumped_flat, flat_config_hash
 
 MOVED = ("server_lr", "beta1", "beta2", "server_tau", "wire_dtype")
 TINY = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2", "--rounds", "3", "--quiet"]
@@ -122,11 +122,10 @@ def _schema4(cfg: RunConfig) -> dict:
     """``cfg`` as hiso wrote it at schema 4: the full-model options and the server step flat in
     every run, at their defaults but in the run's method's; the methods' other options in
     method_opts."""
-    values = cfg.model_dump()
+    values = dumped_flat(cfg)  # the task options flat too, as then
     opts = dict(values.pop("method_opts"))
     flat = {k: opts.pop(k) if k in opts else d for k, d in compat.FLAT_OPTIONS["fedadam"].items()}
-    task = {**compat.TASK_FLAT_OPTIONS, **values.pop("task_opts")}  # every task option flat, as at schema 4
-    return {"schema": 4, **values, **task, **flat, "method_opts": opts}
+    return {"schema": 4, **values, **flat, "method_opts": opts}
 
 
 @pytest.mark.parametrize("kw", [dict(algorithm="fedavg", server_lr=0.5), dict(algorithm="fedadam", beta1=0.8,

@@ -14,7 +14,7 @@ from hiso.core.chain import Precondition, stages_for
 from hiso.core.join import config_blob
 from hiso.core.method import Method
 from hiso.runners.runmodel import config_sha256
-from legacy_helpers import flat_config_hash
+from legacy_helpers import dumped_flat, flat_config_hash
 
 H_OPTIONS = ("nu", "eps", "h_min", "h_max", "h_source", "h_stat", "h_granularity", "h_bias_correction")
 TINY = ["--task", "quadratic", "--dim", "20", "--clients", "4", "--sampled", "2", "--rounds", "4",
@@ -87,7 +87,7 @@ def test_another_methods_flag_is_named_and_not_kept(tmp_path, capsys):
 def _schema2(cfg: RunConfig) -> dict:
     """``cfg`` as hiso wrote it before schema 3: every run with the 8 options flat (and the other
     methods' flat options of compat.FLAT_OPTIONS, at their defaults but the run's method's)."""
-    values = cfg.model_dump()
+    values = dumped_flat(cfg)  # the task options flat too, as then
     opts = dict(values.pop("method_opts"))
     own = compat.FLAT_OPTIONS.get(cfg.algorithm, {})
     flat = {k: opts.pop(k) if k in own else d for k, d in compat.FLAT_DEFAULTS.items()}
