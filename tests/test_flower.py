@@ -625,6 +625,13 @@ def test_flower_cli_refuses_to_resume_a_full_model_run(tmp_path, capsys, monkeyp
     (run / "summary.json").unlink()  # as if its ServerApp had died
     code, _, err = run_cli(["flower", "--resume", str(run)], capsys)
     assert code == 2 and "fedadam runs cannot be resumed" in err and len(err.strip().splitlines()) == 1, err
+    assert "full-model algorithms keep no log" in err
+    pool = tmp_path / "pool"  # a seed pool keeps a log, but no node replica catches up on it
+    run_to_dir(RunConfig(**{**CFG, "algorithm": "fedkseed", "perturbations": 1}, rounds=1), pool)
+    (pool / "summary.json").unlink()
+    code, _, err = run_cli(["flower", "--resume", str(pool)], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "fedkseed runs cannot be resumed on Flower: its nodes keep no replica" in err and "full-model" not in err
 
 
 @needs_flwr

@@ -50,9 +50,10 @@ def cmd_flower(args: argparse.Namespace) -> int:
         if (out / "summary.json").exists():
             print(f"{out} is a finished run: nothing to resume")
             return 0
-        if not driver_of(cfg.method).replica_catches_up:  # (a resumed ServerApp finds the nodes' replicas)
-            return _fail(f"{cfg.algorithm} runs cannot be resumed: full-model algorithms keep no log to rebuild "
-                         "their state from (start again with --out DIR --force)")
+        if not (driver := driver_of(cfg.method)).replica_catches_up:  # (a resumed ServerApp finds the nodes' replicas)
+            why = ("its nodes keep no replica that catches up on the log" if driver.keeps_log else
+                   "full-model algorithms keep no log to rebuild their state from")
+            return _fail(f"{cfg.algorithm} runs cannot be resumed on Flower: {why} (start again with --out DIR --force)")
         _record_accepted_method(out, cfg)
     else:
         cfg = load_config(args.config, **{k: getattr(args, k) for k in option_fields()})
