@@ -209,17 +209,28 @@ def figures(out: Path, logs: Path, proxies=(), t0: float | None = None) -> dict:
 # ------------------------------------------------------------- the scenarios
 
 
-def _wait_for_traffic(proxy, settle_s: float = 2.0, within_s: float = 300.0) -> None:
-    """Until ``proxy`` forwards bytes from its node that the node sent after the link came back
-    (what the link held is flushed within ``settle_s``; a connected node polls every 3 s). A
-    node's reconnection backs off for a while after a long cut: the round after the cut waits
-    for it instead of closing without it on a loaded machine."""
-    time.sleep(settle_s)
-    sent, clock = proxy.stats["bytes_up"], Patience(within_s)
-    while proxy.stats["bytes_up"] == sent:
+def _node_log_count(log: Path, *needles: str) -> int:
+    """How many times a SuperNode's log says any of ``needles``."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return sum(text.count(n) for n in needles)
+
+
+_BACK = ("Connection successful after", "Receiving:")  # a reconnection after failed tries, a message in
+_SENT = ("Sent successfully", "Failed to send message")  # an answer sent, or its upload given up
+
+
+def _nodes_online(fed) -> int:
+    """Nodes the SuperLink counts online (a heartbeat within its patience)."""
+    return sum(n.get("status") == "online" for n in fed._flwr("supernode", "ls", "local", "--format", "json")["nodes"])
+
+
+def _wait_until(done, what: str, within_s: float = 300.0, every_s: float = 0.5) -> None:
+    """Until ``done()``, counted at the speed the machine offers (hiso.patience)."""
+    clock = Patience(within_s)
+    while not done():
         if clock.spent():
-            raise TimeoutError(f"the cut-off node sent nothing within {within_s} s of the link's return")
-        time.sleep(0.2)
+            raise TimeoutError(f"{what} within {within_s} s")
+        time.sleep(every_s)
 
 
 def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s: float, after: int = 1,
@@ -233,7 +244,9 @@ def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s:
     keeps the ServerApp from sending round ``after``'s first message until the link is down, and
     the link comes back only once that round is logged (at least ``cut_s`` later), so the round
     is planned, sent and closed while the node is unreachable, however slow the machine; the
-    next round waits (HOLD again) until the node has sent something through its healed link."""
+    next round waits (HOLD again) until the node polls again and the SuperLink counts it online,
+    and the one after until the node answered what that round sent it (a query or its train
+    message), so the node is known and waited for by then."""
     out, t0 = work / "flower", time.monotonic()
     with ExitStack() as stack:
         netns = stack.enter_context(veth_namespaces(cfg.clients)) if how == "link" else None
@@ -256,11 +269,21 @@ def cut_off_one_node(cfg: RunConfig, work: Path, *, round_timeout: float, cut_s:
             (out / "HOLD").write_text(f"{after + 1}\n")  # round `after` goes on; the one after waits
             time.sleep(cut_s)
             wait_rounds(out, after + 1)  # the link comes back once a round closed without the node
+            node_log = fed.logs / f"supernode{cfg.clients - 1}.log"
+            seen = _node_log_count(node_log, *_BACK)  # (nothing gets through while the link is down)
             if netns:
                 _ip("link", "set", netns[-1][1], "up")
             else:
                 proxies[-1].heal()
-            _wait_for_traffic(proxies[-1])  # the node talks to the SuperLink again: the next round may go
+            # the next round goes once the node polls again (its channel backs off after a long cut)
+            # and the SuperLink counts it online (a heartbeat: the ServerApp sees only online nodes)
+            _wait_until(lambda: _node_log_count(node_log, *_BACK) > seen, "the cut-off node did not reconnect")
+            _wait_until(lambda: _nodes_online(fed) == cfg.clients, "the cut-off node was not online again", every_s=2)
+            sent = _node_log_count(node_log, *_SENT)
+            (out / "HOLD").write_text(f"{after + 2}\n")
+            # and the one after once the node answered what that round sent it (its train message, or
+            # the query that learns it again if the ServerApp forgot it while it was offline)
+            _wait_until(lambda: _node_log_count(node_log, *_SENT) > sent, "the cut-off node answered nothing")
             (out / "HOLD").unlink()
         try:
             fed.wait(run_id, timeout=300)

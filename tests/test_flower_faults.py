@@ -12,6 +12,7 @@ up to the first round that lost an answer (all of it when none did).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,9 +26,9 @@ from test_flower import CFG, FakeGrid, _Msg, needs_flwr
 pytestmark = pytest.mark.flower
 
 
-def _fed(tmp_path, cfg, nodes, **kw):
+def _fed(tmp_path, cfg, nodes, grid_cls=None, **kw):
     from hiso.flower.app import FlowerFederation, Settings
-    grid = FakeGrid(cfg, tmp_path / "replicas", nodes)
+    grid = (grid_cls or FakeGrid)(cfg, tmp_path / "replicas", nodes)
     fed = FlowerFederation(grid, build_task(cfg), cfg, Settings(out_dir=str(tmp_path), **{
         "round_timeout": 0.3, "suspect_grace_s": 0.05, "poll_s": 0.01, "wait_nodes_s": 5, **kw}))
     fed._message = lambda fields, nid, kind, group=None: _Msg(fields, nid, kind, group)
@@ -69,6 +70,67 @@ def test_flower_a_node_back_under_its_old_id_is_asked_again(tmp_path):
     assert fed.node_of == {0: 1, 1: 2} and fed.server.history[-1].participants == (0, 1)
 
 
+class _SlowGrid(FakeGrid):
+    """A fake grid whose node ids in ``slow`` answer after that many pulls (None: only when
+    :meth:`deliver` is called), and whose messages to ``lost`` come back as the SuperLink's error."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.slow, self.lost, self.held = {}, set(), {}
+
+    def push_messages(self, msgs):
+        ids = super().push_messages(msgs)
+        for mid, m in zip(ids, msgs):
+            nid = m.metadata.dst_node_id
+            if nid in self.lost:
+                err = SimpleNamespace(reason="Message Unavailable")
+                self.replies[mid] = SimpleNamespace(metadata=SimpleNamespace(src_node_id=1, reply_to_message_id=mid),
+                                                    error=err, has_error=lambda: True)
+            elif nid in self.slow:
+                self.held[mid] = [self.slow[nid], self.replies.pop(mid)]
+        return ids
+
+    def pull_messages(self, ids):
+        for mid, held in list(self.held.items()):
+            if held[0] is not None:
+                held[0] -= 1
+                if held[0] <= 0:
+                    self.replies[mid] = self.held.pop(mid)[1]
+        return super().pull_messages(ids)
+
+    def deliver(self):
+        self.replies.update({mid: rep for mid, (_, rep) in self.held.items()})
+        self.held.clear()
+
+
+def test_flower_a_suspect_back_is_waited_for_again(tmp_path):
+    """A node that missed its answer is a *suspect* (waited for ``suspect_grace_s`` once the
+    others answered). A message the SuperLink gave up on (expired) is a miss, not an answer;
+    a suspect whose late answer comes in, or that answers a query, is waited for in full again:
+    a node back from a cut and a poll behind the others used to miss every grace for good."""
+    cfg = RunConfig(**{**CFG, "clients": 2, "sampled": 2, "rounds": 6})
+    grid, fed = _fed(tmp_path, cfg, {101: 0, 102: 1}, _SlowGrid, round_timeout=30)
+    fed.wait_for_nodes()
+    grid.lost.add(102)
+    fed.step()
+    assert fed.server.history[-1].participants == (0,) and 102 in fed._suspects  # the SuperLink's error: a miss
+    grid.lost.clear()
+    grid.slow[102] = None
+    fed.step()  # answers after the grace: left out, still a suspect
+    assert fed.server.history[-1].participants == (0,) and 102 in fed._suspects
+    grid.deliver()
+    grid.slow[102] = 30  # 30 polls of 0.01 s: longer than the grace
+    fed.step()  # its late answer comes in: waited for in full, it takes part
+    assert fed.server.history[-1].participants == (0, 1) and not fed._suspects
+    fed._suspects.add(102)
+    grid.slow.clear()
+    grid.nodes.pop(102)
+    fed.step()  # gone from the grid: forgotten
+    grid.nodes[102] = 1
+    fed.refresh_nodes()  # back under its id: asked again, and its answer clears it
+    assert fed.node_of == {0: 101, 1: 102} and 102 not in fed._suspects
+
+
 @needs_flwr
 def test_flower_train_messages_expire_with_their_round(tmp_path):
     """A train message lives ``round_timeout`` (Flower's default: 12 h). A node that fell behind
@@ -108,14 +170,17 @@ def test_flower_node_cut_off_then_back_under_latency_and_resets(tmp_path):
     longer than a round's timeout once a round is logged, then back. The cut spans round 1
     from its first message to its close (the ServerApp is held at the boundary until the link
     is down; the link is back once round 1 is logged), so round 1 closes without node 1 on any
-    machine, however loaded."""
-    cfg = _cfg(rounds=4)
+    machine, however loaded. Round 2 waits until node 1 polls again and the SuperLink counts it
+    online (after a long cut its channel backs off, and a heartbeat may be a minute away), round 3
+    until node 1 answered round 2's message: as a suspect it may miss round 2's grace, but its
+    late answer, or its answer to the query that learns it again, clears it for round 3."""
+    cfg = _cfg(rounds=5)
     # a round waits 30 s (a loaded machine's first answers, through a worker's start, can take
     # more than 12); the cut outlasts it
     fig = cut_off_one_node(cfg, tmp_path, round_timeout=30, cut_s=35, worker=True,
                            latency_s=0.1, jitter_s=0.02, reset_p=0.03)
     recs = read_history(tmp_path / "flower" / "history.bin")[2]
-    assert fig["rounds_audited"] == 4  # every round recomputed in process: the same bits
+    assert fig["rounds_audited"] == 5  # every round recomputed in process: the same bits
     assert 1 not in recs[1].participants  # cut off: the round closed without it
     assert any(1 in r.participants for r in recs[2:])  # back
     assert fig["simulator_prefix"] == _first_loss(tmp_path / "flower")  # (round 0 too may lose one under load)

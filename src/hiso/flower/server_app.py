@@ -93,6 +93,7 @@ class FlowerFederation(Runner):
         self.times = (0.0, 0.0, 0.0)  # the last exchange: start, nodes refreshed, answers received
         self._seen: set[int] = set()
         self._suspects: set[int] = set()  # node ids that missed their last answer
+        self._late: dict[str, int] = {}  # message id -> node id: unanswered when its exchange ended
         self._queries: dict[str, int] = {}  # query message id -> node id, awaiting a reply
         self._asked: dict[int, tuple[int, float]] = {}  # node id -> (times asked again, when next)
         self._joining: set[int] = set()  # under a placement: node ids asked to join, not answered yet
@@ -139,6 +140,7 @@ class FlowerFederation(Runner):
                         if self.node_of.get(pid) == nid:
                             del self.node_of[pid]
             self._queries = {m: n for m, n in self._queries.items() if n in ids}
+            self._late = {m: n for m, n in self._late.items() if n in ids}
         else:  # nothing per node of the population: only those asked to join and not answered yet
             self._joining -= self._seen
             ids = self._joining
@@ -170,6 +172,7 @@ class FlowerFederation(Runner):
             if rep.has_error():
                 log.warning("node %s failed the query: %s", nid, rep.error.reason)
                 continue
+            self._suspects.discard(nid)  # it answered: the next round waits for it in full
             take_join(self, nid, rep.content[REC])
 
     def join_sampled(self, pids) -> None:
@@ -287,7 +290,10 @@ class FlowerFederation(Runner):
         Like ``Grid.send_and_receive`` but polls every ``poll_s`` (Flower's polls every 3 s) and
         does not wait ``round_timeout`` for *suspects* (nodes that missed their last answer)
         once every healthy node has answered: they get ``suspect_grace_s`` more (if all are
-        suspects, all get the full ``round_timeout``). A node that answers is healthy again.
+        suspects, all get the full ``round_timeout``). A node that answers is healthy again,
+        and so is one whose answer to an earlier exchange comes in late: a node back from a
+        cut, a poll behind the others, would otherwise miss every grace and never take part.
+        An error the SuperLink makes (the message expired or was never delivered) is no answer.
         """
         if not msgs:
             return []
@@ -303,12 +309,14 @@ class FlowerFederation(Runner):
         grace_end = None
         any_healthy = any(d not in self._suspects for d in dst.values())  # else: all get the full time
         while pending:
-            reps = list(self.grid.pull_messages(pending))
+            reps = list(self.grid.pull_messages(pending | set(self._late)))
             for rep in reps:
                 mid = rep.metadata.reply_to_message_id
                 if mid in pending:
                     pending.discard(mid)
                     out.append(rep)
+                elif (nid := self._late.pop(mid, None)) is not None and rep.metadata.src_node_id == nid:
+                    self._suspects.discard(nid)  # its late answer: it is back
             now = time.monotonic()
             if not pending or now > t_end:
                 break
@@ -317,10 +325,10 @@ class FlowerFederation(Runner):
                 if now > grace_end:
                     break
             time.sleep(st.poll_s)
-        for m in pending:
-            self._suspects.add(dst[m])
-        for rep in out:
-            self._suspects.discard(rep.metadata.src_node_id)
+        answered = {rep.metadata.src_node_id for rep in out}  # (the SuperLink's errors come from its own id)
+        self._suspects |= {d for d in dst.values() if d not in answered}
+        self._suspects -= answered
+        self._late.update((m, dst[m]) for m in pending)
         return out
 
     def check_budget(self, plan) -> None:
