@@ -26,7 +26,7 @@ def test_fedkseed_is_a_method_class_whose_fields_are_its_options_and_its_family_
     info = method_info("fedkseed")
     assert issubclass(FedKSeed, Method) and info.cls is FedKSeed
     assert tuple(f.name for f in dataclasses.fields(FedKSeed)) == POOL
-    assert info.family == "seed-pool" and info.plays_pool and info.can == frozenset({"one-seed"})
+    assert info.family == "seed-pool" and info.can == frozenset({"one-seed"})
     assert not set(POOL) & set(RunConfig.model_fields)
     cfg = load_config(None, algorithm="fedkseed", seed_pool=64)
     assert cfg.method_opts == {"seed_pool": 64, "seed_sampling": "weighted"}

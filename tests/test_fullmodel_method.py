@@ -111,6 +111,8 @@ def test_an_option_of_another_method_is_named_and_not_kept(tmp_path, capsys):
     (["--algorithm", "sketch", "--method-opt", "server_lr=0"], "server_lr must be > 0"),
     (["--algorithm", "fedzo", "--method-opt", "wire_dtype=int8"], "wire_dtype must be one of float32, float16"),
     (["--algorithm", "fedavg", "--method-opt", "beta1=0.5"], "fedavg has no such option"),
+    # server momentum is a stage of the seed-and-scalar fold: a full-model run took it and ignored it
+    (["--algorithm", "fedadam", "--momentum", "0.9"], "momentum is for hiso, decomfl and greedy, not fedadam"),
 ])
 def test_the_class_checks_its_own_options_in_one_line(tmp_path, capsys, args, needle):
     code, _, err = run_cli(["run", "--out", str(tmp_path / "x"), *TINY, *args], capsys)

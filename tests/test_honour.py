@@ -32,7 +32,7 @@ RECIPES = {
 # a capability -> the other runs that need it (local DP noises every scalar a client sends)
 MORE = {"dp": [{**RECIPES["dp"], "dp_mode": "local"}]}
 BASE = {"task": "quadratic", "dim": 20, "clients": 6, "sampled": 3, "rounds": 4}
-SCALAR = [n for n in R.method_names() if R.method_info(n).core_log]
+SCALAR = [n for n in R.method_names() if R.method_info(n).family == "scalar"]
 
 
 def _recipes(cap):

@@ -97,9 +97,9 @@ def test_every_builtin_method_is_registered_with_what_it_declares():
     for name in method_names():
         info = method_info(name)
         assert info.name == name and info.display
-    assert [n for n in method_names() if method_info(n).core_log] == ["hiso", "decomfl", "feedsign", "ferret",
+    assert [n for n in method_names() if method_info(n).family == "scalar"] == ["hiso", "decomfl", "feedsign", "ferret",
                                                                           "sketch", "fedkrso", "greedy", "conmezo"]
-    assert [n for n in method_names() if not method_info(n).rebuildable] == ["fedzo", "fedavg", "fedadam", "fedyogi",
+    assert [n for n in method_names() if method_info(n).family == "full-model"] == ["fedzo", "fedavg", "fedadam", "fedyogi",
                                                                          "fedadagrad"]
 
 
@@ -145,7 +145,7 @@ def test_a_users_method_is_loaded_from_module_colon_class(tmp_path):
                  "@dataclass(frozen=True)\nclass Sign(Method):\n    display = 'ZO-sign'\n"
                  "    def step_scalars(self, g):\n        return np.sign(g).astype(np.float32)\n")
     cfg = RunConfig(algorithm=f"{f}:Sign", rounds=2)
-    assert cfg.method.core_log and cfg.method.display == "ZO-sign" and type(cfg.zo().method).__name__ == "Sign"
+    assert cfg.method.family == "scalar" and cfg.method.display == "ZO-sign" and type(cfg.zo().method).__name__ == "Sign"
     # a refusal names the capability the method does not declare, and how to declare it
     with pytest.raises(ConfigError, match="differential privacy needs the capability 'dp', which ZO-sign does not "
                        "declare: if it supports it, add 'dp' to its class's `can`"):

@@ -37,9 +37,32 @@ def test_no_code_probes_a_runner_for_an_attribute():
     assert probes == []
 
 
+# every hasattr outside the registry probes an object hiso does not define (argparse's namespace,
+# transformers' models, os, Flower's records, torch's tensor subclasses) or checks a user's codec
+# against the contract; none asks a method, task or runner what it is
+THIRD_PARTY_PROBES = {
+    "cli_commands.py": ["args"], "tasks/lm_head.py": ["model"], "tasks/lm.py": ["m", "model.config", "t"],
+    "tasks/lm_stream.py": ["os"], "flower/records.py": ["rec", "rec"], "runners/client_cost.py": ["t"],
+    "core/uplink.py": ["codec"],
+}
+
+
+def test_every_hasattr_outside_the_registry_probes_what_hiso_does_not_define():
+    src = Path(hiso.__file__).parent
+    found: dict[str, list[str]] = {}
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        if rel == "methods/registry.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr":
+                found.setdefault(rel, []).append(ast.unparse(node.args[0]))
+    assert {k: sorted(v) for k, v in found.items()} == THIRD_PARTY_PROBES
+
+
 # what a method's family decides is asked of its driver (hiso.runners.drivers) by what it needs, or,
 # below the drivers, of its registry entry by what it needs: never by the family's old names
-FAMILY_QUESTIONS_LEFT = 0  # 42 before the drivers, 31 after
+FAMILY_QUESTIONS_LEFT = 0  # 42 before the drivers, 31 after, then 7 under other names
 
 
 def _attribute_reads(names, skip=("methods/registry.py",)) -> list[str]:
@@ -51,7 +74,7 @@ def _attribute_reads(names, skip=("methods/registry.py",)) -> list[str]:
 
 
 def test_the_family_is_not_asked_by_name_outside_the_registry():
-    asked = _attribute_reads(("scalar_only", "pool_log", "has_log"))
+    asked = _attribute_reads(("scalar_only", "pool_log", "has_log", "core_log", "plays_pool", "rebuildable"))
     assert len(asked) == FAMILY_QUESTIONS_LEFT, asked
 
 
@@ -65,15 +88,11 @@ def _family_properties() -> set[str]:
             and any(isinstance(n, ast.Attribute) and n.attr == "family" for n in ast.walk(f))}
 
 
-# the modules that cannot ask a driver (config is below the runners; the drivers read runfiles)
-ASK_THE_ENTRY = {"config_methods.py", "runners/runfiles.py"}
-
-
-def test_only_modules_below_the_drivers_ask_the_registry_entry_what_the_family_decides():
-    props = _family_properties()
-    assert props >= {"core_log", "plays_pool", "rebuildable"}, props
-    where = {read.split(":")[0] for read in _attribute_reads(props)}
-    assert where <= ASK_THE_ENTRY, sorted(where - ASK_THE_ENTRY)
+def test_the_registry_entry_answers_nothing_off_the_family():
+    """What a method's family decides is its driver's answer (hiso.runners.drivers), asked by need;
+    below the drivers (config, the run files) nothing needs it: the rules are the method's
+    capabilities and classes, and continuing a run (hiso.runners.continuing) asks the driver."""
+    assert _family_properties() == set()
 
 
 def test_each_drivers_answers_agree_with_its_methods_registry_entry():
@@ -83,8 +102,9 @@ def test_each_drivers_answers_agree_with_its_methods_registry_entry():
 
     for name in method_names():
         info, driver = method_info(name), driver_of(method_info(name))
-        assert driver.keeps_log == info.rebuildable and driver.pool_rounds == info.plays_pool, name
-        assert driver.replica_catches_up == driver.checkpointed == info.core_log, name
-        assert (driver.model_from == "log") == info.core_log, name
+        core_log = info.family == "scalar"
+        assert driver.keeps_log == (info.family != "full-model") and driver.pool_rounds == (info.family == "seed-pool")
+        assert driver.replica_catches_up == driver.checkpointed == core_log, name
+        assert (driver.model_from == "log") == core_log, name
         shape = driver.record_shape(RunConfig(task="quadratic", algorithm=name, rounds=2))
-        assert (shape is not None) == info.core_log, name
+        assert (shape is not None) == core_log, name

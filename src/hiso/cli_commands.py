@@ -51,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if (args.out is None) == (args.resume is None):
         return _fail("give --out DIR (a new run) or --resume DIR (an interrupted one)")
     if args.resume is not None:
-        from .runners.runfiles import continuation
+        from .runners.continuing import continuation
         if args.force:
             return _fail("--resume continues a run and --force overwrites it: choose one")
         out = Path(args.resume)

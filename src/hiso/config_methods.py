@@ -20,8 +20,7 @@ class MethodRules:
     @property
     def sends_signs(self) -> bool:
         """Whether the method's clients upload one sign bit per scalar (FeedSign's wire)."""
-        uplink = getattr(self.method.build(self), "uplink", None) if self.method.core_log else None
-        return getattr(uplink, "name", None) == "signs"
+        return getattr(getattr(self.method.build(self), "uplink", None), "name", None) == "signs"
 
     def _method_opts_checks(self) -> None:
         """Type a method's options by its Method class's fields (a user's method, or a built-in one:
@@ -65,8 +64,7 @@ class MethodRules:
         (:mod:`hiso.methods.registry`): each option that needs a capability it lacks is refused."""
         from .config_parse import parse_attacks
         from .methods.registry import in_words, with_capability
-        info = self.method
-        can = info.can
+        can = self.method.can
         attacks = parse_attacks(self.attack)
         if self.sends_signs and self.byzantine and (bad := [a for a in attacks if a in ("scale", "nan")]):
             raise ValueError(f"{self.algorithm}'s clients send signs: attack {' and '.join(bad)} cannot be sent as one "
@@ -109,7 +107,7 @@ class MethodRules:
                               f"not {self.algorithm}")
         if self.step_norm is not None and self.local_steps > 1:
             raise ValueError("step_norm needs local_steps 1 (a local step cannot know its round's spread yet)")
-        if self.momentum is not None and "momentum" not in can and info.core_log:
+        if self.momentum is not None and "momentum" not in can:
             raise self._lacks("momentum", "momentum", f"momentum is for {in_words(with_capability('momentum'))}, "
                               f"not {self.algorithm}")
         if self.scalar_dtype == "int8" and "int8" not in can:
@@ -126,15 +124,9 @@ class MethodRules:
                               f"per round: not for {self.algorithm}")
         if "one-seed" in can:
             self._one_seed_defaults()
-        if info.plays_pool:
-            if faults or self.byzantine or self.aggregate != "mean" or self.weighted or self.lr_decay:
-                raise ValueError(f"{self.algorithm} runs with the plain mean only (no faults, attackers, robust or "
-                                 "weighted aggregation, lr decay)")
         if self.directions in ("sparse", "lowrank") and "structured" not in can:
-            what = "draws its pool's directions from a dense family" if info.plays_pool else \
-                "projects on a dense direction family"
-            raise self._lacks("structured", f"directions {self.directions}", f"{self.algorithm} {what}, not "
-                              f"{self.directions}")
+            raise self._lacks("structured", f"directions {self.directions}", f"{self.algorithm} draws its directions "
+                              f"from a dense family, not {self.directions}")
         if self.weighted and "weighted" not in can:
             raise self._lacks("weighted", "weighted", f"{self.algorithm} runs with the plain mean only (no weighted "
                               "aggregation)")
@@ -142,8 +134,6 @@ class MethodRules:
     def _honour_checks(self) -> None:
         """Refuse an option whose capability the method declares but whose construction drops
         (:mod:`hiso.methods.honour`): the run would compute as without it while its files say otherwise."""
-        if not self.method.core_log:
-            return
         from .methods.honour import unhonoured
         if (bad := unhonoured(self, self.zo())) is not None:
             cap, option, what = bad

@@ -131,7 +131,8 @@ def _config_state(spec: RunSpec, fix: str = "use --force to rerun, or another --
     configuration is an error (:class:`ConfigError`) whose message ends with ``fix`` (``{option}``
     in it: the option that differs)."""
     from ..runners.drivers import driver_of
-    from ..runners.runfiles import ended_early, extend_refusal, resume_point
+    from ..runners.continuing import extend_refusal
+    from ..runners.runfiles import ended_early, resume_point
 
     try:
         old = json.loads((spec.dir / "config.json").read_text())

@@ -81,12 +81,7 @@ class FullModel(Method):
     flags_at: ClassVar[str] = "threads"  # where they sit among the run's options (--help, docs/cli.md)
 
     def __post_init__(self) -> None:
-        check_server_lr(getattr(self, "server_lr", None))
-        for name in ("beta1", "beta2"):
-            if hasattr(self, name):
-                _number(name, getattr(self, name), 0, 1)
-        if hasattr(self, "server_tau"):
-            _number("server_tau", self.server_tau, 0, None)
+        check_server_lr(self.server_lr)
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
 
@@ -132,6 +127,12 @@ class FedAdam(FullModel):
     default_server_lr: ClassVar[float] = 0.01
     server_opt: ClassVar[str] = "adam"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _number("beta1", self.beta1, 0, 1)
+        _number("beta2", self.beta2, 0, 1)
+        _number("server_tau", self.server_tau, 0, None)
+
 
 @dataclass(frozen=True)
 class FedYogi(FedAdam):
@@ -152,6 +153,10 @@ class FedAdagrad(FullModel):
     display: ClassVar[str] = "FedAdagrad"
     default_server_lr: ClassVar[float] = 0.01
     server_opt: ClassVar[str] = "adagrad"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _number("server_tau", self.server_tau, 0, None)
 
 
 def method_of(cfg) -> FullModel:

@@ -85,24 +85,6 @@ class MethodInfo:
             raise ValueError(f"method {self.name}: unknown option groups {sorted(bad)} (see {__name__}.METHOD_OPTIONS)")
 
     @property
-    def core_log(self) -> bool:
-        """Whether its log is the core's (``history.bin``: seeds and scalars every replica folds
-        through the core's stages, its clients' answers in the core's uplink codec)."""
-        return self.family == "scalar"
-
-    @property
-    def plays_pool(self) -> bool:
-        """Whether a seed pool plays its rounds (FedKSeed's ``PoolRounds``: the plain mean of
-        (pool index, scalar) pairs, its own log, folded then materialised once)."""
-        return self.family == "seed-pool"
-
-    @property
-    def rebuildable(self) -> bool:
-        """Whether a run keeps a log its model is rebuilt and resumed from (all but the full-model
-        baselines, whose model.pt is all there is)."""
-        return self.family != "full-model"
-
-    @property
     def option_class(self) -> type | None:
         """The Method class whose dataclass fields are this method's ``method_opts`` (None: none)."""
         return self.cls

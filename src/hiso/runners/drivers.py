@@ -45,6 +45,11 @@ class Driver:
         """The context manager writing the run's log (None: it keeps none)."""
         return None
 
+    def logged_rounds(self, out: Path) -> int | None:
+        """The rounds the log in ``out`` holds, where a finished run whose log was cut after it
+        ended continues from its log (None: no such log)."""
+        return None
+
     def finite_state(self, sim, task, cfg, out: Path, rounds: int) -> dict | None:
         """After a diverged run: the state to save in place of ``sim``'s if that one is not finite
         (None: keep it; the full-model runner never writes a non-finite step)."""
@@ -89,6 +94,10 @@ class ScalarDriver(Driver):
         from ..core.history import HistoryWriter
         return HistoryWriter(out / "history.bin", *self.record_shape(cfg), keep=len(records) if resume else None,
                              seed=cfg.seed, scalar_dtype=cfg.scalar_dtype, directions=cfg.direction_spec)
+
+    def logged_rounds(self, out: Path) -> int | None:
+        from ..core.history import parse_history
+        return len(parse_history(out / "history.bin").records) if (out / "history.bin").is_file() else None
 
 
 class PoolDriver(Driver):

@@ -137,7 +137,7 @@ def _scalar(info, cfg, dep: Deployment) -> dict:
         fwd, bwd, dirs = per * steps, per * steps, P
         drawn, shifts = st["records"] * P / M + per * P, 0.0
         client = 4 * d * 4  # model, x_r's copy, gradient, the update
-        note = (f"B={tau} blocks x K={P} projections, {f'{up.bits}-bit codes' if hasattr(up, 'bits') else 'float32'}"
+        note = (f"B={tau} blocks x K={P} projections, {f'{up.bits}-bit codes' if up.name == 'codes' else 'float32'}"
                 f" up; drawn dirs include the K a client projects its update on each answer")
     else:
         fwd, bwd, dirs = per * zo_forwards(tau, P, zo.difference), 0.0, tau * P

@@ -56,9 +56,10 @@ from .rebuild import logged_rounds, rebuild, start_replica  # noqa: F401 (one im
 from ..methods.identity import source_of
 from .runfiles import config_text, method_source
 from .portable import portable_name
+from .continuing import extend_refusal, same_run  # noqa: F401 (one import path for a run directory)
 from .runfiles import (check_run_task, checkpoint, clear_run, cut_rejections, dp_secret,  # noqa: F401
-                       extend_refusal, made_before, not_a_dir, overwrites_run, read_run_history, resume_point,
-                       same_run, saved_config, write_atomic)
+                       made_before, not_a_dir, overwrites_run, read_run_history, resume_point,
+                       saved_config, write_atomic)
 from ..atomic import save_atomic
 from .checkpoint import FILE as CHECKPOINT
 from .checkpoint import Checkpoints, CheckpointUnusable, final_marker, keep_final, load_start

@@ -1,7 +1,7 @@
 """The files of a run directory, and how they are read back: ``config.json`` (what ran),
 ``model.pt``'s checkpoint, the resume point of an interrupted run (the rounds both
-``metrics.jsonl`` and ``history.bin`` hold) and what continuing a run may change (a later
-horizon only), the DP noise key (``dp_secret.json``), and the
+``metrics.jsonl`` and ``history.bin`` hold; what continuing may change: :mod:`hiso.runners.continuing`),
+the DP noise key (``dp_secret.json``), and the
 atomic replacement every rewrite uses. What each file holds: :mod:`hiso.runners.rundir`.
 """
 
@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from pydantic import ValidationError
 
 from ..compat import SCHEMA, migrate
-from ..config import RUNTIME_ONLY, ConfigError, RunConfig, load_config
+from ..config import ConfigError, RunConfig
 from ..core.history import parse_history
-from .portable import WHERE_FIELDS, base_name, comparable, resolve, store
+from .portable import base_name, resolve, store
 from ..atomic import torch_tmp, write_atomic  # noqa: F401 (write_atomic re-exported: the run files' writer)
 
 
@@ -134,7 +133,7 @@ def check_run_task(task, info: dict, run_dir: str | Path, given: bool = False, r
     :class:`TaskMismatchWarning` naming the difference, as its metrics and x_0 may not be the run's;
     ``resume``: refused instead, as continuing the run on it would mix two tasks in one run."""
     if "base_fingerprint" in info:
-        found = task.base_fingerprint() if hasattr(task, "base_fingerprint") else None
+        found = task.base_fingerprint()
         if found != info["base_fingerprint"]:
             raise ValueError(f"base model {info.get('model')!r} here has weights {str(found)[:12]}..., the run "
                              f"{run_dir} started from {info['base_fingerprint'][:12]}...: not the run's base model")
@@ -183,96 +182,9 @@ def made_before(run_dir: str | Path) -> dict:
         return {}
 
 
-def same_run(cfg: RunConfig, run_dir: str | Path) -> tuple[str, str]:
-    """What ``run_dir`` holds for ``hiso run --out DIR --resume``, and why: ``"same"`` (a run of
-    ``cfg``, to continue), ``"empty"`` (absent, empty or no ``config.json`` yet: a run killed
-    before it wrote one; start it) or ``"other"`` (another run; the reason names a difference)."""
-    if not (Path(run_dir) / "config.json").exists():
-        return "empty", ""
-    saved, _ = saved_config(run_dir)
-    a, b = comparable(saved.model_dump()), comparable(cfg.model_dump())  # (paths as absolute ones)
-    older = made_before(run_dir)  # options the run predates: it resumes with their old values
-    diff = [k for k in b if a.get(k) != b.get(k) and k not in older and k not in RUNTIME_ONLY]
-    if not diff or (diff == ["rounds"] and cfg.rounds > saved.rounds and extend_refusal(cfg, saved.rounds) is None):
-        return "same", ""  # (or the same run asked to more rounds: continued to them)
-    return "other", f"{diff[0]} = {a.get(diff[0])!r} there, {b.get(diff[0])!r} here"
-
-
-def extend_refusal(cfg: RunConfig, rounds: int | None = None) -> str | None:
-    """Why a run of ``cfg`` cannot be continued from its log (None: it can), and with ``rounds``
-    (the horizon it was started with) why it cannot be continued from there to ``cfg.rounds``.
-    Extending is resuming with a later horizon: the rounds done are kept and the run goes on
-    exactly as a run started with the larger ``rounds`` would have."""
-    if not cfg.method.rebuildable:
-        return f"{cfg.algorithm} runs keep no log to rebuild their state from"
-    if rounds is not None and rounds != cfg.rounds and cfg.dp_epsilon is not None:
-        return (f"its DP noise was solved for epsilon {cfg.dp_epsilon:g} over {rounds} rounds: more rounds "
-                "would spend more than that budget (give --dp-noise-multiplier to fix the noise instead)")
-    return None
-
-
 def ended_early(summary: dict) -> bool:
     """Whether a finished run stopped before its horizon for good: diverged, or out of privacy budget."""
     return bool(summary.get("diverged") or (summary.get("privacy") or {}).get("stopped"))
-
-
-@dataclass
-class Continuation:
-    """What ``hiso run --resume DIR`` does with DIR: continue it with ``cfg`` (``note`` says so
-    when it extends a finished run), or nothing (``finished`` says why; ``diverged``: exit 1)."""
-    cfg: RunConfig
-    finished: str | None = None
-    diverged: bool = False
-    note: str | None = None
-
-
-def _by_option(values: dict) -> dict:
-    """A configuration's values with its method's options also by their own names (``nu``), as
-    the flags that set them are named."""
-    return {**(values.get("method_opts") or {}), **values}
-
-
-def continuation(out: Path, given: dict) -> Continuation:
-    """How to continue the run in ``out`` with the options ``given`` (command line and config file):
-    options must agree with its ``config.json``, except a larger ``rounds``, which continues the run
-    (finished or not) to that horizon. Raises ``ValueError`` (one line) for what cannot be done."""
-    from ..config_parse import merge_options
-    cfg, _ = saved_config(out)
-    saved = cfg.model_dump()
-    asked = load_config(None, **merge_options(saved, given))  # a method's flag (nu) over its method_opts
-    wanted = asked.model_dump()
-    same = _by_option(comparable(wanted)), _by_option(comparable(saved))  # paths as absolute ones
-    changed = [k for k in given if same[0].get(k) != same[1].get(k) and k not in RUNTIME_ONLY + WHERE_FIELDS]
-    # as asked now: how it runs, and where its data or base model are (the task is checked on resume)
-    cfg = cfg.model_copy(update={k: getattr(asked, k) for k in RUNTIME_ONLY + WHERE_FIELDS if k in given or
-                                 k in RUNTIME_ONLY})
-    longer = changed == ["rounds"] and asked.rounds > cfg.rounds
-    if longer:  # the same run continued to a later horizon, if its log allows it
-        why = extend_refusal(asked, cfg.rounds)
-        if why is not None:
-            raise ValueError(f"{out} cannot be continued to {asked.rounds} rounds: {why}")
-    elif changed:
-        k = next((k for k in changed if k != "rounds"), changed[0])  # (rounds alone could be fine)
-        raise ValueError(f"--resume continues {out} as configured in its config.json: {k} = "
-                         f"{_by_option(wanted).get(k)!r} would change its {_by_option(saved).get(k)!r} (start a "
-                         f"new run with --out instead; only a larger "
-                         f"--rounds continues it further)")
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else None
-    if summary is None or not (ended_early(summary) or summary["rounds_done"] >= cfg.rounds):
-        return Continuation(asked if longer else cfg)  # cut short (or killed while being extended)
-    if cfg.method.core_log and (out / "history.bin").is_file() and not ended_early(summary):
-        from ..core.history import parse_history
-        logged = len(parse_history(out / "history.bin").records)
-        if (why := short_log(out, logged)) is not None:  # finished, then its log cut: continue from the log
-            return Continuation(asked if longer else cfg, note=f"{why}: continuing from round {logged}")
-    done = summary["rounds_done"]
-    if longer and done >= cfg.rounds:  # finished at its horizon: on to the new one
-        return Continuation(asked, note=f"{out}: continuing its {done} rounds to {asked.rounds}")
-    why = (f"diverged in round {summary['diverged']['round']}" if summary["diverged"]
-           else "stopped at its privacy budget" if done < cfg.rounds else f"{done} rounds")
-    return Continuation(cfg, diverged=bool(summary["diverged"]),
-                        finished=f"{out} is a finished run ({why}): nothing to "
-                                 + (f"continue to {asked.rounds} rounds" if longer else "resume"))
 
 
 def dp_secret(out: Path, cfg: RunConfig, resume: bool) -> RunConfig:

@@ -71,3 +71,9 @@ class Task(ABC):
     def describe(self) -> dict[str, Any]:
         """Facts about the task worth recording in ``config.json`` / ``summary.json``."""
         return {}
+
+    def base_fingerprint(self) -> str | None:
+        """The fingerprint of the pretrained weights its model starts from (None: none); a run
+        records it (``describe()['base_fingerprint']``), and a rebuild, export or resume on other
+        weights is refused."""
+        return None
