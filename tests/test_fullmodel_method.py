@@ -173,3 +173,16 @@ def test_plan_and_the_documented_comparison_take_the_full_model_options():
     server_lr = {a.name: cmp_plan.config(a, a.lrs[0], 0).method_opts.get("server_lr", "-") for a in cmp_plan.arms}
     assert server_lr == {"hiso": "-", "decomfl": "-", "fedzo": None, "fedavg": None, "fedadam": 0.01,
                          "fedyogi": 0.01, "fedadagrad": 0.03}
+
+
+def test_a_full_model_run_that_recorded_a_momentum_reads_without_it(tmp_path, capsys):
+    """Before the full-model baselines refused --momentum they recorded it and ran without it:
+    such a run directory reads (rebuild, eval, export) as the run it was, momentum none."""
+    from hiso.runners.runfiles import saved_config
+    out = tmp_path / "r"
+    code, _, err = run_cli(["run", "--out", str(out), *TINY, "--algorithm", "fedavg"], capsys)
+    assert code == 0, err
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "momentum": 0.9}))
+    cfg, _ = saved_config(out)
+    assert cfg.momentum is None and cfg.algorithm == "fedavg"

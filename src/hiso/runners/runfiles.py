@@ -70,6 +70,8 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     except ValueError as e:
         raise ConfigError(f"{path}: {e}") from None
     raw = resolve(raw, run_dir)  # its inputs where they are here (or where the user says)
+    if raw.get("momentum") is not None and "momentum" not in _method_can(raw.get("algorithm")):
+        raw["momentum"] = None  # what the full-model baselines took and ran without, before they refused it
     info = raw.pop("task_info", None) or {}
     source = raw.pop("method_source", None)
     try:
@@ -84,6 +86,16 @@ def saved_config(run_dir: str | Path) -> tuple[RunConfig, dict]:
     except MethodChanged as e:
         raise ConfigError(str(e)) from None
     return cfg, info
+
+
+def _method_can(algorithm) -> frozenset:
+    """The capabilities of the method named ``algorithm`` (none for a name that is not one: the
+    configuration's own check says why)."""
+    from ..methods.registry import method_info
+    try:
+        return method_info(algorithm).can
+    except (ValueError, TypeError, ImportError):
+        return frozenset()
 
 
 def config_text(cfg: RunConfig, info: dict, out: str | Path, round: int | None = None) -> str:
