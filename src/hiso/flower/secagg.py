@@ -57,7 +57,7 @@ from ..core.messages import MessageError, Uplink, encode_uplink
 from ..core.round import PlainTransport, RoundsExhausted, play_round
 from ..methods.secagg import SecAggConfig, mean_loss, sum_from_mean
 from ..runners.common import CommTally
-from ..runners.protocol import ScalarRounds
+from ..core.server_rounds import ScalarRounds
 from .records import log
 from .secagg_client import BEHIND
 from .transport import reach_sampled

@@ -23,7 +23,8 @@ from ..runners.accounting import privacy_ledger
 from ..atomic import write_atomic
 from ..runners.common import Comm, CommTally, metric_rows
 from ..runners.drivers import driver_of
-from ..runners.protocol import ScalarRounds, protocol_server
+from ..core.server_rounds import ScalarRounds
+from ..runners.protocol import protocol_server
 from ..runners.runner import Runner
 from ..tasks.base import Task
 

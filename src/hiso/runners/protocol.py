@@ -1,19 +1,18 @@
 """The core Server a runner drives for a run, and a schedule's bytes per client without a model
-(the scalar protocol's, :func:`protocol_traffic`; FedKSeed's, :func:`pool_traffic`)."""
+(the scalar protocol's, :func:`protocol_traffic`, played by :class:`~hiso.core.server_rounds.ScalarRounds`;
+FedKSeed's, :func:`pool_traffic`)."""
 
 from __future__ import annotations
-
-from typing import Callable
 
 import numpy as np
 
 from ..core.config import ZOConfig
 
-from ..core.history import RoundRecord
-from ..core.messages import (Hello, MessageError, Uplink, decode_uplink, encode_downlink, encode_hello, encode_uplink,
-                             encode_welcome, varint_size, welcome_for)
+from ..core.messages import (Hello, Uplink, encode_downlink, encode_hello, encode_uplink, encode_welcome, varint_size,
+                             welcome_for)
 from ..core.round import PlainTransport, play_round
 from ..core.server import Server, client_sampler, sample_clients
+from ..core.server_rounds import ScalarRounds
 from ..core.state import ModelState
 from ..methods.privacy import noise_key
 from ..methods.secagg import SecAggConfig
@@ -34,62 +33,6 @@ def protocol_server(task: Task, zo: ZOConfig, clients_per_round: int, seed: int,
     return Server(task.num_clients, clients_per_round, zo.local_steps, zo.perturbations, seed=seed, weights=weights,
                   scalar_dtype=zo.scalar_dtype, replica=replica, snapshot_after=snapshot_after, bandwidth=bandwidth,
                   rule=rule, trim=trim, dp=zo.dp, noise_seed=noise_key(noise_seed), method=zo.method, secagg=secagg)
-
-
-class ScalarRounds:
-    """The core :class:`~hiso.core.server.Server` as :func:`hiso.core.round.play_round` drives
-    it: downlinks and uplinks encoded with the run's wire; a closed round logged and folded into
-    ``replica`` (the server's x_r), then ``on_commit(record)`` (the log file, the DP ledger)."""
-
-    def __init__(self, server: Server, replica=None, on_commit: Callable[[RoundRecord], None] | None = None,
-                 loss_slot: float | None = 0.0):
-        self.server, self.replica, self.on_commit = server, replica, on_commit
-        self.loss_slot = loss_slot  # a logged answer's loss, for its size only (None: answers carry none)
-
-    @property
-    def wire(self):
-        return self.server.wire
-
-    def plan(self):
-        return self.server.plan()
-
-    def downlink(self, client: int) -> bytes:
-        return encode_downlink(self.server.downlink(client), self.server.wire)
-
-    def decode(self, client: int | None, reply: bytes, plan) -> Uplink:
-        up = decode_uplink(reply, self.server.wire)
-        if client is not None and up.client != client:
-            raise MessageError(f"the node of partition {client} answered for client {up.client}")
-        return up
-
-    def close(self, answers: list, partial: bool) -> RoundRecord | None:
-        return self.server.aggregate(answers, partial=partial)
-
-    def rejections(self) -> list[tuple[str, str]]:
-        return list(zip(self.server.rejected_reasons, self.server.rejected))
-
-    def commit(self, record: RoundRecord) -> None:
-        if self.replica is not None:
-            self.replica.apply(record)
-        if self.on_commit is not None:
-            self.on_commit(record)
-
-    # resume (hiso.core.round.replay_log): the log's rounds planned, sized and folded again
-    def plan_logged(self, record: RoundRecord, on_plan=None):
-        return self.server.plan_logged(record, on_plan=on_plan)
-
-    def logged_answer(self, client: int, record: RoundRecord) -> bytes:
-        # its size only (FeedSign: the logged vote may be 0, which no client sends)
-        return encode_uplink(Uplink(client, record.round, record.scalars, self.loss_slot, record.attempt),
-                             self.server.wire, check=False)
-
-    def close_logged(self, record: RoundRecord, fold: bool) -> None:
-        self.server.close_logged(record)
-        if fold and self.replica is not None:
-            self.replica.apply(record)
-
-    def replayed(self) -> None:
-        pass
 
 
 class BlobReplica:

@@ -47,7 +47,8 @@ from .client_cost import ClientCost, Timer, replica_bytes
 from .common import Comm, CommTally, metric_rows, start_round
 from .faults import Attackers, ChecksumError, Faults, seal, unseal
 from .inprocess import InProcess
-from .protocol import ScalarRounds, protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
+from ..core.server_rounds import ScalarRounds
+from .protocol import protocol_server, protocol_traffic  # noqa: F401  (still imported from here)
 from .runner import Runner
 
 if TYPE_CHECKING:
