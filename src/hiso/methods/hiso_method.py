@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 
 from ..core.chain import Precondition
 from ..core.method import Method
-from ..core.preconditioner import GRANULARITIES, STATS, PreconditionerConfig
+from ..core.preconditioner import GRANULARITIES, STATS, PreconditionerConfig, scalar_power, update_block_
 
 # every capability of the seed-and-scalar protocol, and H
 CAN = frozenset({"dp", "secagg", "faults", "robust", "weighted", "int8", "lowbit", "lr_decay", "momentum",
@@ -92,6 +92,13 @@ class HiSo(Method):
     def stages(self, chain: list) -> list:
         """H (its stage ``h``), then the run's step-size and step stages."""
         return [Precondition(self.precond), *chain]
+
+
+def floor_step_(level, step_scalars, inv_mean: float, precond: PreconditionerConfig, t: int) -> None:
+    """One EMA step of H's noise-floor level (``hiso diagnose``): ``level`` (a one-element tensor)
+    fed, as H's own average is, with S / P times the coordinate mean of 1 / H, S the local
+    step's mean squared scalar (``step_scalars``: its P scalars)."""
+    update_block_(level, scalar_power(step_scalars) / len(step_scalars) * inv_mean, precond, t)
 
 
 def hiso(lr: float, precond: PreconditionerConfig | None = None, **kw):

@@ -12,10 +12,10 @@ replay stops at ``points`` evenly spaced rounds and records:
 * the noise-floor level: what H would be if it held no per-coordinate information at all. With
   d >> P, E[ghat_i^2] = S / (P H_i) + (1 - 1/P) (H_i^{-1} grad_i f)^2 where S = (1/P) sum_p g_p^2
   is the round's mean squared scalar, and the first term dominates (see
-  :mod:`hiso.core.preconditioner`). The level is H's own moving average (same nu, weights and
-  clipping) fed with the coordinate mean of that first term, from the logged scalars alone; a
-  median H that sits on it says H is one global step size set by the scalars' power, not a
-  per-coordinate curvature.
+  :mod:`hiso.core.preconditioner`). The level (:func:`hiso.methods.hiso_method.floor_step_`) is
+  H's own moving average (same nu, weights and clipping) fed with the coordinate mean of that
+  first term, from the logged scalars alone; a median H that sits on it says H is one global
+  step size set by the scalars' power, not a per-coordinate curvature.
 
 For small models (``d <= max_params``, data at hand) H at the last round is set against the
 curvature measured with autograd at the final model, on training batches the run never drew
@@ -110,7 +110,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
     """The numbers of ``hiso diagnose`` for the run in ``run_dir`` (see the module docstring)."""
     from tqdm import tqdm
 
-    from ..core.preconditioner import scalar_power, update_block_
+    from ..methods.hiso_method import floor_step_
     from ..runners.rebuild import start_replica
     from ..runners.runfiles import saved_config
 
@@ -153,7 +153,7 @@ def diagnose(run_dir: str | Path, points: int = 20, curvature: str = "auto", max
         inv_mean = float(sum(torch.reciprocal(h.double()).sum() for h in state.h)) / sum(h.numel() for h in state.h)
         for k in range(tau):
             if pcfg.updates_at(k, tau):
-                update_block_(level, scalar_power(rec.scalars[k]) / rec.scalars.shape[1] * inv_mean, pcfg, updates)
+                floor_step_(level, rec.scalars[k], inv_mean, pcfg, updates)
                 updates += 1
         state.apply(rec)
         bar.update(1)
