@@ -341,6 +341,9 @@ def test_a_single_run_that_ends_below_its_best_says_which_round_to_export(tmp_pa
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows([20.0, 2.0, 15.0], metric="gap")))
     _ending_note(RunConfig(task="quadratic", algorithm="hiso"), tmp_path)  # the line `hiso run` ends with
     assert f"hiso export {tmp_path} --round 10 --out DIR" in capsys.readouterr().out
+    for algorithm, rebuilt in (("fedkseed", True), ("fedavg", False)):  # FedKSeed's pool log rebuilds a round too
+        _ending_note(RunConfig(task="quadratic", algorithm=algorithm), tmp_path)
+        assert ("hiso export" in capsys.readouterr().out) == rebuilt, algorithm
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _rows([20.0, 2.0, 2.5], metric="gap")))
     _ending_note(RunConfig(task="quadratic", algorithm="hiso"), tmp_path)
     assert capsys.readouterr().out == ""

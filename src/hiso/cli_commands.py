@@ -203,7 +203,7 @@ def _ending_note(cfg: RunConfig, out: Path) -> None:
 
     metric = next(iter(task_info(cfg.task).metrics))
     note = run_ending_note(read_rows(out), metric, higher_is_better(metric, cfg.task),
-                            out if driver_of(cfg.method).model_from == "log" else None)
+                            out if driver_of(cfg.method).keeps_log else None)
     if note:
         print(note)
 
