@@ -213,10 +213,9 @@ class RunConfig(TaskRules, BaseModel, MethodRules):
         from .tasks.registry import absolute_task_name, task_info
         if (name := absolute_task_name(self.algorithm)) != self.algorithm:  # a user's method, from anywhere later
             self.algorithm = name
-        info = self.method  # an unknown method, or a user's that cannot be imported: one line
+        self.method  # (asked first) an unknown method, or a user's that cannot be imported: one line
         self._method_opts_checks()
         self._base_dtype_checks()
-        can = info.can
         if (name := absolute_task_name(self.task)) != self.task:  # path/to/file.py:Class, read from anywhere later
             self.task = name
         task = task_info(self.task)  # an unknown task, or a user's task that cannot be imported: one line
