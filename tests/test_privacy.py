@@ -181,7 +181,7 @@ def test_under_dp_no_uplink_carries_the_clients_loss(monkeypatch, mode, sim_mode
     under DP in either mode it has no loss field (the bytes are those of the same answer encoded
     without a loss: no loss flag, no loss value), so nothing unnoised of a client's data leaves
     it; the round reports no mean loss. Without DP (None) the loss is there, as before."""
-    import hiso.runners.protocol as protocol  # where the round decodes every uplink
+    import hiso.core.server_rounds as protocol  # where the round decodes every uplink
     from hiso.core.messages import Uplink, decode_uplink, encode_uplink
     sent = []
 

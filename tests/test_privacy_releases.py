@@ -18,7 +18,7 @@ RUN = dict(task="quadratic", dim=20, clients=8, sampled=4, rounds=12, eval_every
 
 def _decoded(monkeypatch):
     """Every (round, attempt, client) of an uplink the simulator's server decodes, and the run."""
-    import hiso.runners.protocol as sim  # where the round decodes every uplink
+    import hiso.core.server_rounds as sim  # where the round decodes every uplink
     seen, real = set(), sim.decode_uplink
 
     def spy(data, wire, **kw):
@@ -107,7 +107,7 @@ def test_flower_counts_an_answer_it_dropped_in_local_mode(tmp_path, monkeypatch,
     from hiso.core.messages import MessageError
     from hiso.flower.app import Settings, serve
     from hiso.flower.loopback import LoopbackGrid, server_task
-    import hiso.runners.protocol as sa  # where the round decodes every uplink
+    import hiso.core.server_rounds as sa  # where the round decodes every uplink
     real, refused = sa.decode_uplink, []
 
     def decode(data, wire, expect_round=None):
