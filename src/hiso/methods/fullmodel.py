@@ -16,7 +16,7 @@ it had then.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, Literal
 
 from ..core.method import Method
@@ -39,12 +39,12 @@ def _wire_dtype():
 
 def _beta(default: float, which: str):
     return field(default=default, metadata={"help": f"server {which}-moment decay (fedadam, fedyogi)",
-                                            "whose": "fedadam's and fedyogi's server moments"})
+                                            "whose": "fedadam's and fedyogi's server moments", "range": (0, 1)})
 
 
 def _tau():
     return field(default=1e-3, metadata={"help": "adaptivity (epsilon) of fedadam, fedyogi, fedadagrad",
-                                         "whose": "the adaptive server optimisers'"})
+                                         "whose": "the adaptive server optimisers'", "range": (0, None)})
 
 
 def check_server_lr(value) -> None:
@@ -84,6 +84,9 @@ class FullModel(Method):
         check_server_lr(self.server_lr)
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        for f in fields(self):  # a subclass's moments and adaptivity: their range in their field
+            if "range" in f.metadata:
+                _number(f.name, getattr(self, f.name), *f.metadata["range"])
 
     @property
     def resolved_server_lr(self) -> float:
@@ -127,12 +130,6 @@ class FedAdam(FullModel):
     default_server_lr: ClassVar[float] = 0.01
     server_opt: ClassVar[str] = "adam"
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _number("beta1", self.beta1, 0, 1)
-        _number("beta2", self.beta2, 0, 1)
-        _number("server_tau", self.server_tau, 0, None)
-
 
 @dataclass(frozen=True)
 class FedYogi(FedAdam):
@@ -153,10 +150,6 @@ class FedAdagrad(FullModel):
     display: ClassVar[str] = "FedAdagrad"
     default_server_lr: ClassVar[float] = 0.01
     server_opt: ClassVar[str] = "adagrad"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _number("server_tau", self.server_tau, 0, None)
 
 
 def method_of(cfg) -> FullModel:
